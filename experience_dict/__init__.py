@@ -1,0 +1,1 @@
+"""experience_dict package."""
