@@ -1,0 +1,163 @@
+"""Mergeable per-episode statistics for normalization (min, max, mean, std, q01, q99 per dimension).
+
+Every committed episode carries a small *sketch* per feature key (computed by the writer, which holds the
+episode in memory anyway), so the store's normalization statistics are recomputed incrementally: merging
+sketches never reads array data.
+
+Sketch of one episode and one key, all lists over the key's feature dimensions ``D`` (``D = 1`` for scalar
+keys such as ``reward``; ``D = C`` colour channels for images, pixel values 0..255):
+
+- ``n``: number of values per dimension (steps, or steps x pixels for images)
+- ``mean``, ``m2``: mean and sum of squared deviations, merged with Chan et al.'s parallel update
+  (Chan, Golub & LeVeque 1979, "Updating formulae and a pairwise algorithm for computing sample variances")
+- ``min``, ``max``
+- ``q``: the episode's quantiles at :data:`QGRID` (``len(QGRID) x D``; Hazen plotting positions, so the
+  piecewise-linear CDF through them is within ``1 / (2 n)`` in rank of the episode's empirical CDF), spaced
+  0.5-1 % in the tails and 5 % in the body
+
+Quantiles are merged by inverting the mixture of the episodes' piecewise-linear CDFs (each episode weighted
+by its count), the same idea as merging t-digest centroids (Dunning & Ertl 2019). The merged q01/q99 are
+approximate: rank error at most the local grid spacing plus ``1 / (2 n)`` (about 1 % for episodes of 150
+steps whose tails hold the quantile); min, max, mean and std are exact (up to float64 rounding).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+QGRID = np.concatenate([[0.0, 0.005, 0.01, 0.02, 0.03, 0.05], np.linspace(0.1, 0.9, 17),
+                        [0.95, 0.97, 0.98, 0.99, 0.995, 1.0]])
+STAT_NAMES = ("min", "max", "mean", "std", "q01", "q99")
+
+
+def _f32_list(x: np.ndarray) -> list[float]:
+    """Shortest decimal repr that round-trips float32 (keeps commit records small)."""
+    return [float(str(v)) for v in np.asarray(x, dtype=np.float32).ravel()]
+
+
+def episode_sketch(values: np.ndarray, is_image: bool = False) -> dict:
+    """Sketch of one episode's values of one key.
+
+    Args:
+        values: ``(T, *shape)`` array of one key for one episode (any numeric dtype). For images pass
+            ``(T, H, W, C)`` uint8 with ``is_image=True``: statistics are then per channel over all pixels.
+        is_image: treat the last axis as channels and pool every other axis (uint8 ``(T, H, W, C)``: every
+            2nd pixel row and column).
+
+    Returns:
+        JSON-able dict ``{"n", "mean", "m2", "min", "max", "q"}`` (see module docstring).
+
+    Raises:
+        ValueError: if ``values`` is empty or not numeric.
+    """
+    values = np.asarray(values)
+    if values.size == 0:
+        raise ValueError(f"cannot sketch an empty array (shape {values.shape})")
+    if not (np.issubdtype(values.dtype, np.number) or values.dtype == np.bool_):
+        raise ValueError(f"cannot sketch non-numeric dtype {values.dtype}")
+    if is_image and values.dtype == np.uint8:
+        # statistics of every 2nd pixel row and column (as LeRobot, images are downsampled for stats), exact
+        # for that subsample from a 256-bin histogram per channel (no sort, no strided reductions)
+        sub = values[:, ::2, ::2] if values.ndim == 4 else values
+        chans = np.ascontiguousarray(sub.reshape(-1, sub.shape[-1]).T)  # (C, T*H*W/4)
+        hist = np.stack([np.bincount(ch, minlength=256) for ch in chans], 1).astype(np.float64)  # (256, C)
+        n = chans.shape[1]
+        levels = np.arange(256, dtype=np.float64)[:, None]
+        mean = (hist * levels).sum(0) / n
+        m2 = (hist * (levels - mean) ** 2).sum(0)
+        nz = hist > 0
+        lo = nz.argmax(0).astype(np.float64)
+        hi = (255 - nz[::-1].argmax(0)).astype(np.float64)
+        cdf = np.cumsum(hist, 0) / n
+        q = np.stack([np.searchsorted(cdf[:, i], QGRID * (1 - 1e-12)) for i in range(hist.shape[1])], 1)
+        q = np.clip(q.astype(np.float64), lo, hi)
+        q[0], q[-1] = lo, hi
+        return {"n": int(n), "mean": mean.tolist(), "m2": m2.tolist(), "min": lo.tolist(), "max": hi.tolist(),
+                "q": q.tolist()}
+    if is_image:
+        flat = values.reshape(-1, values.shape[-1])
+    else:
+        flat = values.reshape(values.shape[0], -1)
+    flat64 = flat.astype(np.float64)
+    mean = flat64.mean(0)
+    m2 = ((flat64 - mean) ** 2).sum(0)
+    q = np.quantile(flat64, QGRID, axis=0, method="hazen")  # (G, D)
+    return {"n": int(flat.shape[0]), "mean": mean.tolist(), "m2": m2.tolist(), "min": _f32_list(flat.min(0)),
+            "max": _f32_list(flat.max(0)), "q": [_f32_list(r) for r in q]}
+
+
+def _mixture_quantile(qpts: np.ndarray, weights: np.ndarray, p: float) -> float:
+    """Quantile ``p`` of a mixture of piecewise-linear CDFs.
+
+    Args:
+        qpts: ``(E, G)`` non-decreasing quantile points of E components at :data:`QGRID`.
+        weights: ``(E,)`` component weights (counts).
+        p: probability in [0, 1].
+    """
+    if len(qpts) == 1:
+        return float(np.interp(p, QGRID, qpts[0]))
+    w = weights / weights.sum()
+    cand = np.unique(qpts)
+
+    def cdf(x: float) -> float:
+        # per component: linear interpolation of QGRID over its quantile points (vectorised over E)
+        j = (qpts <= x).sum(1)  # number of points <= x, in 0..G
+        lo = np.clip(j - 1, 0, qpts.shape[1] - 1)
+        hi = np.clip(j, 0, qpts.shape[1] - 1)
+        xl, xh = qpts[np.arange(len(qpts)), lo], qpts[np.arange(len(qpts)), hi]
+        frac = np.where(xh > xl, (x - xl) / np.where(xh > xl, xh - xl, 1.0), 1.0)
+        val = np.where(j == 0, 0.0, np.where(j >= qpts.shape[1], 1.0, QGRID[lo] + frac * (QGRID[hi] - QGRID[lo])))
+        return float((w * val).sum())
+
+    lo_i, hi_i = 0, len(cand) - 1
+    if cdf(cand[0]) >= p:
+        return float(cand[0])
+    while hi_i - lo_i > 1:  # bisection over the sorted candidate points: cdf(cand[lo]) < p <= cdf(cand[hi])
+        mid = (lo_i + hi_i) // 2
+        if cdf(cand[mid]) < p:
+            lo_i = mid
+        else:
+            hi_i = mid
+    a, b = cand[lo_i], cand[hi_i]
+    fa, fb = cdf(a), cdf(b)
+    return float(a + (p - fa) / (fb - fa) * (b - a)) if fb > fa else float(b)
+
+
+def merge_sketches(sketches: list[dict]) -> dict[str, list[float]]:
+    """Merge episode sketches of one key into normalization statistics.
+
+    Args:
+        sketches: non-empty list of :func:`episode_sketch` outputs of the same key (same D).
+
+    Returns:
+        ``{"min", "max", "mean", "std", "q01", "q99", "count"}``: per-dimension lists of floats (``count``
+        is an int). ``std`` is the population standard deviation.
+
+    Raises:
+        ValueError: if ``sketches`` is empty or the sketches disagree on the number of dimensions.
+    """
+    if not sketches:
+        raise ValueError("no episodes to compute statistics from")
+    dims = {len(s["mean"]) for s in sketches}
+    if len(dims) != 1:
+        raise ValueError(f"sketches disagree on the number of dimensions: {sorted(dims)}")
+    n = np.array([s["n"] for s in sketches], dtype=np.float64)
+    means = np.array([s["mean"] for s in sketches], dtype=np.float64)  # (E, D)
+    m2s = np.array([s["m2"] for s in sketches], dtype=np.float64)
+    total = n.sum()
+    mean = (n[:, None] * means).sum(0) / total
+    # Chan et al.: M2 = sum_e M2_e + sum_e n_e (mean_e - mean)^2
+    m2 = m2s.sum(0) + (n[:, None] * (means - mean) ** 2).sum(0)
+    std = np.sqrt(np.maximum(m2 / total, 0.0))
+    q = np.array([s["q"] for s in sketches], dtype=np.float64)  # (E, G, D)
+    q01 = [_mixture_quantile(q[:, :, d], n, 0.01) for d in range(q.shape[2])]
+    q99 = [_mixture_quantile(q[:, :, d], n, 0.99) for d in range(q.shape[2])]
+    return {
+        "min": np.min([s["min"] for s in sketches], 0).tolist(),
+        "max": np.max([s["max"] for s in sketches], 0).tolist(),
+        "mean": mean.tolist(),
+        "std": std.tolist(),
+        "q01": q01,
+        "q99": q99,
+        "count": int(total),
+    }

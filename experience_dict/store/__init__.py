@@ -1,0 +1,19 @@
+"""The fleet's Zarr experience store (see :mod:`experience_dict.store.store` for layout and guarantees).
+
+CLI: ``python -m experience_dict.store info|verify|stats URL``.
+"""
+
+from experience_dict.store.store import (
+    DEFAULT_PROGRESS_KEYS,
+    SCHEMA_VERSION,
+    EpisodeMeta,
+    EpisodeWriter,
+    ExperienceStore,
+    SchemaVersionError,
+    SpecMismatchError,
+    StoreError,
+    WriterBusyError,
+)
+
+__all__ = ["DEFAULT_PROGRESS_KEYS", "SCHEMA_VERSION", "EpisodeMeta", "EpisodeWriter", "ExperienceStore", "SchemaVersionError",
+           "SpecMismatchError", "StoreError", "WriterBusyError"]

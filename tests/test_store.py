@@ -1,0 +1,438 @@
+"""Experience store: round trip, concurrent writer processes, SIGKILL recovery, refresh, corruption, bad input.
+
+Real Zarr stores in tmp dirs (and memory://); small synthetic episodes whose content is a pure function of
+(writer, episode, step), so any process can check what another wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experience_dict.store import (
+    ExperienceStore,
+    SchemaVersionError,
+    SpecMismatchError,
+    StoreError,
+    WriterBusyError,
+)
+from experience_dict.store.__main__ import main as cli_main
+
+REPO = Path(__file__).resolve().parents[1]
+PROGRESS = ["near_object", "obj_to_target"]
+IMG = 16  # small images keep the tests fast; the layout is the same as 96x96
+SPEC = {
+    "observation.state": {"shape": [4], "dtype": "float32", "names": ["x", "y", "z", "gripper"], "unit": "m"},
+    "observation.environment_state": {"shape": [7], "dtype": "float32"},
+    "observation.images.corner": {"shape": [IMG, IMG, 3], "dtype": "uint8"},
+    "action": {"shape": [4], "dtype": "float32", "names": ["dx", "dy", "dz", "gripper"]},
+    "control_hz": 80.0,
+}
+
+
+def make_step(writer: int, ep: int, t: int):
+    """Deterministic step content for (writer, episode, step)."""
+    rng = np.random.default_rng([writer, ep, t])
+    obs = {
+        "observation.state": rng.normal(size=4).astype(np.float32),
+        "observation.environment_state": rng.normal(size=7).astype(np.float32),
+        "observation.images.corner": rng.integers(0, 256, (IMG, IMG, 3), dtype=np.uint8),
+    }
+    return obs, rng.uniform(-1, 1, 4).astype(np.float32), float(rng.normal()), {k: float(rng.uniform()) for k in PROGRESS}
+
+
+def ep_len(writer: int, ep: int) -> int:
+    return 5 + (7 * writer + 3 * ep) % 11
+
+
+def write_episode(w, writer: int, ep: int, task: str = "push-v3", success: bool = True, is_demo: bool = False):
+    w.begin_episode(unit_id=writer, embodiment="sawyer", task=task, policy_version=ep % 3, seed=ep, is_demo=is_demo)
+    for t in range(ep_len(writer, ep)):
+        w.add_step(*make_step(writer, ep, t))
+    return w.commit(success=success)
+
+
+def expected_episode(writer: int, ep: int) -> dict[str, np.ndarray]:
+    steps = [make_step(writer, ep, t) for t in range(ep_len(writer, ep))]
+    out = {k: np.stack([s[0][k] for s in steps]) for k in steps[0][0]}
+    out["action"] = np.stack([s[1] for s in steps])
+    out["reward"] = np.array([s[2] for s in steps], dtype=np.float32)
+    for k in PROGRESS:
+        out[f"progress.{k}"] = np.array([s[3][k] for s in steps], dtype=np.float32)
+    return out
+
+
+def assert_episode_equal(got: dict, want: dict):
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype, k
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def new_store(url, **kw) -> ExperienceStore:
+    return ExperienceStore.create_or_open(str(url), SPEC, progress_keys=PROGRESS, chunk_bytes=4096, **kw)
+
+
+def run_child(code: str, *args, wait=True):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(code), *map(str, args)]
+    if wait:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+CHILD_PRELUDE = f"""
+import sys
+sys.path.insert(0, {str(REPO / 'tests')!r})
+from test_store import new_store, write_episode, make_step, ep_len
+"""
+
+
+# ------------------------------------------------------------------------------------------ round trip
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_round_trip_bit_for_bit(tmp_path, kind):
+    url = tmp_path / "store" if kind == "local" else f"memory://rt-{os.getpid()}-{time.time_ns()}"
+    store = new_store(url)
+    w = store.writer("unit-0001")
+    ids = [write_episode(w, 1, e, task=["reach-v3", "push-v3"][e % 2], success=e % 3 != 0, is_demo=e == 0)
+           for e in range(6)]
+    w.close()
+    reader = ExperienceStore.open(str(url))
+    assert [e.episode_id for e in reader.episodes()] == ids == [f"unit-0001-{i:06d}" for i in range(6)]
+    for e, ep_id in enumerate(ids):
+        assert_episode_equal(reader.load_episode(ep_id), expected_episode(1, e))
+        meta = reader.episode(ep_id)
+        assert (meta.length, meta.unit_id, meta.seed, meta.failure_onset) == (ep_len(1, e), 1, e, None)
+    # queries
+    assert [e.episode_id for e in reader.episodes(task="reach-v3")] == ids[0::2]
+    assert {e.episode_id for e in reader.episodes(success=False)} == {ids[0], ids[3]}
+    assert [e.episode_id for e in reader.episodes(is_demo=True)] == [ids[0]]
+    assert [e.episode_id for e in reader.episodes(policy_version=[1], task="push-v3")] == [ids[1]]
+    assert reader.episodes(unit_id=2) == []
+    # partial key load and metadata
+    part = reader.load_episode(ids[2], keys=["action"])
+    assert list(part) == ["action"]
+    assert reader.control_hz == 80.0 and reader.spec["action"]["names"] == ["dx", "dy", "dz", "gripper"]
+    assert reader.verify()["ok"]
+
+
+def test_stats_match_numpy(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ep_len", lambda w, e: 120 + 10 * e)  # realistic lengths
+    store = new_store(tmp_path / "s")
+    w = store.writer("u0")
+    for e in range(8):
+        write_episode(w, 0, e)
+    eps = [expected_episode(0, e) for e in range(8)]
+    st = ExperienceStore.open(str(tmp_path / "s")).stats()
+    for key in ["observation.state", "action", "reward"]:
+        allv = np.concatenate([x[key] for x in eps]).reshape(sum(len(x["action"]) for x in eps), -1).astype(np.float64)
+        np.testing.assert_allclose(st[key]["mean"], allv.mean(0), rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(st[key]["std"], allv.std(0), rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(st[key]["min"], allv.min(0), rtol=1e-6)
+        np.testing.assert_allclose(st[key]["max"], allv.max(0), rtol=1e-6)
+        for name, p in (("q01", 0.01), ("q99", 0.99)):  # rank error of the merged sketch within 1 %
+            rank = (allv <= np.array(st[key][name])).mean(0)
+            assert np.all(np.abs(rank - p) <= 0.01), (key, name, rank)
+    img = np.concatenate([x["observation.images.corner"][:, ::2, ::2] for x in eps]).reshape(-1, 3).astype(np.float64)
+    np.testing.assert_allclose(st["observation.images.corner"]["mean"], img.mean(0), rtol=1e-9)
+    np.testing.assert_allclose(st["observation.images.corner"]["std"], img.std(0), rtol=1e-9)
+    np.testing.assert_array_equal(st["observation.images.corner"]["max"], img.max(0))
+    for name, p in (("q01", 0.01), ("q99", 0.99)):
+        rank = (img <= np.array(st["observation.images.corner"][name])).mean(0)
+        assert np.all(np.abs(rank - p) <= 0.01), (name, rank)
+
+
+# ------------------------------------------------------------------------------------------ concurrency
+
+
+def test_two_writer_processes_commit_concurrently(tmp_path):
+    url = tmp_path / "store"
+    new_store(url)  # create first; the children create_or_open the existing store
+    code = """
+    url, wid, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    w = new_store(url).writer(f"unit-{wid}")
+    for e in range(n):
+        write_episode(w, wid, e)
+    print("done")
+    """
+    procs = [run_child(code, url, wid, 12, wait=False) for wid in (1, 2)]
+    reader = ExperienceStore.open(str(url))
+    seen = [len(reader)]
+    while any(p.poll() is None for p in procs):  # a reader refreshing while both writers append
+        reader.refresh()
+        seen.append(len(reader))
+        for ep in reader.episodes()[-2:]:
+            wid, e = int(ep.shard.split("-")[1]), int(ep.episode_id.rsplit("-", 1)[1])
+            assert_episode_equal(reader.load_episode(ep.episode_id), expected_episode(wid, e))
+        time.sleep(0.05)
+    for p in procs:
+        _, err = p.communicate()
+        assert p.returncode == 0, err
+    reader.refresh()
+    assert seen == sorted(seen)  # snapshots only grow
+    assert len(reader) == 24
+    for wid in (1, 2):
+        eps = reader.episodes(unit_id=wid)
+        assert [e.episode_id for e in eps] == [f"unit-{wid}-{i:06d}" for i in range(12)]
+        for e, meta in enumerate(eps):
+            assert_episode_equal(reader.load_episode(meta.episode_id), expected_episode(wid, e))
+    assert reader.verify()["ok"]
+
+
+def test_writer_id_is_exclusive(tmp_path):
+    store = new_store(tmp_path / "s")
+    w = store.writer("unit-7")
+    with pytest.raises(WriterBusyError, match="unit-7"):
+        new_store(tmp_path / "s").writer("unit-7")
+    w.close()
+    new_store(tmp_path / "s").writer("unit-7").close()  # free again
+
+
+# ------------------------------------------------------------------------------------------ crashes
+
+
+@pytest.mark.parametrize("where", ["mid_episode", "mid_commit"])
+def test_sigkill_leaves_committed_episodes_intact(tmp_path, where):
+    url = tmp_path / "store"
+    code = """
+    import os, signal
+    url, where = sys.argv[1], sys.argv[2]
+    w = new_store(url).writer("unit-3")
+    for e in range(4):
+        write_episode(w, 3, e)
+    if where == "mid_commit":
+        # die after the rows of episode 4 are appended to every array, before its commit record exists
+        w._write_record = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+        write_episode(w, 3, 4)
+    else:
+        w.begin_episode(unit_id=3, embodiment="sawyer", task="push-v3", policy_version=0, seed=4)
+        for t in range(5):
+            w.add_step(*make_step(3, 4, t))
+        print("ready", flush=True)
+        import time; time.sleep(60)
+    """
+    p = run_child(code, url, where, wait=False)
+    if where == "mid_episode":
+        assert p.stdout.readline().strip() == "ready"
+        p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    reader = ExperienceStore.open(str(url))
+    assert [e.episode_id for e in reader.episodes()] == [f"unit-3-{i:06d}" for i in range(4)]
+    assert reader.verify()["ok"]
+    committed = sum(ep_len(3, e) for e in range(4))
+    if where == "mid_commit":  # the uncommitted rows really were written before the kill
+        assert reader.array("unit-3", "action", reopen=True).shape[0] >= committed + ep_len(3, 4)
+    # reopening the writer recovers the shard and keeps appending after the committed rows
+    w = new_store(url).writer("unit-3")
+    assert w.committed_rows == committed
+    assert reader.array("unit-3", "observation.images.corner", reopen=True).shape[0] == committed
+    assert write_episode(w, 3, 4) == "unit-3-000004"
+    reader.refresh()
+    for e in range(5):
+        assert_episode_equal(reader.load_episode(f"unit-3-{e:06d}"), expected_episode(3, e))
+    assert reader.verify()["ok"]
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_times_during_commits(tmp_path):
+    """Kill a writer at arbitrary points of a loop of commits (mid-episode, mid-append, mid-record)."""
+    url = tmp_path / "store"
+    code = """
+    url = sys.argv[1]
+    w = new_store(url).writer("unit-5")
+    e = w._counter
+    while True:
+        write_episode(w, 5, e); e += 1
+        print(e, flush=True)
+    """
+    rng = np.random.default_rng(0)
+    for trial in range(4):
+        p = run_child(code, url, wait=False)
+        p.stdout.readline()  # at least one commit of this run happened
+        time.sleep(float(rng.uniform(0.0, 0.3)))
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+        reader = ExperienceStore.open(str(url))
+        eps = reader.episodes()
+        assert [e.episode_id for e in eps] == [f"unit-5-{i:06d}" for i in range(len(eps))]
+        assert reader.verify()["ok"], reader.verify()["problems"]
+        for meta in eps[-3:]:
+            assert_episode_equal(reader.load_episode(meta.episode_id),
+                                 expected_episode(5, int(meta.episode_id.rsplit("-", 1)[1])))
+
+
+def test_abort_discards_open_episode(tmp_path):
+    store = new_store(tmp_path / "s")
+    w = store.writer("u0")
+    write_episode(w, 0, 0)
+    w.begin_episode(unit_id=0, embodiment="sawyer", task="push-v3", policy_version=0, seed=1)
+    w.add_step(*make_step(0, 1, 0))
+    w.abort()
+    assert write_episode(w, 0, 1) == "u0-000001"
+    r = ExperienceStore.open(str(tmp_path / "s"))
+    assert_episode_equal(r.load_episode("u0-000001"), expected_episode(0, 1))
+
+
+# ------------------------------------------------------------------------------------------ readers
+
+
+def test_reader_sees_new_commit_after_refresh(tmp_path):
+    store = new_store(tmp_path / "s")
+    w = store.writer("u0")
+    write_episode(w, 0, 0)
+    reader = ExperienceStore.open(str(tmp_path / "s"))
+    reader.load_episode("u0-000000")  # opens (and caches) array handles with the old shape
+    write_episode(w, 0, 1)
+    w.begin_episode(unit_id=0, embodiment="sawyer", task="push-v3", policy_version=0, seed=2)
+    w.add_step(*make_step(0, 2, 0))  # open, uncommitted: never visible
+    assert len(reader) == 1
+    assert reader.refresh() == 1
+    assert [e.episode_id for e in reader.episodes()] == ["u0-000000", "u0-000001"]
+    assert_episode_equal(reader.load_episode("u0-000001"), expected_episode(0, 1))
+
+
+def test_failure_onset_annotation(tmp_path):
+    store = new_store(tmp_path / "s")
+    write_episode(store.writer("u0"), 0, 0, success=False)
+    learner = ExperienceStore.open(str(tmp_path / "s"))
+    learner.set_failure_onset("u0-000000", 3)
+    other = ExperienceStore.open(str(tmp_path / "s"))
+    assert other.episode("u0-000000").failure_onset == 3
+    learner.set_failure_onset("u0-000000", 2)
+    other.refresh()
+    assert other.episode("u0-000000").failure_onset == 2
+    with pytest.raises(ValueError, match=r"\[0, 5\)"):
+        learner.set_failure_onset("u0-000000", 99)
+    with pytest.raises(KeyError, match="nope"):
+        learner.set_failure_onset("nope", 1)
+
+
+# ------------------------------------------------------------------------------------------ corruption
+
+
+def test_flipped_byte_is_reported_by_verify(tmp_path, capsys):
+    url = tmp_path / "s"
+    w = new_store(url).writer("u0")
+    ids = [write_episode(w, 0, e) for e in range(4)]
+    reader = ExperienceStore.open(str(url))
+    assert reader.verify()["ok"]
+    arr = reader.array("u0", "observation.images.corner")
+    target = reader.episode(ids[2])
+    chunk = target.start // arr.chunks[0]
+    path = url / "shards/u0/observation.images.corner/c" / str(chunk) / "0" / "0" / "0"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    report = ExperienceStore.open(str(url)).verify()
+    assert not report["ok"]
+    (prob,) = report["problems"]
+    assert prob["key"] == "observation.images.corner" and prob["chunk"] == chunk
+    assert "checksum" in prob["error"].lower()
+    assert ids[2] in report["corrupt_episodes"]
+    with pytest.raises(ValueError, match="checksum"):
+        ExperienceStore.open(str(url)).load_episode(ids[2])
+    assert cli_main(["verify", str(url)]) == 1
+    assert ids[2] in json.loads(capsys.readouterr().out)["corrupt_episodes"]
+
+
+def test_missing_chunk_is_reported(tmp_path):
+    url = tmp_path / "s"
+    w = new_store(url).writer("u0")
+    write_episode(w, 0, 0)
+    (url / "shards/u0/action/c/0/0").unlink()
+    report = ExperienceStore.open(str(url)).verify()
+    assert not report["ok"] and report["corrupt_episodes"] == ["u0-000000"]
+    assert "missing" in report["problems"][0]["error"]
+
+
+def test_cli_info_and_stats(tmp_path, capsys):
+    url = tmp_path / "s"
+    w = new_store(url).writer("u0")
+    write_episode(w, 0, 0, task="reach-v3")
+    write_episode(w, 0, 1, task="push-v3", success=False)
+    assert cli_main(["info", str(url)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["episodes"] == 2 and info["per_task"] == {"reach-v3": 1, "push-v3": 1}
+    assert info["per_success"] == {"True": 1, "False": 1} and info["bytes"] > 0
+    assert cli_main(["stats", str(url), "--keys", "action"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert set(stats["action"]) >= {"min", "max", "mean", "std", "q01", "q99"} and len(stats["action"]["mean"]) == 4
+    out = subprocess.run([sys.executable, "-m", "experience_dict.store", "verify", str(url)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0 and json.loads(out.stdout)["ok"]
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def test_bad_steps_are_rejected_and_committed_data_untouched(tmp_path):
+    url = tmp_path / "s"
+    w = new_store(url).writer("u0")
+    write_episode(w, 0, 0)
+    w.begin_episode(unit_id=0, embodiment="sawyer", task="push-v3", policy_version=0, seed=1)
+    obs, act, rew, prog = make_step(0, 1, 0)
+    with pytest.raises(SpecMismatchError, match=r"'observation.state'.*\(4,\).*float32.*\(3,\)"):
+        w.add_step({**obs, "observation.state": obs["observation.state"][:3]}, act, rew, prog)
+    with pytest.raises(SpecMismatchError, match=r"'observation.images.corner'.*uint8.*float32"):
+        w.add_step({**obs, "observation.images.corner": obs["observation.images.corner"].astype(np.float32)}, act, rew, prog)
+    with pytest.raises(SpecMismatchError, match=r"missing key 'observation.environment_state'"):
+        w.add_step({k: v for k, v in obs.items() if k != "observation.environment_state"}, act, rew, prog)
+    with pytest.raises(SpecMismatchError, match=r"unexpected key 'observation.depth'"):
+        w.add_step({**obs, "observation.depth": obs["observation.state"]}, act, rew, prog)
+    with pytest.raises(SpecMismatchError, match=r"'action'.*float32.*float64"):
+        w.add_step(obs, act.astype(np.float64), rew, prog)
+    with pytest.raises(SpecMismatchError, match=r"progress keys.*near_object"):
+        w.add_step(obs, act, rew, {"near_object": 0.0})
+    with pytest.raises(SpecMismatchError, match=r"'reward'"):
+        w.add_step(obs, act, [1.0, 2.0], prog)
+    assert w.open_steps == 0  # nothing of the bad steps was buffered
+    with pytest.raises(StoreError, match="0 steps"):
+        w.commit(success=True)
+    w.abort()
+    with pytest.raises(StoreError, match="before begin_episode"):
+        w.add_step(obs, act, rew, prog)
+    r = ExperienceStore.open(str(url))
+    assert len(r) == 1 and r.verify()["ok"]
+    assert_episode_equal(r.load_episode("u0-000000"), expected_episode(0, 0))
+
+
+def test_bad_spec_and_schema_version(tmp_path):
+    url = tmp_path / "s"
+    w = new_store(url).writer("u0")
+    write_episode(w, 0, 0)
+    w.close()
+    bad = {**SPEC, "action": {"shape": [7], "dtype": "float32"}}
+    with pytest.raises(SpecMismatchError, match=r"'action'.*shape \[4\].*\[7\]"):
+        ExperienceStore.create_or_open(str(url), bad, progress_keys=PROGRESS)
+    with pytest.raises(SpecMismatchError, match="'observation.environment_state'"):
+        ExperienceStore.create_or_open(str(url), {k: v for k, v in SPEC.items() if k != "observation.environment_state"},
+                                       progress_keys=PROGRESS)
+    with pytest.raises(SpecMismatchError, match="no 'action'"):
+        ExperienceStore.create_or_open(str(tmp_path / "t"), {"observation.state": SPEC["observation.state"]})
+    # another schema version
+    meta_path = url / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["attributes"]["fleetmind"]["schema_version"] = 99
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(SchemaVersionError, match=r"schema_version=99.*schema_version=1"):
+        ExperienceStore.open(str(url))
+    with pytest.raises(FileNotFoundError, match="no experience store"):
+        ExperienceStore.open(str(tmp_path / "nothing"))
+    with pytest.raises(StoreError, match="read-only"):
+        meta["attributes"]["fleetmind"]["schema_version"] = 1
+        meta_path.write_text(json.dumps(meta))
+        ExperienceStore.open(str(url)).writer("u1")
+    with pytest.raises(ValueError, match="writer_id"):
+        new_store(url).writer("bad/id")
