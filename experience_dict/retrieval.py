@@ -1,0 +1,756 @@
+"""FERT data: failure contexts, context embeddings, a faiss index of successful windows, FERT batches.
+
+After "Learning from Fleet Experience" (failure-guided experience retrieval fine-tuning): every failed
+episode gives a failure context (the window before its failure onset, :mod:`experience_dict.failure`); the
+context is embedded and searched among windows of *successful* episodes of the same task from the whole
+fleet; the retrieved windows (their observations and the actions that followed) become supervision for the
+policy's diffusion loss, weighted by similarity and mixed with replay of the demonstrations.
+
+Per FERT round the learner calls (:class:`FertData` bundles these)::
+
+    annotate_failures(reader, W)                       # failure onsets into the store's metadata
+    index.refresh(reader)                              # embed + add newly committed successful episodes
+    priority.observe(reader)                           # per-task success statistics (learnability)
+    contexts = failure_contexts(reader, exclude_units=heldout)
+    retrieval = retrieve(index, embed_contexts(reader, index.embedder, contexts), contexts, priority, ...)
+    dataset = FertDataset(reader, retrieval, demo_episodes, policy.window_spec(), replay_ratio)
+
+Priority (the choice, documented): per-task *learnability* ``p (1 - p)`` with ``p`` the task's success rate
+over its most recent episodes (Beta(1, 1)-smoothed), plus a small floor. It is largest for tasks the policy
+solves about half the time, small for tasks it already solves and for tasks it never solves (where the
+retrieved supervision has least chance to help), after the learnability curricula of Tzannetos et al.,
+"Proximal Curriculum for RL Agents" (TMLR 2023) and Foster & Foerster, "Learning to Reason at the Frontier of
+Learnability" (2025). UCB over individual failure contexts was not chosen: a context is never re-tried, so
+it has no reward of its own to estimate; a task's success rate is observed with every episode. Within a
+task, contexts from newer policy versions weigh more (``2 ** -(v_max - v)``): those are the failures the
+current policy still makes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import faiss
+import numpy as np
+import torch
+
+from experience_dict.failure import DEFAULT_SIGNALS, annotate_failures
+
+STATE_KEYS = ("observation.state", "observation.environment_state")
+Encoder = Callable[[dict[str, np.ndarray]], np.ndarray]
+
+
+# ----------------------------------------------------------------------------------------- embedding
+class ContextEmbedder:
+    """Embeds observation windows for cosine-similarity search.
+
+    A window is the ``frames`` observations at steps ``anchor - (frames - 1) * stride .. anchor`` (edge-padded
+    at the episode start). Without an ``encoder``, each key is normalised with the store statistics
+    (``(x - mean) / max(std, std_floor)``, per dimension), each key's block is divided by ``sqrt(D_key)`` so
+    every feature group counts equally whatever its width, the window is pooled and the result L2-normalised.
+    With an ``encoder`` (e.g. the policy's observation encoder features), the raw windows go to the encoder
+    and only its output is L2-normalised.
+
+    Args:
+        stats: ``reader.stats(keys)`` output: ``{key: {"mean": [D], "std": [D], ...}}``; frozen here, so
+            embeddings stay comparable as the store grows. Unused with an ``encoder``.
+        keys: observation keys to embed (default: ``observation.state`` + ``observation.environment_state``).
+        frames: frames per window (the context length W in steps when ``stride == 1``), >= 1.
+        stride: steps between frames, >= 1.
+        pool: ``"flatten"`` (frames x D), ``"mean"`` (D) or ``"last"`` (D).
+        encoder: optional ``f({key: (N, frames, ...) raw array}) -> (N, E)`` float array.
+        std_floor: lower bound on std (feature units), avoids blowing up near-constant dimensions.
+
+    Raises:
+        KeyError: a key has no stats (when no encoder is given).
+        ValueError: bad ``frames``, ``stride`` or ``pool``.
+    """
+
+    def __init__(self, stats: Mapping[str, Mapping[str, Sequence[float]]] | None,
+                 keys: Sequence[str] = STATE_KEYS, frames: int = 8, stride: int = 1,
+                 pool: str = "flatten", encoder: Encoder | None = None, std_floor: float = 1e-3):
+        if frames < 1 or stride < 1:
+            raise ValueError(f"frames and stride: expected >= 1, given frames={frames}, stride={stride}")
+        if pool not in ("flatten", "mean", "last"):
+            raise ValueError(f"pool: expected 'flatten', 'mean' or 'last', given {pool!r}")
+        self.keys, self.frames, self.stride, self.pool, self.encoder = tuple(keys), frames, stride, pool, encoder
+        self.offsets = -np.arange(frames - 1, -1, -1, dtype=np.int64) * stride      # (F,) ascending, ends at 0
+        self._norm = {}
+        if encoder is None:
+            stats = stats or {}
+            for k in self.keys:
+                if k not in stats:
+                    raise KeyError(f"ContextEmbedder: no stats for key {k!r} (given keys {sorted(stats)})")
+                mean = np.asarray(stats[k]["mean"], np.float32)
+                std = np.maximum(np.asarray(stats[k]["std"], np.float32), std_floor)
+                self._norm[k] = (mean, std * np.sqrt(mean.size, dtype=np.float32))
+
+    def windows(self, data: Mapping[str, np.ndarray], anchors: np.ndarray) -> dict[str, np.ndarray]:
+        """Gather windows from one episode's arrays.
+
+        Args:
+            data: ``{key: (T, ...) array}`` of one episode (``reader.load_episode``).
+            anchors: (N,) int steps in ``[0, T)``; each window ends at its anchor.
+
+        Returns:
+            ``{key: (N, frames, ...) array}``; steps before 0 repeat step 0.
+
+        Raises:
+            KeyError: a key is missing from ``data``. ValueError: an anchor is out of the episode.
+        """
+        missing = [k for k in self.keys if k not in data]
+        if missing:
+            raise KeyError(f"ContextEmbedder.windows: episode data lacks keys {missing}")
+        T = len(data[self.keys[0]])
+        anchors = np.asarray(anchors, dtype=np.int64)
+        if anchors.size and (anchors.min() < 0 or anchors.max() >= T):
+            raise ValueError(f"anchors: expected steps in [0, {T}), given [{anchors.min()}, {anchors.max()}]")
+        idx = np.clip(anchors[:, None] + self.offsets[None, :], 0, T - 1)     # (N, F)
+        return {k: np.asarray(data[k])[idx] for k in self.keys}
+
+    def embed(self, windows: Mapping[str, np.ndarray]) -> np.ndarray:
+        """(N, E) float32 L2-normalised embeddings of ``{key: (N, frames, ...)}`` windows."""
+        if self.encoder is not None:
+            z = np.asarray(self.encoder(dict(windows)), dtype=np.float32)
+            if z.ndim != 2:
+                raise ValueError(f"encoder output: expected (N, E), given shape {z.shape}")
+        else:
+            parts = []
+            for k in self.keys:
+                mean, scale = self._norm[k]
+                x = (np.asarray(windows[k], np.float32) - mean) / scale                # (N, F, D)
+                x = {"flatten": lambda a: a.reshape(len(a), -1), "mean": lambda a: a.mean(1),
+                     "last": lambda a: a[:, -1]}[self.pool](x)
+                parts.append(x)
+            z = np.concatenate(parts, axis=1).astype(np.float32)
+        return np.ascontiguousarray(z / np.maximum(np.linalg.norm(z, axis=1, keepdims=True), 1e-12))
+
+    def embed_episode(self, data: Mapping[str, np.ndarray], anchors: np.ndarray,
+                      chunk: int = 1024) -> np.ndarray:
+        """(N, E) embeddings of the windows ending at ``anchors`` of one episode, in chunks of ``chunk``."""
+        anchors = np.asarray(anchors, dtype=np.int64)
+        out = [self.embed(self.windows(data, anchors[i:i + chunk])) for i in range(0, len(anchors), chunk)]
+        return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
+
+
+# ----------------------------------------------------------------------------------------- index
+@dataclass
+class _TaskIndex:
+    index: faiss.IndexFlatIP
+    episode: list[int] = field(default_factory=list)     # per window: position in SuccessIndex.episode_ids
+    step: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Neighbor:
+    """One retrieved successful window: its episode, anchor step (the window ends there) and cosine sim."""
+    episode_id: str
+    step: int
+    similarity: float
+
+
+class SuccessIndex:
+    """Exact inner-product (cosine, embeddings are L2-normalised) faiss index over windows of successful
+    episodes, one ``faiss.IndexFlatIP`` per task, filled incrementally.
+
+    Only episodes with ``success=True`` are ever added (checked again at insertion), so a query can never
+    return a window of a failed episode. Episodes of ``exclude_units`` (the held-out units) are never added.
+
+    Args:
+        embedder: the :class:`ContextEmbedder` used for both windows and failure contexts.
+        stride: index every ``stride``-th step of an episode as a window anchor (>= 1).
+        include_demos: also index the (successful) bootstrap demonstrations.
+        exclude_units: unit ids never indexed.
+        units: if given, only these unit ids are indexed.
+    """
+
+    def __init__(self, embedder: ContextEmbedder, stride: int = 1, include_demos: bool = True,
+                 exclude_units: Iterable[int] = (), units: Iterable[int] | None = None):
+        if stride < 1:
+            raise ValueError(f"stride: expected >= 1, given {stride}")
+        self.embedder, self.stride, self.include_demos = embedder, stride, include_demos
+        self.exclude_units = {int(u) for u in exclude_units}
+        self.units = None if units is None else {int(u) for u in units}
+        self.tasks: dict[str, _TaskIndex] = {}
+        self.episode_ids: list[str] = []
+        self.meta: dict[str, object] = {}          # episode_id -> EpisodeMeta of indexed episodes
+        self._pos: dict[str, int] = {}
+
+    def __contains__(self, episode_id: str) -> bool:
+        return episode_id in self._pos
+
+    def allowed(self, meta) -> bool:
+        """Whether an episode may be indexed (success, unit filters, demos)."""
+        return (bool(meta.success) and int(meta.unit_id) not in self.exclude_units
+                and (self.units is None or int(meta.unit_id) in self.units)
+                and (self.include_demos or not meta.is_demo))
+
+    def add_episode(self, meta, data: Mapping[str, np.ndarray]) -> int:
+        """Index one successful episode's windows; returns the number of windows added.
+
+        Raises:
+            ValueError: the episode is not successful / not allowed, or was already indexed.
+        """
+        if not meta.success:
+            raise ValueError(f"episode {meta.episode_id!r}: only successful episodes are indexed (success=False)")
+        if not self.allowed(meta):
+            raise ValueError(f"episode {meta.episode_id!r}: unit {meta.unit_id} / is_demo={meta.is_demo} "
+                             "excluded from the index")
+        if meta.episode_id in self._pos:
+            raise ValueError(f"episode {meta.episode_id!r}: already indexed")
+        anchors = np.arange(0, int(meta.length), self.stride, dtype=np.int64)
+        z = self.embedder.embed_episode(data, anchors)
+        ti = self.tasks.get(meta.task)
+        if ti is None:
+            ti = self.tasks[meta.task] = _TaskIndex(faiss.IndexFlatIP(z.shape[1]))
+        if z.shape[1] != ti.index.d:
+            raise ValueError(f"embedding dim {z.shape[1]} != index dim {ti.index.d} for task {meta.task!r}")
+        pos = self._pos[meta.episode_id] = len(self.episode_ids)
+        self.episode_ids.append(meta.episode_id)
+        self.meta[meta.episode_id] = meta
+        ti.index.add(z)
+        ti.episode.extend([pos] * len(anchors))
+        ti.step.extend(anchors.tolist())
+        return len(anchors)
+
+    def refresh(self, reader, tasks: Iterable[str] | None = None) -> int:
+        """Add every committed successful episode not indexed yet (call ``reader.refresh()`` first to see
+        newly committed ones). Returns the number of episodes added."""
+        added = 0
+        wanted = None if tasks is None else set(tasks)
+        for meta in reader.episodes(success=True):
+            if meta.episode_id in self._pos or not self.allowed(meta):
+                continue
+            if wanted is not None and meta.task not in wanted:
+                continue
+            self.add_episode(meta, reader.load_episode(meta.episode_id, keys=list(self.embedder.keys)))
+            added += 1
+        return added
+
+    def size(self, task: str) -> int:
+        """Number of indexed windows of ``task`` (0 if none)."""
+        ti = self.tasks.get(task)
+        return 0 if ti is None else ti.index.ntotal
+
+    def search(self, task: str, queries: np.ndarray, k: int) -> list[list[Neighbor]]:
+        """Top-``k`` successful windows of ``task`` for each query.
+
+        Args:
+            task: task name; only windows of this task are searched.
+            queries: (N, E) float32 L2-normalised embeddings.
+            k: neighbours per query (fewer when the task has fewer windows).
+
+        Returns:
+            N lists of :class:`Neighbor`, best first (empty lists when the task has no windows).
+        """
+        queries = np.ascontiguousarray(np.asarray(queries, np.float32).reshape(len(queries), -1))
+        ti = self.tasks.get(task)
+        if ti is None or ti.index.ntotal == 0 or len(queries) == 0:
+            return [[] for _ in range(len(queries))]
+        if queries.shape[1] != ti.index.d:
+            raise ValueError(f"queries: expected dim {ti.index.d}, given {queries.shape[1]}")
+        sims, labels = ti.index.search(queries, min(k, ti.index.ntotal))
+        return [[Neighbor(self.episode_ids[ti.episode[j]], int(ti.step[j]), float(s))
+                 for s, j in zip(srow, lrow) if j >= 0] for srow, lrow in zip(sims, labels)]
+
+
+# ----------------------------------------------------------------------------------------- contexts
+@dataclass(frozen=True)
+class FailureContext:
+    """A failed episode's failure context: the embedder's window ending at ``onset`` (step, inclusive)."""
+    episode_id: str
+    task: str
+    unit_id: int
+    policy_version: int
+    onset: int
+
+
+def failure_contexts(reader, exclude_units: Iterable[int] = (), units: Iterable[int] | None = None,
+                     onsets: Mapping[str, int | tuple[int, str]] | None = None,
+                     max_per_task: int | None = None, **filters) -> list[FailureContext]:
+    """Failure contexts of the failed, non-demo episodes that have a failure onset.
+
+    Args:
+        reader: store reader.
+        exclude_units / units: unit filters (exclude the held-out units here).
+        onsets: ``{episode_id: onset or (onset, method)}`` overriding ``meta.failure_onset`` (e.g. the
+            return value of :func:`annotate_failures` when the reader snapshot predates the update).
+        max_per_task: keep only the newest (highest ``policy_version``, then ``start_time``) contexts per task.
+        **filters: passed to ``reader.episodes``.
+
+    Returns:
+        contexts, newest first within each task. Episodes without an onset are skipped.
+    """
+    excl, keep = {int(u) for u in exclude_units}, None if units is None else {int(u) for u in units}
+    onsets = onsets or {}
+    by_task: dict[str, list[FailureContext]] = {}
+    for m in reader.episodes(success=False, is_demo=False, **filters):
+        if int(m.unit_id) in excl or (keep is not None and int(m.unit_id) not in keep):
+            continue
+        onset = onsets.get(m.episode_id, m.failure_onset)
+        if isinstance(onset, (tuple, list)):
+            onset = onset[0]
+        if onset is None:
+            continue
+        by_task.setdefault(m.task, []).append(
+            (FailureContext(m.episode_id, m.task, int(m.unit_id), int(m.policy_version), int(onset)),
+             (int(m.policy_version), float(getattr(m, "start_time", 0.0) or 0.0))))
+    out = []
+    for task in sorted(by_task):
+        ctx = [c for c, _ in sorted(by_task[task], key=lambda ck: ck[1], reverse=True)]
+        out.extend(ctx[:max_per_task] if max_per_task else ctx)
+    return out
+
+
+def embed_contexts(reader, embedder: ContextEmbedder, contexts: Sequence[FailureContext]) -> np.ndarray:
+    """(N, E) float32 embeddings of the failure contexts (window ending at each onset)."""
+    out = []
+    for c in contexts:
+        data = reader.load_episode(c.episode_id, keys=list(embedder.keys))
+        T = len(data[embedder.keys[0]])
+        if not 0 <= c.onset < T:
+            raise ValueError(f"episode {c.episode_id!r}: failure onset {c.onset} outside [0, {T})")
+        out.append(embedder.embed_episode(data, np.array([c.onset])))
+    return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
+
+
+# ----------------------------------------------------------------------------------------- priority
+class TaskPriority:
+    """Per-task priority from recent success statistics (see the module docstring for the choice).
+
+    ``p_task = (successes + 1) / (episodes + 2)`` over the last ``window`` episodes of the task
+    (Beta(1, 1) posterior mean); priority ``p (1 - p) + floor`` for ``method="learnability"``, ``1`` for
+    ``method="uniform"``.
+
+    Args:
+        method: ``"learnability"`` or ``"uniform"``.
+        window: recent episodes per task kept (>= 1).
+        floor: added to every task's learnability so no task is starved (>= 0).
+        exclude_units: units whose episodes :meth:`observe` ignores (held-out units).
+    """
+
+    def __init__(self, method: str = "learnability", window: int = 50, floor: float = 0.02,
+                 exclude_units: Iterable[int] = ()):
+        if method not in ("learnability", "uniform"):
+            raise ValueError(f"priority method: expected 'learnability' or 'uniform', given {method!r}")
+        if window < 1 or floor < 0:
+            raise ValueError(f"window >= 1 and floor >= 0 expected, given window={window}, floor={floor}")
+        self.method, self.window, self.floor = method, window, floor
+        self.exclude_units = {int(u) for u in exclude_units}
+        self.recent: dict[str, deque] = {}
+        self.seen: set[str] = set()
+
+    def update(self, task: str, success: bool) -> None:
+        """Record one episode outcome of ``task``."""
+        self.recent.setdefault(task, deque(maxlen=self.window)).append(bool(success))
+
+    def observe(self, reader) -> int:
+        """Update from the store's non-demo episodes not seen yet (oldest first); returns how many."""
+        new = [m for m in reader.episodes(is_demo=False)
+               if m.episode_id not in self.seen and int(m.unit_id) not in self.exclude_units]
+        new.sort(key=lambda m: (float(getattr(m, "start_time", 0.0) or 0.0), m.episode_id))
+        for m in new:
+            self.seen.add(m.episode_id)
+            self.update(m.task, m.success)
+        return len(new)
+
+    def success_rate(self, task: str) -> float:
+        """Smoothed recent success rate of ``task`` (0.5 with no data)."""
+        r = self.recent.get(task, ())
+        return (sum(r) + 1.0) / (len(r) + 2.0)
+
+    def priority(self, task: str) -> float:
+        """Unnormalised priority of ``task``."""
+        if self.method == "uniform":
+            return 1.0
+        p = self.success_rate(task)
+        return p * (1.0 - p) + self.floor
+
+    def probs(self, tasks: Sequence[str]) -> np.ndarray:
+        """(len(tasks),) float64 sampling probabilities over ``tasks`` (sum 1)."""
+        w = np.array([self.priority(t) for t in tasks], dtype=np.float64)
+        return w / w.sum() if len(w) else w
+
+    def state_dict(self) -> dict:
+        """JSON-able state (for the learner's checkpoint)."""
+        return {"recent": {t: list(map(bool, d)) for t, d in self.recent.items()}, "seen": sorted(self.seen)}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.recent = {t: deque(v, maxlen=self.window) for t, v in state["recent"].items()}
+        self.seen = set(state["seen"])
+
+
+# ----------------------------------------------------------------------------------------- retrieval
+@dataclass
+class Retrieval:
+    """One FERT round's retrieval: failure contexts and, per context, its top-k successful windows.
+
+    Per entry (a retrieved window): ``context`` (index into ``contexts``), ``episode_id``/``step`` of the
+    successful window's anchor, ``similarity`` (cosine), and ``weight`` = context priority x softmax of the
+    context's similarities at ``temperature``; entry weights sum to 1 over the round.
+    """
+    contexts: list[FailureContext]
+    context_weight: np.ndarray           # (C,) float64, sums to 1 over contexts that retrieved anything
+    context: np.ndarray                  # (N,) int64
+    episode_id: list[str]
+    step: np.ndarray                     # (N,) int64
+    similarity: np.ndarray               # (N,) float32
+    weight: np.ndarray                   # (N,) float64
+    source_unit: np.ndarray              # (N,) int64
+    source_task: list[str]
+    query: np.ndarray | None = None      # (C, E) context embeddings (for the audit)
+
+    def __len__(self) -> int:
+        return len(self.episode_id)
+
+    def to_json(self) -> dict:
+        """JSON-able record (without embeddings)."""
+        return {"contexts": [c.__dict__ for c in self.contexts],
+                "context_weight": self.context_weight.tolist(),
+                "entries": [{"context": int(c), "episode_id": e, "step": int(s), "similarity": float(q),
+                             "weight": float(w), "unit_id": int(u)}
+                            for c, e, s, q, w, u in zip(self.context, self.episode_id, self.step,
+                                                        self.similarity, self.weight, self.source_unit)]}
+
+
+def softmax_weights(sims: np.ndarray, temperature: float) -> np.ndarray:
+    """Softmax of cosine similarities at ``temperature`` (> 0; small = sharper). (k,) -> (k,) sum 1."""
+    if temperature <= 0:
+        raise ValueError(f"temperature: expected > 0, given {temperature}")
+    z = (np.asarray(sims, np.float64) - np.max(sims)) / temperature
+    e = np.exp(z)
+    return e / e.sum()
+
+
+def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[FailureContext],
+             priority: TaskPriority | None = None, top_k: int = 8, temperature: float = 0.1,
+             min_similarity: float | None = None) -> Retrieval:
+    """Top-k successful windows of the same task for every failure context, with sampling weights.
+
+    Context weight: ``P(task) * P(context | task)`` with ``P(task)`` from ``priority`` (uniform without one)
+    over the tasks that have contexts and indexed windows, and ``P(context | task) ∝ 2 ** -(v_max - v)``
+    (``v`` the context's policy version, ``v_max`` the newest of the task). Entry weight: context weight x
+    ``softmax(sims / temperature)`` over the context's neighbours.
+
+    Args:
+        index: the success index; queries are searched only within their context's task.
+        queries: (C, E) embeddings of ``contexts`` (:func:`embed_contexts`).
+        contexts: the C failure contexts.
+        priority: task priority; None = uniform over tasks.
+        top_k: neighbours per context (>= 1).
+        temperature: softmax temperature over cosine similarities (> 0).
+        min_similarity: drop neighbours below this cosine similarity.
+
+    Raises:
+        ValueError: ``len(queries) != len(contexts)`` or bad ``top_k``/``temperature``.
+    """
+    if len(queries) != len(contexts):
+        raise ValueError(f"queries: expected {len(contexts)} rows (one per context), given {len(queries)}")
+    if top_k < 1:
+        raise ValueError(f"top_k: expected >= 1, given {top_k}")
+    if temperature <= 0:
+        raise ValueError(f"temperature: expected > 0, given {temperature}")
+    by_task: dict[str, list[int]] = {}
+    for i, c in enumerate(contexts):
+        by_task.setdefault(c.task, []).append(i)
+    neigh: list[list[Neighbor]] = [[] for _ in contexts]
+    for task, idx in by_task.items():
+        for i, nb in zip(idx, index.search(task, queries[idx], top_k)):
+            neigh[i] = [n for n in nb if min_similarity is None or n.similarity >= min_similarity]
+    tasks = sorted({contexts[i].task for i in range(len(contexts)) if neigh[i]})
+    p_task = dict(zip(tasks, priority.probs(tasks) if priority is not None else np.full(len(tasks), 1 / max(len(tasks), 1))))
+    cw = np.zeros(len(contexts), np.float64)
+    for task in tasks:
+        idx = [i for i in by_task[task] if neigh[i]]
+        v = np.array([contexts[i].policy_version for i in idx], np.float64)
+        w = 2.0 ** -(v.max() - v)
+        cw[idx] = p_task[task] * w / w.sum()
+    rows = [(i, n, cw[i] * sw) for i in range(len(contexts)) if neigh[i]
+            for n, sw in zip(neigh[i], softmax_weights([n.similarity for n in neigh[i]], temperature))]
+    metas = index.meta
+    return Retrieval(
+        contexts=list(contexts), context_weight=cw,
+        context=np.array([r[0] for r in rows], np.int64),
+        episode_id=[r[1].episode_id for r in rows],
+        step=np.array([r[1].step for r in rows], np.int64),
+        similarity=np.array([r[1].similarity for r in rows], np.float32),
+        weight=np.array([r[2] for r in rows], np.float64),
+        source_unit=np.array([int(metas[r[1].episode_id].unit_id) for r in rows], np.int64),
+        source_task=[metas[r[1].episode_id].task for r in rows],
+        query=np.asarray(queries, np.float32))
+
+
+# ----------------------------------------------------------------------------------------- batches
+class FertDataset(torch.utils.data.Dataset):
+    """Training windows of one FERT round: retrieved successful windows mixed with demonstration replay.
+
+    One epoch of the dataset is a fixed plan of ``n_retrieved + n_replay`` slots, so a plain shuffled
+    ``DataLoader`` (what ``policies.aed_diffusion.training.train_policy`` uses) already sees the stated mix:
+
+    * retrieved slots ``0 .. n_retrieved - 1``: with ``weighting="loss"`` every retrieved entry once, with
+      ``sample_weight = entry weight x n_retrieved`` (mean 1; the policy's diffusion loss is a
+      ``sample_weight``-weighted mean); with ``weighting="sample"`` ``n_retrieved`` entries drawn with
+      probability proportional to their weight (with replacement), ``sample_weight = 1``.
+      Either way the expected loss is the similarity- and priority-weighted loss over retrieved windows.
+    * replay slots ``n_retrieved ..``: ``n_replay = round(n_retrieved * r / (1 - r))`` windows (``r`` =
+      ``replay_ratio``) drawn uniformly from every step of the replay episodes (without replacement while
+      possible), ``sample_weight = 1``. So replay is exactly ``n_replay / len(self)`` ~= ``r`` of an epoch.
+      With ``r = 1`` or no retrieved entry, the dataset is replay only (every replay window once).
+
+    Windows come from ``experience_dict.sampler.WindowDataset`` with the policy's ``windows`` spec (no second
+    windowing code): an item is a WindowDataset item (``{name: tensor (len(offsets), ...), name_is_pad,
+    "episode_index", "step", "task", "unit_id"}``; ``episode_index`` indexes the source or the replay
+    WindowDataset, see ``"fert.is_replay"``) plus ``"sample_weight"`` (float32 scalar tensor),
+    ``"fert.is_replay"`` (bool scalar tensor) and ``"fert.similarity"`` (float32 scalar tensor, cosine
+    similarity of the retrieved window to its failure context; 1.0 for replay).
+
+    Args:
+        reader: store reader.
+        retrieval: this round's :class:`Retrieval`.
+        replay_episodes: EpisodeMeta of the episodes to replay (the demonstrations).
+        windows: the policy's window spec, ``policy.window_spec()``.
+        replay_ratio: fraction ``r`` of replay slots, in [0, 1].
+        weighting: ``"loss"`` or ``"sample"`` (above).
+        seed: seed of the slot plan.
+
+    Raises:
+        ValueError: bad ratio / weighting, or neither retrieved entries nor replay episodes.
+    """
+
+    def __init__(self, reader, retrieval: Retrieval, replay_episodes: Sequence, windows: Mapping,
+                 replay_ratio: float = 0.5, weighting: str = "loss", seed: int = 0):
+        from experience_dict.sampler import WindowDataset
+        if not 0.0 <= replay_ratio <= 1.0:
+            raise ValueError(f"replay_ratio: expected a fraction in [0, 1], given {replay_ratio}")
+        if weighting not in ("loss", "sample"):
+            raise ValueError(f"weighting: expected 'loss' or 'sample', given {weighting!r}")
+        self.retrieval, self.replay_ratio, self.weighting = retrieval, replay_ratio, weighting
+        rng = np.random.default_rng(seed)
+        replay_episodes = list(replay_episodes)
+        self.replay = WindowDataset(reader, replay_episodes, windows=dict(windows)) if replay_episodes else None
+        n_rep_windows = 0 if self.replay is None else len(self.replay)
+        use_ret = len(retrieval) > 0 and replay_ratio < 1.0
+        if not use_ret and n_rep_windows == 0:
+            raise ValueError("FertDataset: no retrieved windows and no replay episodes")
+        # retrieved part: slot -> entry, and its loss weight
+        if use_ret:
+            src = [reader.episode(e) for e in sorted(set(retrieval.episode_id))]
+            self.source = WindowDataset(reader, src, windows=dict(windows))
+            # WindowDataset anchors every step of its episodes in order: item = first item of episode + step
+            first = dict(zip((e.episode_id for e in src), np.cumsum([0] + [e.length for e in src[:-1]])))
+            self._ret_index = np.array([first[e] + s for e, s in zip(retrieval.episode_id, retrieval.step)],
+                                       np.int64)
+            w = retrieval.weight / retrieval.weight.sum()
+            n = len(retrieval)
+            if weighting == "loss":
+                self._ret_entry, self._ret_w = np.arange(n), (w * n).astype(np.float32)
+            else:
+                self._ret_entry, self._ret_w = rng.choice(n, n, p=w), np.ones(n, np.float32)
+        else:
+            self.source, self._ret_index = None, np.zeros(0, np.int64)
+            self._ret_entry, self._ret_w = np.zeros(0, np.int64), np.zeros(0, np.float32)
+        self.n_retrieved = len(self._ret_entry)
+        # replay part
+        if n_rep_windows == 0:
+            self.n_replay = 0
+        elif self.n_retrieved == 0:
+            self.n_replay = n_rep_windows
+        else:
+            self.n_replay = round(self.n_retrieved * replay_ratio / (1.0 - replay_ratio))
+        reps = -(-self.n_replay // n_rep_windows) if n_rep_windows else 0
+        self._rep_index = (np.concatenate([rng.permutation(n_rep_windows) for _ in range(reps)])[:self.n_replay]
+                           if reps else np.zeros(0, np.int64))
+
+    def __len__(self) -> int:
+        return self.n_retrieved + self.n_replay
+
+    def __getitem__(self, i: int) -> dict:
+        i = int(i)
+        if not 0 <= i < len(self):
+            raise IndexError(f"FertDataset index {i} out of range [0, {len(self)})")
+        if i < self.n_retrieved:
+            e = int(self._ret_entry[i])
+            item = self.source[int(self._ret_index[e])]
+            item["sample_weight"] = torch.tensor(float(self._ret_w[i]))
+            item["fert.is_replay"] = torch.tensor(False)
+            item["fert.similarity"] = torch.tensor(float(self.retrieval.similarity[e]))
+            return item
+        item = self.replay[int(self._rep_index[i - self.n_retrieved])]
+        item["sample_weight"] = torch.tensor(1.0)
+        item["fert.is_replay"] = torch.tensor(True)
+        item["fert.similarity"] = torch.tensor(1.0)
+        return item
+
+
+class FertBatchSampler(torch.utils.data.Sampler):
+    """Batches of :class:`FertDataset` slots with the replay mix exact in *every* batch (for a learner that
+    runs its own loop; a shuffled DataLoader gets the mix per epoch).
+
+    Every batch holds ``round(batch_size * replay_ratio)`` replay slots and the rest retrieved slots, each
+    drawn uniformly with replacement within its part (the slots already carry the weighting). When a part
+    is empty the other fills the batch. Batch ``b`` comes from ``numpy.random.default_rng([seed, b])``, so a
+    resumed learner continues exactly from ``start`` (its data cursor).
+
+    Args:
+        dataset: the round's :class:`FertDataset` (its ``replay_ratio`` is used).
+        batch_size: slots per batch (>= 1).
+        num_batches: the sampler yields batches ``start .. num_batches - 1``.
+        seed: integer seed.
+        start: first batch index (resume cursor).
+
+    Raises:
+        ValueError: bad sizes.
+    """
+
+    def __init__(self, dataset: FertDataset, batch_size: int, num_batches: int, seed: int = 0, start: int = 0):
+        if batch_size < 1 or num_batches < 0 or start < 0:
+            raise ValueError(f"expected batch_size >= 1, num_batches >= 0, start >= 0; given {batch_size}, "
+                             f"{num_batches}, {start}")
+        self.ds, self.batch_size, self.num_batches, self.seed, self.start = dataset, batch_size, num_batches, seed, start
+
+    def n_replay(self) -> int:
+        """Replay slots per batch."""
+        if self.ds.n_replay == 0:
+            return 0
+        if self.ds.n_retrieved == 0:
+            return self.batch_size
+        return round(self.batch_size * self.ds.replay_ratio)
+
+    def batch(self, b: int) -> list[int]:
+        """Slot indices of batch ``b`` (deterministic in ``(seed, b)``): retrieved first, then replay."""
+        rng = np.random.default_rng([self.seed, b])
+        nr = self.n_replay()
+        ret = rng.integers(0, self.ds.n_retrieved, self.batch_size - nr) if nr < self.batch_size else []
+        rep = self.ds.n_retrieved + rng.integers(0, self.ds.n_replay, nr) if nr else []
+        return [int(i) for i in ret] + [int(i) for i in rep]
+
+    def __iter__(self):
+        for b in range(self.start, self.num_batches):
+            yield self.batch(b)
+
+    def __len__(self) -> int:
+        return max(self.num_batches - self.start, 0)
+
+
+def policy_encoder(policy, pool: str = "mean") -> Encoder:
+    """An ``encoder`` for :class:`ContextEmbedder` from an AED diffusion policy's observation encoder.
+
+    Feeds the raw windows (``{key: (N, F, ...)}``, the policy's ``config.input_shapes`` keys) through the
+    policy's own normalisation and ``obs_encoder`` -> ``(N, F, K, dim)`` tokens, averaged over the K tokens of
+    a frame and pooled over frames (``"mean"``) or flattened (``"flatten"``) -> ``(N, E)`` float32, no grad.
+    Duck-typed (``policy.obs_encoder``, ``policy._frames``, ``policy.device``): experience_dict does not
+    import policies.
+    """
+    if pool not in ("mean", "flatten"):
+        raise ValueError(f"pool: expected 'mean' or 'flatten', given {pool!r}")
+
+    @torch.no_grad()
+    def encode(windows: dict[str, np.ndarray]) -> np.ndarray:
+        batch = {k: torch.as_tensor(np.asarray(v)).to(policy.device) for k, v in windows.items()}
+        tok = policy.obs_encoder(policy._frames(batch)).mean(dim=-2)           # (N, F, dim)
+        z = tok.mean(dim=1) if pool == "mean" else tok.flatten(1)
+        return z.float().cpu().numpy()
+
+    return encode
+
+
+# ----------------------------------------------------------------------------------------- one object
+# keys of configs/fert/default.yaml ("rounds" and "audit" are read by the learner / scripts/run.py)
+FERT_CONFIG_KEYS = {"rounds", "window", "frame_stride", "embed_keys", "encoder", "pool", "index_stride",
+                    "include_demos", "top_k", "temperature", "min_similarity", "max_contexts_per_task",
+                    "replay_ratio", "weighting", "onset", "priority", "audit"}
+
+
+class FertData:
+    """Everything the learner needs per FERT round, configured by ``cfg.fert`` (configs/fert/default.yaml).
+
+    Per round::
+
+        fert = FertData(reader, cfg.fert, stats=reader.stats(list(STATE_KEYS), episodes=demos),
+                        exclude_units=heldout_units)          # once; keep it across rounds
+        fert.update()                     # reader.refresh(), failure onsets, index new successes, task stats
+        retrieval = fert.retrieve()       # failure contexts (training units) -> top-k successful windows
+        dataset = fert.dataset(retrieval, demos, policy.window_spec(), seed=round_idx)
+        train_policy(..., policy=policy, dataset=dataset)     # or DataLoader(dataset, batch_sampler=
+                                                              #   FertBatchSampler(dataset, B, n, seed))
+        write_retrieval_audit(retrieval, fert.index, out_dir, round_idx)      # experience_dict.audit
+
+    Args:
+        reader: ``ExperienceStore`` reader.
+        cfg: mapping with the keys of configs/fert/default.yaml (``window`` required; the rest default).
+        stats: store statistics of ``embed_keys`` for the state embedding (ignored with ``encoder``).
+        exclude_units: units whose episodes are never used, neither as contexts nor as retrieved
+            experience nor in the task statistics (the held-out units).
+        encoder: optional observation encoder for the embeddings (:func:`policy_encoder`); required when
+            ``cfg.encoder == "policy"``.
+
+    Raises:
+        KeyError: ``window`` missing from ``cfg``. ValueError: an unknown config key, or ``encoder: policy``
+            without an encoder.
+    """
+
+    def __init__(self, reader, cfg: Mapping, stats: Mapping | None = None, exclude_units: Iterable[int] = (),
+                 encoder: Encoder | None = None):
+        if "window" not in cfg:
+            raise KeyError("fert config: 'window' (failure-context length W, steps) is required")
+        unknown = sorted(set(cfg) - FERT_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"fert config: unknown keys {unknown}; expected keys from {sorted(FERT_CONFIG_KEYS)}")
+        if cfg.get("encoder", "state") == "policy" and encoder is None:
+            raise ValueError("fert config encoder='policy' needs encoder=policy_encoder(policy)")
+        self.reader, self.cfg = reader, cfg
+        self.exclude_units = [int(u) for u in exclude_units]
+        self.window = int(cfg["window"])
+        self.embedder = ContextEmbedder(stats, keys=list(cfg.get("embed_keys") or STATE_KEYS),
+                                        frames=self.window, stride=int(cfg.get("frame_stride", 1)),
+                                        pool=str(cfg.get("pool", "flatten")), encoder=encoder)
+        self.index = SuccessIndex(self.embedder, stride=int(cfg.get("index_stride", 1)),
+                                  include_demos=bool(cfg.get("include_demos", True)),
+                                  exclude_units=self.exclude_units)
+        pcfg = cfg.get("priority") or {}
+        self.priority = TaskPriority(str(pcfg.get("method", "learnability")), int(pcfg.get("window", 50)),
+                                     float(pcfg.get("floor", 0.02)), exclude_units=self.exclude_units)
+        ocfg = cfg.get("onset") or {}
+        sig = ocfg.get("signals")
+        self.signals = DEFAULT_SIGNALS if sig is None else {str(k): (str(v[0]), float(v[1])) for k, v in sig.items()}
+        self.tolerance = float(ocfg.get("tolerance", 0.02))
+        self.onsets: dict[str, tuple[int, str]] = {}
+
+    def update(self) -> dict[str, int]:
+        """``reader.refresh()``, annotate new failures, index new successes, update the task statistics.
+
+        Returns ``{"new_episodes", "annotated", "indexed", "observed"}`` counts of this call."""
+        new = self.reader.refresh()
+        ann = annotate_failures(self.reader, self.window, self.tolerance, self.signals)
+        self.onsets.update(ann)
+        return {"new_episodes": int(new), "annotated": len(ann), "indexed": self.index.refresh(self.reader),
+                "observed": self.priority.observe(self.reader)}
+
+    def retrieve(self) -> Retrieval:
+        """Failure contexts of the training units -> top-k successful windows of the same task."""
+        contexts = failure_contexts(self.reader, exclude_units=self.exclude_units, onsets=self.onsets,
+                                    max_per_task=self.cfg.get("max_contexts_per_task"))
+        queries = embed_contexts(self.reader, self.embedder, contexts)
+        return retrieve(self.index, queries, contexts, self.priority, top_k=int(self.cfg.get("top_k", 8)),
+                        temperature=float(self.cfg.get("temperature", 0.1)),
+                        min_similarity=self.cfg.get("min_similarity"))
+
+    def dataset(self, retrieval: Retrieval, replay_episodes: Sequence, windows: Mapping,
+                seed: int = 0) -> FertDataset:
+        """The round's :class:`FertDataset` (``replay_ratio`` and ``weighting`` from the config)."""
+        return FertDataset(self.reader, retrieval, replay_episodes, windows,
+                           replay_ratio=float(self.cfg.get("replay_ratio", 0.5)),
+                           weighting=str(self.cfg.get("weighting", "loss")), seed=seed)
+
+    def state_dict(self) -> dict:
+        """JSON-able learner-checkpoint state: the task statistics. (Onsets live in the store; the index is
+        rebuilt from the store by :meth:`update` - keep ``stats`` fixed, e.g. from the demonstrations, so the
+        rebuilt embeddings match.)"""
+        return {"priority": self.priority.state_dict()}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.priority.load_state_dict(state["priority"])

@@ -1,0 +1,300 @@
+"""FERT retrieval on a real Zarr store: failure onsets in metadata, same-task successful windows only, never a
+failed episode or a held-out unit, incremental refresh, the replay mix of FERT batches, task priority."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader
+
+from experience_dict.failure import annotate_failures
+from experience_dict.retrieval import (
+    STATE_KEYS,
+    ContextEmbedder,
+    FertBatchSampler,
+    FertData,
+    FertDataset,
+    SuccessIndex,
+    TaskPriority,
+    embed_contexts,
+    failure_contexts,
+    policy_encoder,
+    retrieve,
+)
+from experience_dict.store import DEFAULT_PROGRESS_KEYS, ExperienceStore
+
+torch.set_num_threads(1)
+SPEC = {"observation.state": {"shape": [4], "dtype": "float32"},
+        "observation.environment_state": {"shape": [7], "dtype": "float32"},
+        "action": {"shape": [4], "dtype": "float32"}, "control_hz": 80.0}
+T, L, W = 40, 30, 6            # episode length, steps to reach the goal, context window
+HELDOUT = 100
+# the repo's FERT config with small-test overrides
+FERT_CFG = OmegaConf.merge(OmegaConf.load(Path(__file__).parents[1] / "configs/fert/default.yaml"),
+                           {"window": W, "top_k": 4, "replay_ratio": 0.25, "include_demos": False})
+
+
+def trajectory(start, goal, stall: int | None = None, flat: bool = False):
+    """Hand moves linearly from start to goal in L steps (stops at ``stall``); object rides with the hand."""
+    start, goal = np.asarray(start, np.float64), np.asarray(goal, np.float64)
+    frac = np.minimum(np.arange(T) / L, 1.0)
+    if stall is not None:
+        frac = np.minimum(frac, frac[stall - 1])
+    pos = start + frac[:, None] * (goal - start)                                    # (T, 3)
+    d = np.linalg.norm(pos - goal, axis=1)
+    steps = []
+    for t in range(T):
+        obs = {"observation.state": np.r_[pos[t], 0.5].astype(np.float32),
+               "observation.environment_state": np.r_[pos[t], goal, 0.0].astype(np.float32)}
+        act = np.r_[np.clip((goal - start) / L * 100, -1, 1), 0.0].astype(np.float32) * (frac[t] < 1)
+        ipr = 0.3 if flat else 1.0 - d[t] / d[0]
+        prog = {k: 0.0 for k in DEFAULT_PROGRESS_KEYS}
+        prog.update(in_place_reward=ipr, obj_to_target=d[0] if flat else d[t], unscaled_reward=10 * ipr)
+        steps.append((obs, act.astype(np.float32), 10 * ipr, prog))
+    return steps
+
+
+def write(w, unit, task, steps, success, is_demo=False, version=0):
+    w.begin_episode(unit_id=unit, embodiment="sawyer", task=task, policy_version=version, seed=0, is_demo=is_demo)
+    for obs, act, r, prog in steps:
+        w.add_step(obs, act, r, prog)
+    return w.commit(success=success)
+
+
+def build_store(url):
+    """Families (start, goal) of one task: a success on one unit, a stalled failure on another; a held-out
+    success duplicating a failure; a success of another task duplicating a failure; demonstrations."""
+    store = ExperienceStore.create_or_open(url, spec=SPEC)
+    rng = np.random.default_rng(0)
+    ids = {"success": {}, "failure": {}, "family_success": {}, "stall": {}}
+    writers = {u: store.writer(f"unit-{u:04d}") for u in (0, 1, 2, HELDOUT)}
+    for task in ("push-v3", "reach-v3"):
+        for f in range(4):
+            start, goal = rng.uniform(-0.3, 0.3, 3), rng.uniform(-0.3, 0.3, 3)
+            su, fu = f % 3, (f + 1) % 3
+            s_id = write(writers[su], su, task, trajectory(start, goal), True)
+            stall = 12 + 3 * f
+            f_id = write(writers[fu], fu, task, trajectory(start, goal, stall=stall), False, version=1)
+            ids["success"][s_id], ids["failure"][f_id] = task, task
+            ids["family_success"][f_id], ids["stall"][f_id] = s_id, stall
+            if task == "push-v3" and f == 0:
+                # exact duplicates of this failure's trajectory: a held-out success and a reach-v3 success
+                ids["heldout"] = write(writers[HELDOUT], HELDOUT, task, trajectory(start, goal), True)
+                ids["other_task"] = write(writers[2], 2, "reach-v3", trajectory(start, goal), True)
+                ids["success"][ids["other_task"]] = "reach-v3"
+                # a second, near-identical failure (would be the top hit if failures were indexed)
+                dup = write(writers[2], 2, task, trajectory(start + 1e-4, goal, stall=stall), False, version=1)
+                ids["failure"][dup] = task
+                ids["family_success"][dup], ids["stall"][dup] = s_id, stall
+    for task in ("push-v3", "reach-v3"):
+        for _ in range(2):
+            ids.setdefault("demo", []).append(
+                write(writers[0], 0, task, trajectory(rng.uniform(-.3, .3, 3), rng.uniform(-.3, .3, 3)), True,
+                      is_demo=True, version=-1))
+    ids["flat"] = write(writers[1], 1, "push-v3", trajectory([0, 0, 0], [0.2, 0, 0], stall=10, flat=True), False)
+    for w in writers.values():
+        w.close()
+    return store, ids
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    url = str(tmp_path_factory.mktemp("store") / "store")
+    _, ids = build_store(url)
+    return url, ids
+
+
+def test_failure_onsets_are_written_to_the_store(world):
+    url, ids = world
+    reader = ExperienceStore.open(url)
+    out = annotate_failures(reader, W, tolerance=0.02)
+    assert set(out) == set(ids["failure"]) | {ids["flat"]}
+    for ep, stall in ids["stall"].items():
+        # linear progress (1/L per step > tolerance) up to the stall, flat after: onset = last moving step
+        assert out[ep] == (stall - 1, "progress")
+    assert out[ids["flat"]] == (T - 1, "fallback")                 # constant signals: last W steps
+    fresh = ExperienceStore.open(url)                               # the annotation is in the store
+    assert fresh.episode(ids["flat"]).failure_onset == T - 1
+    assert {e: fresh.episode(e).failure_onset for e in ids["stall"]} == {e: s - 1 for e, s in ids["stall"].items()}
+    assert annotate_failures(fresh, W) == {}                        # nothing left to annotate
+
+
+def test_retrieval_same_task_successes_only(world):
+    url, ids = world
+    reader = ExperienceStore.open(url)
+    fert = FertData(reader, FERT_CFG, stats=reader.stats(list(STATE_KEYS)), exclude_units=[HELDOUT])
+    counts = fert.update()
+    assert counts["indexed"] == len(ids["success"])                 # held-out, failures and demos left out
+    assert ids["heldout"] not in fert.index and not any(e in fert.index for e in ids["failure"])
+    ret = fert.retrieve()
+    assert {c.episode_id for c in ret.contexts} == set(ids["failure"]) | {ids["flat"]}
+    assert len(ret) == len(ret.contexts) * FERT_CFG["top_k"]
+    for i in range(len(ret)):
+        ctx, ep = ret.contexts[ret.context[i]], ret.episode_id[i]
+        meta = reader.episode(ep)
+        assert meta.success and not meta.is_demo and meta.unit_id != HELDOUT
+        assert meta.task == ctx.task == ret.source_task[i]
+        assert ep not in ids["failure"] and ep != ids["heldout"]
+    assert ids["other_task"] not in [e for e, c in zip(ret.episode_id, ret.context)
+                                     if ret.contexts[c].task == "push-v3"]
+    # the failure's own trajectory up to the onset exists in its family's success: top-1, same step, sim ~1
+    for c, ctx in enumerate(ret.contexts):
+        if ctx.episode_id not in ids["stall"]:
+            continue
+        rows = np.flatnonzero(ret.context == c)
+        top = rows[np.argmax(ret.similarity[rows])]
+        assert ret.episode_id[top] in (ids["family_success"][ctx.episode_id], ids["other_task"])
+        assert ret.episode_id[top] == ids["family_success"][ctx.episode_id]
+        assert ret.step[top] == ctx.onset and ret.similarity[top] > 0.999
+    np.testing.assert_allclose(ret.weight.sum(), 1.0)
+    assert np.all(ret.weight > 0)
+    rec = json.loads(json.dumps(ret.to_json()))
+    assert len(rec["entries"]) == len(ret) and rec["contexts"][0]["episode_id"] == ret.contexts[0].episode_id
+    restored = FertData(reader, FERT_CFG, stats=reader.stats(list(STATE_KEYS)), exclude_units=[HELDOUT])
+    restored.load_state_dict(json.loads(json.dumps(fert.state_dict())))
+    assert restored.priority.success_rate("push-v3") == fert.priority.success_rate("push-v3") < 0.5
+
+
+def test_index_refreshes_incrementally(tmp_path):
+    url = str(tmp_path / "store")
+    store = ExperienceStore.create_or_open(url, spec=SPEC)
+    w = store.writer("unit-0000")
+    a = write(w, 0, "push-v3", trajectory([0, 0, 0], [0.2, 0.1, 0.0]), True)
+    reader = ExperienceStore.open(url)
+    emb = ContextEmbedder(reader.stats(list(STATE_KEYS)), frames=W)
+    index = SuccessIndex(emb, stride=2)
+    assert index.refresh(reader) == 1 and index.size("push-v3") == T // 2
+    b = write(w, 0, "push-v3", trajectory([0.1, 0, 0], [-0.2, 0.1, 0.1]), True)
+    fail = write(w, 0, "push-v3", trajectory([0.1, 0, 0], [-0.2, 0.1, 0.1], stall=8), False)
+    assert index.refresh(reader) == 0                               # snapshot: not visible before refresh()
+    reader.refresh()
+    assert index.refresh(reader) == 1 and index.refresh(reader) == 0
+    assert a in index and b in index and fail not in index
+    with pytest.raises(ValueError, match="only successful"):
+        index.add_episode(reader.episode(fail), reader.load_episode(fail, list(STATE_KEYS)))
+    hits = index.search("push-v3", emb.embed_episode(reader.load_episode(b, list(STATE_KEYS)), np.array([10])), 3)[0]
+    assert hits[0].episode_id == b and hits[0].step == 10 and hits[0].similarity == pytest.approx(1.0, abs=1e-5)
+    assert index.search("reach-v3", np.zeros((2, index.tasks["push-v3"].index.d), np.float32), 3) == [[], []]
+    w.close()
+
+
+def test_fert_batches_have_the_replay_mix(world):
+    url, _ = world
+    reader = ExperienceStore.open(url)
+    fert = FertData(reader, FERT_CFG, stats=reader.stats(list(STATE_KEYS)), exclude_units=[HELDOUT])
+    fert.update()
+    ret = fert.retrieve()
+    demos = reader.episodes(is_demo=True)
+    windows = {"observation.state": ("observation.state", [-1, 0]), "action": ("action", list(range(4)))}
+    ds = fert.dataset(ret, demos, windows, seed=0)
+    r = FERT_CFG["replay_ratio"]
+    assert ds.n_retrieved == len(ret) and ds.n_replay == round(len(ret) * r / (1 - r))
+    flags = np.array([bool(ds[i]["fert.is_replay"]) for i in range(len(ds))])
+    assert flags.sum() == ds.n_replay and abs(flags.mean() - r) < 0.01
+    # retrieved items are the store's windows at the retrieved anchors; loss weights average 1
+    for i in (0, 7, ds.n_retrieved - 1):
+        item = ds[i]
+        data = reader.load_episode(ret.episode_id[i], ["action", "observation.state"])
+        s = int(ret.step[i])
+        assert item["step"] == s and item["task"] == ret.source_task[i]
+        np.testing.assert_array_equal(item["action"].numpy(), data["action"][np.clip(np.arange(s, s + 4), 0, T - 1)])
+        np.testing.assert_array_equal(item["observation.state"][1].numpy(), data["observation.state"][s])
+    sw = np.array([float(ds[i]["sample_weight"]) for i in range(ds.n_retrieved)])
+    assert sw.mean() == pytest.approx(1.0, rel=1e-5)
+    np.testing.assert_allclose(sw, ret.weight / ret.weight.sum() * len(ret), rtol=1e-5)
+    demo_ids = {e.episode_id for e in demos}
+    for i in range(ds.n_retrieved, len(ds), 5):
+        item = ds[i]
+        assert ds.replay.episodes[item["episode_index"]].episode_id in demo_ids and float(item["sample_weight"]) == 1.0
+    # a plain shuffled DataLoader collates the mixed items (what train_policy does)
+    batch = next(iter(DataLoader(ds, batch_size=16, shuffle=True)))
+    assert batch["action"].shape == (16, 4, 4) and batch["sample_weight"].shape == (16,)
+    # the batch sampler: exact mix in every batch, deterministic per (seed, batch index)
+    sampler = FertBatchSampler(ds, batch_size=8, num_batches=5, seed=3)
+    batches = list(sampler)
+    assert len(batches) == 5 and all(sum(i >= ds.n_retrieved for i in b) == 2 for b in batches)
+    assert list(FertBatchSampler(ds, 8, 5, seed=3, start=2)) == batches[2:]
+    # replay only when nothing was retrieved; sample weighting draws entries, weights 1
+    ds0 = FertDataset(reader, retrieve(fert.index, np.zeros((0, 1), np.float32), [], None), demos, windows)
+    assert ds0.n_retrieved == 0 and len(ds0) == sum(e.length for e in demos)
+    ds_s = FertDataset(reader, ret, demos, windows, replay_ratio=0.5, weighting="sample", seed=1)
+    assert ds_s.n_replay == ds_s.n_retrieved == len(ret)
+    assert all(float(ds_s[i]["sample_weight"]) == 1.0 for i in range(0, ds_s.n_retrieved, 9))
+    with pytest.raises(ValueError, match="replay_ratio"):
+        FertDataset(reader, ret, demos, windows, replay_ratio=1.5)
+
+
+def test_task_priority_learnability():
+    pr = TaskPriority("learnability", window=10, floor=0.0)
+    for s in [True, False] * 5:
+        pr.update("half", s)
+    for _ in range(10):
+        pr.update("solved", True)
+        pr.update("never", False)
+    p = dict(zip(["half", "solved", "never"], pr.probs(["half", "solved", "never"])))
+    assert p["half"] > 2.5 * p["solved"] and p["solved"] == pytest.approx(p["never"])
+    assert pr.success_rate("half") == 0.5 and pr.success_rate("unknown") == 0.5
+    for _ in range(10):                                             # the window forgets old outcomes
+        pr.update("half", True)
+    assert pr.success_rate("half") == pytest.approx(11 / 12)
+    restored = TaskPriority("learnability", window=10, floor=0.0)
+    restored.load_state_dict(pr.state_dict())
+    np.testing.assert_allclose(restored.probs(["half", "never"]), pr.probs(["half", "never"]))
+    np.testing.assert_allclose(TaskPriority("uniform").probs(["a", "b"]), [0.5, 0.5])
+    with pytest.raises(ValueError, match="method"):
+        TaskPriority("ucb")
+
+
+def test_contexts_priority_weights_and_errors(world):
+    url, _ = world
+    reader = ExperienceStore.open(url)
+    annotate_failures(reader, W)
+    ctx = failure_contexts(reader, exclude_units=[HELDOUT])
+    assert ctx and all(c.unit_id != HELDOUT for c in ctx)
+    emb = ContextEmbedder(reader.stats(list(STATE_KEYS)), frames=W)
+    index = SuccessIndex(emb, include_demos=False, exclude_units=[HELDOUT])
+    index.refresh(reader)
+    q = embed_contexts(reader, emb, ctx)
+    pr = TaskPriority(floor=0.0)
+    for _ in range(20):
+        pr.update("push-v3", True)                                   # push solved, reach half the time
+        pr.update("reach-v3", bool(_ % 2))
+    ret = retrieve(index, q, ctx, pr, top_k=2)
+    mass = {t: ret.weight[[ret.contexts[c].task == t for c in ret.context]].sum() for t in ("push-v3", "reach-v3")}
+    assert mass["reach-v3"] > 2 * mass["push-v3"]
+    with pytest.raises(ValueError, match="one per context"):
+        retrieve(index, q[:1], ctx)
+    with pytest.raises(KeyError, match="observation.environment_state"):
+        ContextEmbedder({"observation.state": {"mean": [0] * 4, "std": [1] * 4}})
+
+
+def test_policy_encoder_embeddings(world):
+    """Context embeddings from the AED diffusion policy's observation encoder (encoder: policy)."""
+    from policies.aed_diffusion import AEDDiffusionConfig, AEDDiffusionPolicy
+    url, ids = world
+    reader = ExperienceStore.open(url)
+    cfg = AEDDiffusionConfig(input_shapes={"observation.state": [4], "observation.environment_state": [7]},
+                             dim=32, n_layers=1, n_heads=2, state_hidden=32, aed={"enabled": False},
+                             mt_loss={"weight": 0.0})
+    policy = AEDDiffusionPolicy(cfg, reader.stats(list(STATE_KEYS) + ["action"])).eval()
+    fert = FertData(reader, OmegaConf.merge(FERT_CFG, {"encoder": "policy", "pool": "flatten"}),
+                    exclude_units=[HELDOUT], encoder=policy_encoder(policy, pool="flatten"))
+    fert.update()
+    ret = fert.retrieve()
+    assert ret.query.shape == (len(ret.contexts), W * 32)
+    np.testing.assert_allclose(np.linalg.norm(ret.query, axis=1), 1.0, rtol=1e-5)
+    for c, ctx in enumerate(ret.contexts):        # identical state windows give identical encoder features
+        if ctx.episode_id in ids["stall"]:
+            rows = np.flatnonzero(ret.context == c)
+            top = rows[np.argmax(ret.similarity[rows])]
+            assert ret.episode_id[top] == ids["family_success"][ctx.episode_id] and ret.step[top] == ctx.onset
+    assert all(reader.episode(e).success for e in ret.episode_id)
+    with pytest.raises(ValueError, match="needs encoder"):
+        FertData(reader, OmegaConf.merge(FERT_CFG, {"encoder": "policy"}))
+    with pytest.raises(ValueError, match="unknown keys"):
+        FertData(reader, {"window": 4, "topk": 3})
