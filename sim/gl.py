@@ -1,0 +1,155 @@
+"""Offscreen OpenGL for MuJoCo on CPU or GPU machines: backend choice, fast renderer set-up, upright images.
+
+MuJoCo's Python bindings pick their GL backend from ``MUJOCO_GL`` once, when ``mujoco`` is first imported, and
+``import mujoco`` itself fails when that backend's libraries are missing. ``select_backend()`` therefore runs
+from ``sim/__init__.py`` before anything imports mujoco: it keeps ``MUJOCO_GL=egl`` (the default) when an EGL
+display initialises, falls back to ``osmesa`` when only libOSMesa is present, and otherwise sets
+``MUJOCO_GL=disable`` so that state-only envs still work; ``make_renderer`` then raises an error naming what to
+install. An explicit ``MUJOCO_GL`` other than ``egl`` (``osmesa``, ``glfw``, ...) is respected unchanged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ctypes.util
+import os
+import sys
+import weakref
+
+import numpy as np
+
+INSTALL_HINT = (
+    "Install an offscreen OpenGL backend: EGL (Debian/Ubuntu: `apt-get install libegl1 libgl1`, with Mesa "
+    "or an NVIDIA driver) and run with MUJOCO_GL=egl, or OSMesa (`apt-get install libosmesa6`) and run with "
+    "MUJOCO_GL=osmesa. State-only envs (obs.images=false) need no GL."
+)
+_backend_note: str | None = None  # why rendering is unavailable, if it is
+
+
+def _egl_works() -> bool:
+    """True when libEGL loads and one EGL device display initialises (the check MuJoCo's EGL context makes)."""
+    name = ctypes.util.find_library("EGL")
+    if name is None:
+        return False
+    try:
+        egl = ctypes.CDLL(name)
+        egl.eglGetProcAddress.restype = ctypes.c_void_p
+        egl.eglGetProcAddress.argtypes = [ctypes.c_char_p]
+        q_addr = egl.eglGetProcAddress(b"eglQueryDevicesEXT")
+        d_addr = egl.eglGetProcAddress(b"eglGetPlatformDisplayEXT")
+        if not q_addr or not d_addr:
+            return False
+        query = ctypes.CFUNCTYPE(ctypes.c_uint, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
+                                 ctypes.POINTER(ctypes.c_int))(q_addr)
+        get_display = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p)(d_addr)
+        devices, n = (ctypes.c_void_p * 8)(), ctypes.c_int(0)
+        if not query(8, devices, ctypes.byref(n)):
+            return False
+        egl.eglInitialize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        egl.eglTerminate.argtypes = [ctypes.c_void_p]
+        for i in range(n.value):
+            display = get_display(0x313F, devices[i], None)  # EGL_PLATFORM_DEVICE_EXT
+            if display and egl.eglInitialize(display, None, None):
+                egl.eglTerminate(display)
+                return True
+    except (OSError, AttributeError):
+        return False
+    return False
+
+
+def select_backend() -> str:
+    """Choose ``MUJOCO_GL`` before mujoco is imported; returns the backend in effect.
+
+    Order: an explicit non-egl ``MUJOCO_GL`` is kept; else ``egl`` if an EGL device initialises; else
+    ``osmesa`` if libOSMesa is found; else ``disable`` (rendering raises ``RuntimeError`` with
+    ``INSTALL_HINT``). If mujoco is already imported, its backend cannot change and is returned as is.
+    """
+    global _backend_note
+    current = os.environ.get("MUJOCO_GL", "").lower().strip()
+    if "mujoco" in sys.modules or (current and current != "egl"):
+        return current or "glfw"
+    if _egl_works():
+        os.environ["MUJOCO_GL"] = "egl"
+    elif ctypes.util.find_library("OSMesa"):
+        os.environ["MUJOCO_GL"] = "osmesa"
+        os.environ["PYOPENGL_PLATFORM"] = "osmesa"
+        _backend_note = "EGL did not initialise; using OSMesa (slower)."
+    else:
+        os.environ["MUJOCO_GL"] = "disable"
+        _backend_note = f"no EGL device and no libOSMesa found{' (MUJOCO_GL=egl requested)' if current else ''}."
+    return os.environ["MUJOCO_GL"]
+
+
+# Corner cameras in Meta-World's scene are rolled 180 degrees: their raw image is upside down *and* mirrored,
+# so it is rotated back (a vertical flip alone would leave it mirrored). LeRobot's Meta-World env does the same.
+ROTATED_CAMERAS = frozenset({"corner", "corner2", "corner3", "corner4"})
+
+_live: weakref.WeakSet = weakref.WeakSet()
+_atexit_registered = False
+
+
+def _close_all() -> None:
+    """Close live renderers; registered after mujoco's own EGL atexit hook so that it runs first (LIFO)."""
+    for r in list(_live):
+        r.close()
+
+
+class CameraRenderer:
+    """RGB renders of named cameras of one MuJoCo model, made fast for CPU rasterisers.
+
+    Before the ``mujoco.Renderer`` (and its GL context) is created, the model's shadow map is shrunk to
+    ``shadowsize`` and multisampling (``offsamples``) is set to 0; shadows and reflections are scene flags
+    (off by default: on llvmpipe they cost ~3x). Figures: DESIGN.md "Facts about the dependencies".
+
+    Args:
+        model: ``mujoco.MjModel`` (its ``vis.quality`` fields are modified).
+        height, width: image size in pixels.
+        shadows, reflections: render shadows / floor reflections.
+        shadowsize: shadow map size in texels (MuJoCo default 4096).
+
+    Raises:
+        RuntimeError: no working GL backend; the message says what to install.
+    """
+
+    def __init__(self, model, height: int, width: int, shadows: bool = False, reflections: bool = False,
+                 shadowsize: int = 256) -> None:
+        import mujoco
+
+        if os.environ.get("MUJOCO_GL", "").lower() in ("disable", "disabled", "off", "false", "0"):
+            raise RuntimeError(f"offscreen rendering is unavailable: {_backend_note or 'MUJOCO_GL disables GL'} "
+                               + INSTALL_HINT)
+        model.vis.quality.shadowsize = int(shadowsize)
+        model.vis.quality.offsamples = 0
+        model.vis.global_.offwidth = max(int(model.vis.global_.offwidth), int(width))
+        model.vis.global_.offheight = max(int(model.vis.global_.offheight), int(height))
+        try:
+            self._r = mujoco.Renderer(model, height=int(height), width=int(width))
+        except Exception as e:  # GL context creation failed (EGL without device, OSMesa missing, ...)
+            raise RuntimeError(f"could not create a MuJoCo offscreen renderer with "
+                               f"MUJOCO_GL={os.environ.get('MUJOCO_GL')!r}: {e}. " + INSTALL_HINT) from e
+        self._r.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = bool(shadows)
+        self._r.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = bool(reflections)
+        self.height, self.width = int(height), int(width)
+        global _atexit_registered
+        if not _atexit_registered:
+            atexit.register(_close_all)
+            _atexit_registered = True
+        _live.add(self)
+
+    def render(self, data, camera: str) -> np.ndarray:
+        """Render ``camera`` of the current ``data``; (H, W, 3) uint8 RGB, upright (corner cameras rotated 180°)."""
+        self._r.update_scene(data, camera=camera)
+        img = self._r.render()
+        if camera in ROTATED_CAMERAS:
+            img = np.flip(img, (0, 1))
+        return np.ascontiguousarray(img)
+
+    def close(self) -> None:
+        """Free the GL context (idempotent)."""
+        r, self._r = getattr(self, "_r", None), None
+        if r is not None:
+            try:
+                r.close()
+            except Exception:  # noqa: BLE001, S110 - a context already torn down by the driver
+                pass

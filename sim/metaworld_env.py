@@ -1,0 +1,315 @@
+"""Meta-World v3 tasks as Gymnasium envs with LeRobot-style dict observations, robot units and progress signals.
+
+Built on Meta-World 3.1.1's own task classes (``metaworld.env_dict.ALL_V3_ENVIRONMENTS``) set up the way its
+goal-observable MT envs are (goal visible, goals drawn from the env's seeded ``np_random``), and wrapped so that
+observations follow docs/INTERFACES.md, a ``RobotUnit``'s variation is applied, and episodes end a fixed number
+of steps after the first success.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from sim.gl import CameraRenderer
+from sim.units import CAMERAS, ModelVariation, RobotUnit, as_dict, json_safe, unit_lists
+
+PROGRESS_KEYS = ("near_object", "grasp_success", "grasp_reward", "in_place_reward", "obj_to_target",
+                 "unscaled_reward")
+CONTROL_HZ = 80.0  # Meta-World: timestep 2.5 ms x frame_skip 5
+STATE_NAMES = ["ee_x", "ee_y", "ee_z", "gripper"]
+ENV_STATE_NAMES = ([f"obj1_{k}" for k in ("x", "y", "z", "q0", "q1", "q2", "q3")]
+                   + [f"obj2_{k}" for k in ("x", "y", "z", "q0", "q1", "q2", "q3")] + ["goal_x", "goal_y", "goal_z"])
+ACTION_NAMES = ["dx", "dy", "dz", "gripper"]
+_ENV_POS_DIMS = np.array([0, 1, 2, 7, 8, 9, 14, 15, 16])  # position entries of environment_state (noise goes here)
+HOLD_ACTION = np.array([0.0, 0.0, 0.0, -1.0], dtype=np.float32)  # no motion, gripper open (as after reset)
+MW_MAX_PATH_LENGTH = 500  # Meta-World raises past this many steps per episode
+
+
+def _all_tasks() -> list[str]:
+    from metaworld.env_dict import ALL_V3_ENVIRONMENTS
+
+    return list(ALL_V3_ENVIRONMENTS)
+
+
+def list_tasks(task_cfg: Any = None) -> list[str]:
+    """Task names: all 50 Meta-World v3 tasks (Meta-World's order) or a suite config's ``tasks``, validated.
+
+    Raises:
+        ValueError: a suite names an unknown task or has no tasks.
+    """
+    if task_cfg is None:
+        return _all_tasks()
+    tasks = list(as_dict(task_cfg).get("tasks") or [])
+    if not tasks:
+        raise ValueError(f"task config {as_dict(task_cfg).get('name', '?')!r} lists no tasks")
+    for t in tasks:
+        check_task(t)
+    return tasks
+
+
+def check_task(task: str) -> None:
+    """Raise ValueError naming the valid choices unless ``task`` is a Meta-World v3 task name."""
+    valid = _all_tasks()
+    if task not in valid:
+        raise ValueError(f"unknown task {task!r}; valid Meta-World v3 tasks: {', '.join(valid)}")
+
+
+class MetaWorldEnv(gym.Env):
+    """One Meta-World v3 task on one robot unit.
+
+    Observation (dict, float32 unless noted):
+        ``observation.state`` (4,): end-effector (hand) position x, y, z in metres (world frame) and gripper
+        opening (finger distance / 0.1 m, 0..1), plus the unit's observation noise on x, y, z.
+        ``observation.environment_state`` (17,): object 1 position (m) + quaternion, object 2 position +
+        quaternion (zeros when the task has one object), goal position (m); noise on present positions.
+        ``observation.images.<camera>`` (H, W, 3) uint8 RGB, upright, when ``obs_cfg.images``.
+    Action: (4,) float32 in [-1, 1]: end-effector displacement x, y, z (Meta-World: 1 cm per unit, times the
+        unit's per-axis ``action_gain``) and gripper effort (absolute, +1 closes). Actions are cast to float32
+        and clipped; with ``action_latency`` L the action executed at step t is the one given at step t - L
+        (``HOLD_ACTION`` for the first L steps).
+    Reward: Meta-World v3's dense reward (0..10) of the executed action.
+    info: ``success`` (bool, Meta-World's success test this step), ``episode_success`` (bool, any success so
+        far) and ``progress`` (dict with exactly ``PROGRESS_KEYS``: Meta-World's reward components; floats).
+    Episodes terminate ``steps_after_success`` steps after the first success and truncate after
+    ``max_episode_steps`` steps. ``reset(seed=s)`` makes the episode a function of (task, unit, s) and the
+    actions only: object/goal placement, observation noise and physics are reproduced bit for bit.
+
+    Args: see ``make_env``.
+
+    Raises:
+        ValueError: unknown task, camera or unit id (the message lists the valid ones), bad config values.
+        RuntimeError: images requested but no offscreen GL backend works (message says what to install).
+    """
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": CONTROL_HZ}  # noqa: RUF012 - gymnasium convention
+
+    def __init__(self, task: str, unit_id: int = 0, robot_cfg: Any = None, obs_cfg: Any = None,
+                 task_cfg: Any = None, render_mode: str | None = None) -> None:
+        from metaworld.env_dict import ALL_V3_ENVIRONMENTS
+
+        check_task(task)
+        if robot_cfg is not None:
+            train, heldout = unit_lists(robot_cfg)
+            valid = train + heldout
+            if unit_id not in valid:
+                raise ValueError(f"unknown unit id {unit_id!r}; the robot config names train_units {train} "
+                                 f"and heldout_units {heldout}")
+        self.unit = RobotUnit.draw(unit_id, robot_cfg)
+        self.task = task
+
+        ocfg = as_dict(obs_cfg)
+        self.images = bool(ocfg.get("images", False))
+        self.cameras = list(ocfg.get("cameras", ["corner"]) or [])
+        size = ocfg.get("image_size", 96)
+        self.image_hw = (int(size), int(size)) if np.isscalar(size) else tuple(int(s) for s in size)
+        if len(self.image_hw) != 2 or min(self.image_hw) <= 0:
+            raise ValueError(f"obs.image_size: expected a positive int or [height, width], given {size!r}")
+        for c in self.cameras:
+            if c not in CAMERAS:
+                raise ValueError(f"unknown camera {c!r}; valid Meta-World cameras: {', '.join(CAMERAS)}")
+        if self.images and not self.cameras:
+            raise ValueError("obs.images is true but obs.cameras is empty; name at least one of "
+                             f"{', '.join(CAMERAS)}")
+        self._render_kw = {"shadows": bool(ocfg.get("shadows", False)),
+                           "reflections": bool(ocfg.get("reflections", False)),
+                           "shadowsize": int(ocfg.get("shadowsize", 256))}
+
+        tcfg = as_dict(task_cfg)
+        self.max_episode_steps = int(tcfg.get("max_episode_steps", MW_MAX_PATH_LENGTH))
+        self.steps_after_success = int(tcfg.get("steps_after_success", 10))
+        if not 0 < self.max_episode_steps <= MW_MAX_PATH_LENGTH:
+            raise ValueError(f"task.max_episode_steps: expected 1..{MW_MAX_PATH_LENGTH} (Meta-World's limit), "
+                             f"given {self.max_episode_steps}")
+        if self.steps_after_success < 0:
+            raise ValueError(f"task.steps_after_success: expected >= 0, given {self.steps_after_success}")
+        if render_mode not in (None, "rgb_array"):
+            raise ValueError(f"render_mode: expected None or 'rgb_array', given {render_mode!r}")
+        self.render_mode = render_mode
+
+        # Meta-World's own task class, set up as its goal-observable MT envs do (metaworld/env_dict.py).
+        mw = ALL_V3_ENVIRONMENTS[task]()
+        mw._partially_observable = False
+        if "sawyer_observation_space" in mw.__dict__:
+            del mw.sawyer_observation_space  # cached with the goal masked to zero: recompute with goal bounds
+        mw._freeze_rand_vec = False
+        mw.seeded_rand_vec = True  # goals from mw.np_random, which reset() seeds
+        mw._set_task_called = True
+        mw.action_scale = mw.action_scale * np.asarray(self.unit.action_gain, dtype=np.float64)
+        self._mw = mw
+        self._variation = ModelVariation(mw.model)
+        self._variation.apply(self.unit, mw.data)
+
+        obs_spaces = {
+            "observation.state": spaces.Box(-np.inf, np.inf, (4,), np.float32),
+            "observation.environment_state": spaces.Box(-np.inf, np.inf, (17,), np.float32),
+        }
+        self._renderer: CameraRenderer | None = None
+        if self.images:
+            for c in self.cameras:
+                obs_spaces[f"observation.images.{c}"] = spaces.Box(0, 255, (*self.image_hw, 3), np.uint8)
+            self._renderer = CameraRenderer(mw.model, *self.image_hw, **self._render_kw)
+        self.observation_space = spaces.Dict(obs_spaces)
+        self.action_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
+
+        self._raw: np.ndarray | None = None
+        self._t = 0
+        self._first_success: int | None = None
+        self._done = True
+        self._queue: deque = deque()
+        self._noise_rng = np.random.default_rng(0)
+
+    # ------------------------------------------------------------------ gym API
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        """Start an episode; ``seed`` fixes it (see class doc). Returns ``(obs, info)``."""
+        super().reset(seed=seed)
+        mw_seed = int(self.np_random.integers(2**31 - 1))
+        noise_seed = int(self.np_random.integers(2**63 - 1))
+        self._variation.apply(self.unit, self._mw.data)  # from stored nominal values: never compounds
+        self._mw.seed(mw_seed)
+        raw, _ = self._mw.reset()
+        self._raw = np.asarray(raw, dtype=np.float64)
+        self._noise_rng = np.random.default_rng([noise_seed, self.unit.unit_id])
+        self._queue = deque([HOLD_ACTION.copy() for _ in range(self.unit.action_latency)])
+        self._t, self._first_success, self._done = 0, None, False
+        _, mw_info = self._mw.evaluate_state(self._raw, HOLD_ACTION)
+        return self._observation(), self._info(mw_info)
+
+    def step(self, action):
+        """Apply one action (see class doc); returns ``(obs, reward, terminated, truncated, info)``.
+
+        Raises:
+            ValueError: action not of shape (4,) or not finite.
+            RuntimeError: ``reset()`` not called since the last episode ended.
+        """
+        if self._done:
+            raise RuntimeError(f"{self.task} unit {self.unit.unit_id}: call reset() before step() "
+                               "(no episode running, or the last one ended)")
+        a = np.asarray(action, dtype=np.float32)
+        if a.shape != (4,):
+            raise ValueError(f"action: expected shape (4,) [dx, dy, dz, gripper], given {a.shape}")
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"action: expected finite values, given {a}")
+        a = np.clip(a, -1.0, 1.0)
+        self._queue.append(a)
+        executed = self._queue.popleft()
+        raw, reward, _, _, mw_info = self._mw.step(executed.astype(np.float64))
+        self._raw = np.asarray(raw, dtype=np.float64)
+        self._t += 1
+        if mw_info["success"] and self._first_success is None:
+            self._first_success = self._t
+        terminated = self._first_success is not None and self._t - self._first_success >= self.steps_after_success
+        truncated = not terminated and self._t >= self.max_episode_steps
+        self._done = terminated or truncated
+        return self._observation(), float(reward), bool(terminated), bool(truncated), self._info(mw_info)
+
+    def render(self) -> np.ndarray | None:
+        """(H, W, 3) uint8 image of the first configured camera (``render_mode='rgb_array'``), else None."""
+        if self.render_mode != "rgb_array":
+            return None
+        if self._renderer is None:
+            self._renderer = CameraRenderer(self._mw.model, *self.image_hw, **self._render_kw)
+        return self._renderer.render(self._mw.data, (self.cameras or ["corner"])[0])
+
+    def close(self) -> None:
+        """Free the renderer's GL context and Meta-World's env."""
+        if self._renderer is not None:
+            self._renderer.close()
+            self._renderer = None
+        self._mw.close()
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def raw_observation(self) -> np.ndarray:
+        """Privileged, noise-free 39-d Meta-World observation of the current step (float64; for experts).
+
+        Layout (Meta-World v3): hand xyz, gripper, 14 object entries, the same 18 of the previous step, goal xyz.
+        """
+        if self._raw is None:
+            raise RuntimeError("raw_observation: call reset() first")
+        return self._raw.copy()
+
+    @property
+    def pending_actions(self) -> np.ndarray:
+        """Actions given but not yet executed because of the unit's latency, oldest first; (L, 4) float32."""
+        return np.array(list(self._queue), dtype=np.float32).reshape(-1, 4)
+
+    @property
+    def action_scale(self) -> np.ndarray:
+        """End-effector displacement per action unit on this unit, metres, (3,) (Meta-World 0.01 x action_gain)."""
+        return np.broadcast_to(np.asarray(self._mw.action_scale, dtype=np.float64), (3,)).copy()
+
+    @property
+    def mj_model(self):
+        """The (unit-varied) ``mujoco.MjModel`` of this env."""
+        return self._mw.model
+
+    @property
+    def mj_data(self):
+        """The ``mujoco.MjData`` of this env."""
+        return self._mw.data
+
+    def _observation(self) -> dict[str, np.ndarray]:
+        raw = self._raw
+        state = raw[0:4].astype(np.float32)
+        env_state = np.concatenate([raw[4:18], raw[36:39]]).astype(np.float32)
+        std = self.unit.obs_noise_std
+        if std > 0:
+            noise = self._noise_rng.normal(0.0, std, size=12)  # always 12 draws: 3 hand + 9 object/goal positions
+            state[:3] += noise[:3].astype(np.float32)
+            present = np.ones(9, dtype=bool)
+            present[3:6] = np.any(raw[11:18] != 0)  # object 2 slot is zero padding for one-object tasks
+            env_state[_ENV_POS_DIMS[present]] += noise[3:][present].astype(np.float32)
+        obs = {"observation.state": state, "observation.environment_state": env_state}
+        if self.images:
+            for c in self.cameras:
+                obs[f"observation.images.{c}"] = self._renderer.render(self._mw.data, c)
+        return obs
+
+    def _info(self, mw_info: dict) -> dict[str, Any]:
+        success = bool(mw_info["success"])
+        return {"success": success, "episode_success": self._first_success is not None or success,
+                "progress": {k: float(mw_info[k]) for k in PROGRESS_KEYS}}
+
+    def spec_dict(self) -> dict[str, Any]:
+        """JSON-able feature spec (docs/INTERFACES.md): per feature shape, dtype, names, unit; plus ``control_hz``."""
+        spec: dict[str, Any] = {
+            "observation.state": {"shape": [4], "dtype": "float32", "names": STATE_NAMES,
+                                  "unit": "m (gripper: normalised opening 0..1)"},
+            "observation.environment_state": {"shape": [17], "dtype": "float32", "names": ENV_STATE_NAMES,
+                                              "unit": "m (quaternion entries unitless)"},
+        }
+        if self.images:
+            for c in self.cameras:
+                spec[f"observation.images.{c}"] = {"shape": [*self.image_hw, 3], "dtype": "uint8",
+                                                   "names": ["height", "width", "channel"], "unit": "rgb"}
+        spec["action"] = {"shape": [4], "dtype": "float32", "names": ACTION_NAMES, "low": -1.0, "high": 1.0,
+                          "relative_dims": [0, 1, 2], "absolute_dims": [3],
+                          "unit": "1 = 1 cm end-effector displacement (x, y, z); gripper effort -1 open .. +1 close"}
+        spec["control_hz"] = CONTROL_HZ
+        return json_safe(spec)
+
+
+def make_env(task: str, unit_id: int = 0, robot_cfg: Any = None, obs_cfg: Any = None, task_cfg: Any = None,
+             render_mode: str | None = None) -> MetaWorldEnv:
+    """Build the Gymnasium env of ``task`` (a Meta-World v3 name, e.g. ``"push-v3"``) on robot unit ``unit_id``.
+
+    Args:
+        task: one of ``list_tasks()``.
+        unit_id: robot unit; must be in ``robot_cfg``'s ``train_units`` or ``heldout_units`` when a config is given.
+        robot_cfg: the ``robot`` config (embodiment, fleet_seed, unit lists, variation ranges); None: nominal robot.
+        obs_cfg: the ``obs`` config: ``images`` (bool), ``cameras`` (names), ``image_size`` (int or [H, W]),
+            optional ``shadows``/``reflections`` (bool, default False), ``shadowsize`` (default 256); None: state only.
+        task_cfg: the ``task`` config: ``max_episode_steps`` (<= 500), ``steps_after_success``; None: 500 / 10.
+        render_mode: None or ``"rgb_array"``.
+
+    Raises:
+        ValueError: unknown task / camera / unit id (lists the valid choices) or bad config values.
+        RuntimeError: images requested and no GL backend works.
+    """
+    return MetaWorldEnv(task, unit_id=unit_id, robot_cfg=robot_cfg, obs_cfg=obs_cfg, task_cfg=task_cfg,
+                        render_mode=render_mode)
