@@ -25,6 +25,7 @@ from experience_dict.store import (
     StoreError,
     WriterBusyError,
 )
+from experience_dict.stats import IMAGE_STRIDE
 from experience_dict.store.__main__ import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,7 +145,8 @@ def test_stats_match_numpy(tmp_path, monkeypatch):
         for name, p in (("q01", 0.01), ("q99", 0.99)):  # rank error of the merged sketch within 1 %
             rank = (allv <= np.array(st[key][name])).mean(0)
             assert np.all(np.abs(rank - p) <= 0.01), (key, name, rank)
-    img = np.concatenate([x["observation.images.corner"][:, ::2, ::2] for x in eps]).reshape(-1, 3).astype(np.float64)
+    k = IMAGE_STRIDE  # image statistics are over every k-th pixel row and column
+    img = np.concatenate([x["observation.images.corner"][:, ::k, ::k] for x in eps]).reshape(-1, 3).astype(np.float64)
     np.testing.assert_allclose(st["observation.images.corner"]["mean"], img.mean(0), rtol=1e-9)
     np.testing.assert_allclose(st["observation.images.corner"]["std"], img.std(0), rtol=1e-9)
     np.testing.assert_array_equal(st["observation.images.corner"]["max"], img.max(0))
@@ -331,7 +333,7 @@ def test_flipped_byte_is_reported_by_verify(tmp_path, capsys):
     arr = reader.array("u0", "observation.images.corner")
     target = reader.episode(ids[2])
     chunk = target.start // arr.chunks[0]
-    path = url / "shards/u0/observation.images.corner/c" / str(chunk) / "0" / "0" / "0"
+    path = url / "shards/u0/observation.images.corner" / arr.metadata.encode_chunk_key((chunk, 0, 0, 0))
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     path.write_bytes(bytes(raw))
@@ -351,7 +353,8 @@ def test_missing_chunk_is_reported(tmp_path):
     url = tmp_path / "s"
     w = new_store(url).writer("u0")
     write_episode(w, 0, 0)
-    (url / "shards/u0/action/c/0/0").unlink()
+    arr = ExperienceStore.open(str(url)).array("u0", "action")
+    (url / "shards/u0/action" / arr.metadata.encode_chunk_key((0, 0))).unlink()
     report = ExperienceStore.open(str(url)).verify()
     assert not report["ok"] and report["corrupt_episodes"] == ["u0-000000"]
     assert "missing" in report["problems"][0]["error"]

@@ -13,13 +13,15 @@ Why this is crash-safe (zarr 3 needs one writer per array, see DESIGN.md):
 
 - Each writer id owns its shard; no two processes append to one array (enforced with ``flock`` on local
   filesystems; elsewhere writer ids must be unique, e.g. one per fleet unit).
-- ``commit`` first appends the episode's rows to every array of the shard (chunk writes; ``resize`` when the
-  capacity, grown geometrically, is exceeded), then
-  writes the episode's commit record as one atomic write (temp file + ``os.replace`` locally, a single PUT
-  on object stores). Readers only ever look at rows named by commit records, so an episode is visible
-  exactly when its record exists. Zarr's ``LocalStore`` also writes every chunk and ``zarr.json`` through a
-  temp file + rename, so rewriting a partly filled boundary chunk never exposes a torn chunk that holds
-  committed rows.
+- ``commit`` first writes the episode's rows to every array of the shard as whole chunks (the writer keeps
+  the committed rows of each array's partly filled last chunk in memory, so nothing is read back; ``resize``
+  when the capacity, grown geometrically, is exceeded), waits for every chunk write, then writes the
+  episode's commit record as one atomic write (temp file + ``os.replace`` locally, a single PUT on object
+  stores). Readers only ever look at rows named by commit records, so an episode is visible exactly when
+  its record exists. Every chunk file is written through a temp file + atomic rename (as zarr's
+  ``LocalStore`` does; locally the writer encodes chunks with the array's own zarr codecs and swaps them in
+  with ``renameat2(RENAME_EXCHANGE)`` where available), so rewriting a partly filled boundary chunk never
+  exposes a torn chunk that holds committed rows.
 - A writer killed at any point leaves at most rows past its last committed row (and stray ``*.partial``
   temp files). Reopening the writer truncates every array of its shard back to the committed row count.
 - Committed rows are never rewritten with different values, so a reader's snapshot (the set of commit
@@ -32,6 +34,7 @@ death (SIGKILL), which is what a fleet unit, the learner or the store writer mee
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import json
 import os
@@ -40,13 +43,16 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import fsspec
 import numpy as np
 import zarr
 from fsspec.implementations.local import LocalFileSystem
+from zarr.abc.codec import SupportsSyncCodec
 from zarr.codecs import BloscCodec, Crc32cCodec
+from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync as zarr_sync
 
 from experience_dict.stats import episode_sketch, merge_sketches
@@ -58,6 +64,7 @@ DEFAULT_PROGRESS_KEYS = ("near_object", "grasp_success", "grasp_reward", "in_pla
                          "unscaled_reward")
 _WRITER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _META_ATTR = "fleetmind"
+_PLAIN_SCALARS = frozenset({float, int, bool, np.float32, np.float64, np.int32, np.int64, np.bool_})
 
 
 class StoreError(Exception):
@@ -196,6 +203,61 @@ def _is_image(feat: dict) -> bool:
 def _chunk_rows(feat: dict, chunk_bytes: int, max_chunk_rows: int) -> int:
     row_bytes = int(np.prod(feat["shape"], dtype=np.int64)) * np.dtype(feat["dtype"]).itemsize
     return int(np.clip(chunk_bytes // max(row_bytes, 1), 1, max_chunk_rows))
+
+
+def _load_renameat2():
+    try:
+        return ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not glibc >= 2.28 / not Linux
+        return None
+
+
+_RENAMEAT2 = _load_renameat2()
+
+
+def _replace(tmp: str, path: str) -> None:
+    """Atomically put file ``tmp`` at ``path`` (readers see the old or the new file, never a torn one).
+
+    ``os.replace`` over an existing file makes ext4 (default ``auto_da_alloc``) start writeback of the new
+    file inside the rename, which costs milliseconds per file under I/O load; a commit replaces the partly
+    filled last chunk of every array. ``renameat2(RENAME_EXCHANGE)`` swaps the two names just as atomically
+    without that flush; the old file, now at ``tmp``, is then unlinked (a kill in between leaves a stray
+    ``*.partial``, removed when the writer reopens). Falls back to ``os.replace`` where unsupported.
+    """
+    if _RENAMEAT2 is not None and os.path.exists(path):
+        if _RENAMEAT2(-100, os.fsencode(tmp), -100, os.fsencode(path), 2) == 0:  # AT_FDCWD, RENAME_EXCHANGE
+            os.unlink(tmp)
+            return
+    os.replace(tmp, path)
+
+
+def _sync_chunk_encoder(arr: zarr.Array):
+    """A function encoding one whole chunk of ``arr`` (``(chunk_rows, *shape)`` array) to the bytes zarr stores.
+
+    Runs the array's own codec chain (bytes -> Blosc -> crc32c here) through zarr's synchronous codec interface
+    (``zarr.abc.codec.SupportsSyncCodec``) in the calling thread, so the result is exactly what zarr's async
+    pipeline would write. Returns ``None`` when a codec has no synchronous form (callers then use zarr's
+    ``setitem``).
+    """
+    aa = arr.async_array
+    codecs = list(aa.codec_pipeline)
+    if not all(isinstance(c, SupportsSyncCodec) for c in codecs):
+        return None
+    spec0 = aa.metadata.get_chunk_spec((0,) * arr.ndim, aa.config, default_buffer_prototype())
+    specs, spec = [], spec0
+    for c in codecs:  # each codec sees the spec resolved by the codecs before it, as in zarr's pipeline
+        specs.append(spec)
+        spec = c.resolve_metadata(spec)
+
+    def encode(block: np.ndarray):
+        buf = spec0.prototype.nd_buffer.from_numpy_array(block)
+        for c, s in zip(codecs, specs):
+            buf = c._encode_sync(buf, s)
+            if buf is None:
+                raise StoreError(f"codec {c} dropped a chunk of {arr.path}")
+        return buf.as_buffer_like()
+
+    return encode
 
 
 # ----------------------------------------------------------------------------- store
@@ -546,7 +608,7 @@ class ExperienceStore:
                 for c in range((end_k + cr - 1) // cr):
                     lo, hi = c * cr, min((c + 1) * cr, end_k)
                     hit = [eps[i].episode_id for i in np.nonzero((starts < hi) & (ends > lo))[0]]
-                    ckey = f"shards/{shard}/{key}/" + "/".join(["c", str(c)] + ["0"] * (arr.ndim - 1))
+                    ckey = f"shards/{shard}/{key}/" + arr.metadata.encode_chunk_key((c,) + (0,) * (arr.ndim - 1))
                     checked += 1
                     try:
                         if not self.fs.exists(self._p(ckey)):
@@ -566,11 +628,21 @@ class ExperienceStore:
 class EpisodeWriter:
     """Appends episodes to one shard (``shards/<writer_id>``); one live writer per id.
 
-    Steps are buffered in memory; :meth:`commit` appends them to the shard's arrays and then writes the
-    commit record (the atomic commit point). Opening a writer recovers the shard: rows past the last
-    committed row (a crash mid-commit) are truncated and temp files removed.
+    Steps are buffered in memory (preallocated per-key row buffers); :meth:`commit` writes them to the
+    shard's arrays and then writes the commit record (the atomic commit point). Opening a writer recovers
+    the shard: rows past the last committed row (a crash mid-commit) are truncated and temp files removed.
     Usable as a context manager (releases the writer lock).
+
+    Write path (why it is fast): the writer keeps the committed rows of each array's last, partly filled
+    chunk in memory (read once at open), so a commit writes whole chunks only -- never a read-modify-write.
+    On a local filesystem each chunk is encoded synchronously with the array's own zarr codecs (bytes ->
+    Blosc/zstd -> crc32c) and written as temp file + ``os.replace``, exactly as zarr's ``LocalStore`` does,
+    without a thread hop per codec and chunk; elsewhere (``memory://``, object stores) the same chunk-aligned
+    blocks go through zarr's async ``setitem`` for all arrays at once. Rows after the episode's last row in
+    its last chunk are written as zeros; they are past the committed count, so readers never see them.
     """
+
+    _BUF_ROWS = 256  # initial capacity of the per-key step buffers (doubled when full)
 
     def __init__(self, store: ExperienceStore, writer_id: str):
         if not isinstance(writer_id, str) or not _WRITER_ID_RE.match(writer_id):
@@ -588,11 +660,27 @@ class EpisodeWriter:
             except BlockingIOError:
                 self._lock.close()
                 raise WriterBusyError(f"writer {writer_id!r} of {store.url!r} is held by another live process") from None
-        self._group = zarr.open_group(store._zstore, mode="a")
+        feats = store.features
+        # validation tables, built once (add_step runs per step)
+        self._obs_keys = [k for k in feats if k.startswith("observation.")]
+        self._shape = {k: tuple(f["shape"]) for k, f in feats.items()}
+        self._dtype = {k: np.dtype(f["dtype"]) for k, f in feats.items()}
+        self._progress_keys = list(store.progress_keys)
+        self._progress_set = set(self._progress_keys)
+        self._image = {k: _is_image(f) for k, f in feats.items()}
         self._arrays: dict[str, zarr.Array] = {}
+        self._tail: dict[str, np.ndarray] = {}  # committed rows of each array's last, partly filled chunk
         self._episode: dict | None = None
-        self._buf: dict[str, list[np.ndarray]] = {}
+        self._n = 0  # steps buffered in the open episode
+        self._scalar_keys = ["reward", *[f"progress.{k}" for k in self._progress_keys]]
+        self._rows = {k: np.empty((self._BUF_ROWS, *self._shape[k]), self._dtype[k])
+                      for k in feats if k not in self._scalar_keys}
+        self._scalar_rows = np.empty((self._BUF_ROWS, len(self._scalar_keys)), np.float32)  # one row per step
         self._recover()
+        encoders = {k: _sync_chunk_encoder(a) for k, a in self._arrays.items()}
+        self._encoders = encoders if _is_local(self.fs) and all(encoders.values()) else None
+        self._made_dirs: set[str] = set()
+        self._pool: ThreadPoolExecutor | None = None
 
     # -- recovery -------------------------------------------------------------------------------
     def _recover(self) -> None:
@@ -606,16 +694,24 @@ class EpisodeWriter:
             try:
                 arr = zarr.open_array(self.store._zstore, path=path, mode="r+")
             except (FileNotFoundError, zarr.errors.ArrayNotFoundError, zarr.errors.NodeNotFoundError):
-                image = _is_image(feat)
-                comp = (BloscCodec(cname="zstd", clevel=meta["image_clevel"], shuffle="noshuffle") if image
-                        else BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"))
+                rows = _chunk_rows(feat, meta["chunk_bytes"], meta["max_chunk_rows"])
+                if _is_image(feat):  # one Blosc block per chunk: consecutive frames share content, so zstd
+                    # finds matches across frames (about 4x the ratio of Blosc's automatic small blocks at
+                    # clevel 1 on 96x96 renders) and encodes / decodes faster too (scripts/bench_store.py)
+                    block = rows * int(np.prod(feat["shape"]))
+                    comp = BloscCodec(cname="zstd", clevel=meta["image_clevel"], shuffle="noshuffle", blocksize=block)
+                else:
+                    comp = BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
                 arr = zarr.create_array(
                     self.store._zstore, name=path, shape=(0, *feat["shape"]), dtype=feat["dtype"],
-                    chunks=(_chunk_rows(feat, meta["chunk_bytes"], meta["max_chunk_rows"]), *feat["shape"]),
-                    compressors=[comp, Crc32cCodec()], fill_value=0, config={"write_empty_chunks": True},
-                    overwrite=True)
+                    chunks=(rows, *feat["shape"]), compressors=[comp, Crc32cCodec()], fill_value=0,
+                    chunk_key_encoding={"name": "default", "separator": "."},  # c.<i>.0..: no directory per chunk
+                    config={"write_empty_chunks": True}, overwrite=True)
             if arr.shape[0] != self._end:  # rows past the last commit: a crash mid-commit
                 arr.resize((self._end, *arr.shape[1:]))
+            cr = arr.chunks[0]
+            lo = self._end // cr * cr
+            self._tail[key] = arr[lo:self._end] if self._end > lo else np.empty((0, *feat["shape"]), feat["dtype"])
             self._arrays[key] = arr
         if _is_local(self.fs):  # stray temp files of writes cut short by a kill
             shard_dir = self.store._p("shards", self.writer_id)
@@ -648,7 +744,7 @@ class EpisodeWriter:
                          "policy_version": int(policy_version), "seed": int(seed), "is_demo": bool(is_demo),
                          "start_time": float(time.time() if start_time is None else start_time),
                          "extra": json.loads(json.dumps(extra or {}))}
-        self._buf = {k: [] for k in self.store.features}
+        self._n = 0
 
     def add_step(self, obs: dict[str, np.ndarray], action: np.ndarray, reward: float,
                  progress: dict[str, float] | None = None) -> None:
@@ -656,7 +752,7 @@ class EpisodeWriter:
 
         Args:
             obs: ``{observation key: array}`` with exactly the spec's observation keys, shapes and dtypes
-                (state float32 ``(D,)``; images uint8 ``(H, W, C)``).
+                (state float32 ``(D,)``; images uint8 ``(H, W, C)``). Values are copied.
             action: ``(A,)`` float32.
             reward: scalar (stored float32).
             progress: ``{k: float}`` with exactly the store's progress keys.
@@ -668,56 +764,66 @@ class EpisodeWriter:
         """
         if self._episode is None:
             raise StoreError(f"writer {self.writer_id!r}: add_step() before begin_episode()")
-        feats = self.store.features
-        obs_keys = [k for k in feats if k.startswith("observation.")]
         if not isinstance(obs, dict):
             raise SpecMismatchError(f"obs must be a dict of arrays, given {type(obs).__name__}")
-        missing = [k for k in obs_keys if k not in obs]
-        if missing:
-            raise SpecMismatchError(f"obs is missing key {missing[0]!r} (expected keys {obs_keys}, given {sorted(obs)})")
-        extra = [k for k in obs if k not in feats]
-        if extra:
-            raise SpecMismatchError(f"obs has unexpected key {extra[0]!r} not in the store spec (expected {obs_keys})")
+        obs_keys = self._obs_keys
+        if len(obs) != len(obs_keys) or any(k not in obs for k in obs_keys):
+            missing = [k for k in obs_keys if k not in obs]
+            if missing:
+                raise SpecMismatchError(f"obs is missing key {missing[0]!r} (expected keys {obs_keys}, given {sorted(obs)})")
+            extra = [k for k in obs if k not in self._shape]
+            if extra:
+                raise SpecMismatchError(f"obs has unexpected key {extra[0]!r} not in the store spec (expected {obs_keys})")
         progress = {} if progress is None else progress
-        if set(progress) != set(self.store.progress_keys):
-            raise SpecMismatchError(f"progress keys: expected {sorted(self.store.progress_keys)}, given {sorted(progress)}")
-        step: dict[str, np.ndarray] = {}
+        if progress.keys() != self._progress_set:
+            raise SpecMismatchError(f"progress keys: expected {sorted(self._progress_keys)}, given {sorted(progress)}")
+        shape, dtype = self._shape, self._dtype
         for key in obs_keys:
-            step[key] = self._check(key, obs[key])
-        step["action"] = self._check("action", action)
-        step["reward"] = self._scalar("reward", reward)
-        for k in self.store.progress_keys:
-            step[f"progress.{k}"] = self._scalar(f"progress.{k}", progress[k])
-        for key, v in step.items():
-            self._buf[key].append(v)
+            v = obs[key]
+            if not isinstance(v, np.ndarray) or v.shape != shape[key] or v.dtype != dtype[key]:
+                self._check(key, v)
+        if not isinstance(action, np.ndarray) or action.shape != shape["action"] or action.dtype != dtype["action"]:
+            self._check("action", action)
+        scalars = [reward, *[progress[k] for k in self._progress_keys]]  # reward, progress.* (float32 columns)
+        if not all(type(v) in _PLAIN_SCALARS for v in scalars):
+            for key, v in zip(self._scalar_keys, scalars):
+                self._scalar(key, v)
+        n = self._n
+        if n == len(self._rows["action"]):  # grow every step buffer (amortised O(1) per step)
+            self._rows = {k: np.concatenate([b, np.empty_like(b)]) for k, b in self._rows.items()}
+            self._scalar_rows = np.concatenate([self._scalar_rows, np.empty_like(self._scalar_rows)])
+        rows = self._rows
+        for key in obs_keys:
+            rows[key][n] = obs[key]
+        rows["action"][n] = action
+        self._scalar_rows[n] = scalars
+        self._n = n + 1
 
-    def _check(self, key: str, value: Any) -> np.ndarray:
-        feat = self.store.features[key]
+    def _check(self, key: str, value: Any) -> None:  # raises the error naming key, expected and given
         if not isinstance(value, np.ndarray):
-            raise SpecMismatchError(f"{key!r}: expected np.ndarray of shape {tuple(feat['shape'])} dtype "
-                                    f"{np.dtype(feat['dtype'])}, given {type(value).__name__}")
-        if value.shape != tuple(feat["shape"]) or value.dtype != np.dtype(feat["dtype"]):
-            raise SpecMismatchError(f"{key!r}: expected shape {tuple(feat['shape'])} dtype {np.dtype(feat['dtype'])}, "
+            raise SpecMismatchError(f"{key!r}: expected np.ndarray of shape {self._shape[key]} dtype "
+                                    f"{self._dtype[key]}, given {type(value).__name__}")
+        if value.shape != self._shape[key] or value.dtype != self._dtype[key]:
+            raise SpecMismatchError(f"{key!r}: expected shape {self._shape[key]} dtype {self._dtype[key]}, "
                                     f"given shape {value.shape} dtype {value.dtype}")
-        return value.copy()
 
     @staticmethod
-    def _scalar(key: str, value: Any) -> np.ndarray:
+    def _scalar(key: str, value: Any) -> Any:
         if isinstance(value, (float, int, np.floating, np.integer)):
-            return np.float32(value)
+            return value
         arr = np.asarray(value)
         if arr.shape != () or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
             raise SpecMismatchError(f"{key!r}: expected a real scalar, given {value!r} (shape {arr.shape}, dtype {arr.dtype})")
-        return arr.astype(np.float32)
+        return arr
 
     def abort(self) -> None:
         """Drop the open episode (if any); nothing is written."""
-        self._episode, self._buf = None, {}
+        self._episode, self._n = None, 0
 
     @property
     def open_steps(self) -> int:
         """Steps buffered in the open episode (0 if none)."""
-        return len(self._buf.get("action", [])) if self._episode is not None else 0
+        return self._n if self._episode is not None else 0
 
     def commit(self, success: bool) -> str:
         """Append the open episode to the shard and make it visible (atomic commit record).
@@ -736,29 +842,88 @@ class EpisodeWriter:
         length = self.open_steps
         if length == 0:
             raise StoreError(f"writer {self.writer_id!r}: cannot commit an episode with 0 steps")
-        data = {k: np.stack(v) for k, v in self._buf.items()}
+        data = {k: b[:length] for k, b in self._rows.items()}
+        data.update({k: np.ascontiguousarray(self._scalar_rows[:length, j]) for j, k in enumerate(self._scalar_keys)})
+        data = {k: data[k] for k in self._arrays}  # feature order
         start, end = self._end, self._end + length
-        # 1) append rows (invisible: no record names them yet). Capacity grows geometrically, so zarr.json is
-        #    rarely rewritten; rows past the committed count are junk to readers and truncated on recovery.
-        for arr in self._arrays.values():
-            if arr.shape[0] < end:
-                cr = arr.chunks[0]
-                cap = -(-max(end, 2 * arr.shape[0]) // cr) * cr
-                arr.resize((cap, *arr.shape[1:]))
-
-        async def _write_all() -> None:  # every array's chunks concurrently, in one trip to zarr's loop
-            await asyncio.gather(*(a.async_array.setitem(slice(start, end), data[k]) for k, a in self._arrays.items()))
-
-        zarr_sync(_write_all())
-        sketch = {k: episode_sketch(v, is_image=_is_image(self.store.features[k])) for k, v in data.items()}
-        episode_id = f"{self.writer_id}-{self._counter:06d}"
-        meta = EpisodeMeta(episode_id=episode_id, length=length, success=bool(success), failure_onset=None,
-                           shard=self.writer_id, start=start, **self._episode)
-        record = json.dumps({"episode": dataclasses.asdict(meta), "sketch": sketch}).encode()
+        pending, tails = self._append_rows(start, end, data)  # 1) rows, invisible: no record names them yet
+        try:
+            sketch = {k: episode_sketch(v, is_image=self._image[k]) for k, v in data.items()}
+            episode_id = f"{self.writer_id}-{self._counter:06d}"
+            meta = EpisodeMeta(episode_id=episode_id, length=length, success=bool(success), failure_onset=None,
+                               shard=self.writer_id, start=start, **self._episode)
+            record = json.dumps({"episode": dataclasses.asdict(meta), "sketch": sketch}).encode()
+        finally:
+            wait(pending)  # every chunk written (or failed) before anything else happens
+        for f in pending:
+            f.result()  # re-raises a failed chunk write: no commit record, the episode stays open
         self._write_record(episode_id, record)  # 2) the commit point
-        self._end, self._counter = end, self._counter + 1
-        self._episode, self._buf = None, {}
+        self._end, self._counter, self._tail = end, self._counter + 1, tails
+        self._episode, self._n = None, 0
         return episode_id
+
+    def _append_rows(self, start: int, end: int, data: dict[str, np.ndarray]) -> tuple[list, dict[str, np.ndarray]]:
+        """Start writing rows ``start..end-1`` of every array as whole chunks.
+
+        Capacity grows geometrically (whole chunks), so ``zarr.json`` is rarely rewritten; rows past the
+        committed count are junk to readers and truncated on recovery.
+
+        Returns:
+            ``(pending, tails)``: futures of chunk writes still in flight (local filesystems: chunks are
+            encoded and written by a small thread pool -- Blosc and file I/O release the GIL -- while the
+            caller computes the episode's statistics; wait for them before the commit record), and each
+            array's rows of its new last, partly filled chunk.
+        """
+        jobs, tails = [], {}
+        for key, arr in self._arrays.items():
+            cr = arr.chunks[0]
+            c0, c1 = start // cr, -(-end // cr)  # chunks [c0, c1) hold the new rows
+            if arr.shape[0] < c1 * cr:
+                arr.resize((max(c1, -(-2 * arr.shape[0] // cr)) * cr, *arr.shape[1:]))
+            for c in range(c0, c1):
+                lo, hi = c * cr, (c + 1) * cr
+                if start <= lo and hi <= end:  # a chunk inside the episode: a view, no copy
+                    chunk = data[key][lo - start:hi - start]
+                else:  # edge chunk: committed rows before the episode (tail), its rows, zeros after
+                    chunk = np.zeros((cr, *self._shape[key]), self._dtype[key])
+                    head = self._tail[key] if c == c0 else chunk[:0]
+                    chunk[:len(head)] = head
+                    a, b = max(start, lo), min(end, hi)
+                    chunk[a - lo:b - lo] = data[key][a - start:b - start]
+                jobs.append((key, arr, c, chunk))
+            last = end // cr * cr  # first row of the new last chunk
+            if end == last:
+                tails[key] = data[key][:0].copy()
+            elif last >= start:
+                tails[key] = data[key][last - start:].copy()
+            else:  # the episode ends in the chunk it started in
+                tails[key] = np.concatenate([self._tail[key], data[key]])
+        if self._encoders is None:  # zarr's async path, all arrays at once (memory://, object stores)
+            async def _write_all() -> None:
+                await asyncio.gather(*(arr.async_array.setitem(slice(c * arr.chunks[0], (c + 1) * arr.chunks[0]), chunk)
+                                       for _, arr, c, chunk in jobs))
+
+            zarr_sync(_write_all())
+            return [], tails
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="store-writer")
+        jobs.sort(key=lambda j: -j[3].nbytes)  # big (image) chunks first
+        return [self._pool.submit(self._write_chunk, key, arr, c, chunk) for key, arr, c, chunk in jobs], tails
+
+    def _write_chunk(self, key: str, arr: zarr.Array, c: int, chunk: np.ndarray) -> None:
+        ckey = arr.metadata.encode_chunk_key((c,) + (0,) * (arr.ndim - 1))
+        self._put_local(self.store._p("shards", self.writer_id, key, ckey), self._encoders[key](chunk))
+
+    def _put_local(self, path: str, data) -> None:
+        """Temp file + ``os.replace`` (as zarr's ``LocalStore``; strays ``*.partial`` removed on recovery)."""
+        parent = path.rsplit("/", 1)[0]
+        if parent not in self._made_dirs:
+            os.makedirs(parent, exist_ok=True)
+            self._made_dirs.add(parent)
+        tmp = f"{path}.{uuid.uuid4().hex}.partial"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        _replace(tmp, path)
 
     def _write_record(self, episode_id: str, record: bytes) -> None:
         _atomic_write(self.fs, self.store._p("commits", self.writer_id, f"{episode_id}.json"), record)
@@ -766,6 +931,9 @@ class EpisodeWriter:
     def close(self) -> None:
         """Drop any open episode and release the writer lock."""
         self.abort()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         if self._lock is not None:
             self._lock.close()
             self._lock = None
@@ -775,4 +943,3 @@ class EpisodeWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
