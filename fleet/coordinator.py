@@ -1,0 +1,529 @@
+"""Coordinator: starts the robot workers on Ray, hands out episodes, watches them, restarts the failed.
+
+    from fleet.coordinator import Fleet, collect, evaluate
+    with Fleet(cfg, policy="expert") as fleet:                       # cfg: the composed Hydra config
+        result = fleet.run(episodes_per_unit=4)                      # or wall_time_s=..., episodes_per_task=...
+    result.episodes  # [{"task", "unit_id", "success", "length", "policy_version", "episode_id", ...}, ...]
+
+Local laptop: ``fleet.ray_address=null`` starts a local Ray instance (``num_cpus=fleet.num_cpus``, no
+dashboard); a cluster: ``fleet.ray_address=auto`` joins the running one. The same code runs both.
+
+Fault tolerance: each episode is one Ray call. A call that fails because its worker died (SIGKILL, OOM),
+raised (an exception inside the env) or ran past ``episode_timeout_s`` (the worker is then killed) is handed
+out again; the worker is restarted by Ray (``max_restarts``) or, once those are spent, re-created here (up
+to ``max_recreates`` times per unit). The restarted worker re-opens its store shard, which drops the
+half-written episode; committed episodes are never touched. The other units keep running meanwhile.
+Ctrl-C stops the fleet: running episodes are dropped, every committed episode stays in the store.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleet.worker import RobotWorker, writer_id
+
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+FLEET_CFG_KEYS = ("robot", "obs", "task", "store", "fleet", "policy", "eval", "seed")
+
+
+def _plain(cfg) -> dict:
+    """The parts of a Hydra/OmegaConf config (or dict) the fleet uses (``FLEET_CFG_KEYS``), as a plain,
+    resolved dict (other keys, e.g. ``output_dir: ${hydra:...}``, are not resolved, so composed configs work)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    out = {}
+    for k in FLEET_CFG_KEYS:
+        if k in cfg:
+            v = cfg[k]
+            out[k] = OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v
+    for k in ("robot", "obs", "task", "store", "fleet"):
+        if k not in out:
+            raise KeyError(f"fleet config lacks group {k!r} (have {sorted(out)})")
+    return out
+
+
+def ensure_ray(fleet_cfg: dict) -> None:
+    """Start or join Ray once per process.
+
+    ``fleet_cfg["ray_address"]``: ``None`` starts a local instance with ``num_cpus`` (``None``: all cores), no
+    dashboard, ``RAY_AUTH_MODE=disabled`` unless set, and the repo on the workers' ``PYTHONPATH``; ``"auto"``
+    or ``"ray://host:port"`` joins a cluster (``fleet_cfg["runtime_env"]`` is passed through, e.g.
+    ``{"working_dir": "."}`` when the nodes lack the code).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = fleet_cfg.get("ray_address")
+    if address:
+        ray.init(address=address, runtime_env=fleet_cfg.get("runtime_env") or None, logging_level="WARNING")
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if REPO_ROOT not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, *paths])
+    ray.init(num_cpus=fleet_cfg.get("num_cpus"), include_dashboard=False, logging_level="WARNING",
+             log_to_driver=bool(fleet_cfg.get("log_to_driver", True)))
+
+
+def policy_spec(cfg: dict, policy: Any = None) -> dict:
+    """Normalise the acting-policy choice to the worker's spec dict.
+
+    ``policy``: ``"expert"`` | ``"random"`` | ``"latest"`` (newest registry version, followed between
+    episodes) | an ``int`` registry version (fixed) | a checkpoint directory path | a full spec dict |
+    ``None``: from the config (``cfg.policy.type`` expert/random, else ``cfg.fleet.checkpoint`` or
+    ``cfg.fleet.policy_version`` from ``cfg.fleet.registry_url``).
+
+    Raises:
+        ValueError: an unknown policy string that is not an existing directory.
+    """
+    fleet = cfg.get("fleet", {})
+    base = {"registry_url": fleet.get("registry_url"), "cache_dir": fleet.get("cache_dir"),
+            "device": fleet.get("device", "cpu"), "noise_std": float(fleet.get("expert_noise_std", 0.0))}
+    if isinstance(policy, dict):
+        return {**base, **policy}
+    if policy is None:
+        ptype = cfg.get("policy", {}).get("type", "expert")
+        if ptype in ("expert", "random"):
+            return {**base, "kind": ptype, "noise_std": float(cfg["policy"].get("noise_std", base["noise_std"]))}
+        policy = fleet.get("checkpoint") or fleet.get("policy_version", "latest")
+    if isinstance(policy, int) or (isinstance(policy, str) and policy.isdigit()):
+        return {**base, "kind": "checkpoint", "version": int(policy)}
+    if policy in ("expert", "random"):
+        return {**base, "kind": policy}
+    if policy == "latest":
+        return {**base, "kind": "checkpoint", "version": "latest"}
+    if isinstance(policy, (str, Path)) and Path(policy).is_dir():
+        return {**base, "kind": "checkpoint", "path": str(policy)}
+    raise ValueError(f"policy {policy!r}: expected 'expert', 'random', 'latest', a registry version (int) or an "
+                     "existing checkpoint directory")
+
+
+def unit_tasks(unit_index: int, tasks: list[str], tasks_per_unit: int | None) -> list[str]:
+    """Tasks of the ``unit_index``-th unit: all of them, or ``tasks_per_unit`` consecutive ones (wrapping),
+    so units cover the suite evenly."""
+    if not tasks_per_unit or tasks_per_unit >= len(tasks):
+        return list(tasks)
+    k = int(tasks_per_unit)
+    return [tasks[(unit_index * k + j) % len(tasks)] for j in range(k)]
+
+
+@dataclass
+class FleetResult:
+    """What a fleet run produced.
+
+    ``episodes``: per-episode summaries (``task``, ``unit_id``, ``success``, ``length``, ``policy_version``,
+    ``episode_id``, ``seed``, ``is_demo``, ``wall_s``, ``return``), in commit order. ``restarts``: unit ->
+    worker restarts; ``failures``: one line per failed call; ``interrupted``: stopped by Ctrl-C or
+    ``should_stop``; ``wall_s``: seconds; ``steps``: env steps committed.
+    """
+
+    episodes: list[dict] = field(default_factory=list)
+    restarts: dict[int, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    interrupted: bool = False
+    wall_s: float = 0.0
+    dropped_units: list[int] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        return sum(e["length"] for e in self.episodes)
+
+    def success_by(self, key: str) -> dict[Any, tuple[int, int]]:
+        """``{value of key: (successes, episodes)}``, e.g. ``success_by("task")`` or ``success_by("unit_id")``."""
+        out: dict[Any, list[int]] = defaultdict(lambda: [0, 0])
+        for e in self.episodes:
+            out[e[key]][0] += int(bool(e["success"]))
+            out[e[key]][1] += 1
+        return {k: (s, n) for k, (s, n) in sorted(out.items())}
+
+    def table(self, key: str) -> str:
+        """A plain-text success table by ``key`` with a total row."""
+        rows = self.success_by(key)
+        w = max([len(str(k)) for k in rows] + [len(key), 5])
+        lines = [f"{key:<{w}}  episodes  successes  success_rate", "-" * (w + 36)]
+        for k, (s, n) in rows.items():
+            lines.append(f"{k!s:<{w}}  {n:8d}  {s:9d}  {s / max(n, 1):12.3f}")
+        s_all, n_all = sum(s for s, _ in rows.values()), sum(n for _, n in rows.values())
+        lines.append(f"{'total':<{w}}  {n_all:8d}  {s_all:9d}  {s_all / max(n_all, 1):12.3f}")
+        return "\n".join(lines)
+
+
+class Fleet:
+    """A set of ``RobotWorker`` actors for chosen units, sharing one store and one acting-policy choice.
+
+    Args:
+        cfg: composed Hydra config (or the same as a dict): uses ``robot``, ``obs``, ``task``, ``store``,
+            ``fleet``, ``policy`` and ``seed``.
+        policy: see ``policy_spec`` (``"expert"``, ``"random"``, ``"latest"``, a version, a path, a spec).
+        units: unit ids to run (default: the first ``fleet.units`` of ``robot.train_units``).
+        tasks: task names (default: ``task.tasks``); unit ``i`` gets ``unit_tasks(i, tasks, fleet.tasks_per_unit)``.
+        store_url: experience store URL (default ``store.url``).
+        is_demo: committed with every episode.
+        faults: test hook, unit id -> ``RobotWorker`` fault dict.
+        use_server: serve a trained policy from one batched ``PolicyServer`` (default ``fleet.policy_server``).
+    Raises:
+        ValueError: more units requested than ``robot.train_units`` holds, or no units.
+    """
+
+    def __init__(self, cfg, policy: Any = None, units: list[int] | None = None, tasks: list[str] | None = None,
+                 store_url: str | None = None, is_demo: bool = False, faults: dict[int, dict] | None = None,
+                 use_server: bool | None = None):
+        self.cfg = _plain(cfg)
+        self.fcfg = self.cfg["fleet"]
+        if units is None:
+            from sim import unit_lists
+
+            train_units, _ = unit_lists(self.cfg["robot"])
+            n = int(self.fcfg.get("units") or len(train_units))
+            if n > len(train_units):
+                raise ValueError(f"fleet.units={n} but robot.train_units has only {len(train_units)} units "
+                                 f"({train_units}); list more, e.g. robot.train_units='0:{n}'")
+            units = train_units[:n]
+        if not units:
+            raise ValueError("Fleet: no units to run")
+        self.units = [int(u) for u in units]
+        self.tasks = list(tasks or self.cfg["task"]["tasks"])
+        self.store_url = str(store_url or self.cfg["store"]["url"])
+        self.policy = policy_spec(self.cfg, policy)
+        self.is_demo, self.faults = is_demo, faults or {}
+        self.use_server = bool(self.fcfg.get("policy_server", False) if use_server is None else use_server)
+        self.unit_tasks = {u: unit_tasks(i, self.tasks, self.fcfg.get("tasks_per_unit")) for i, u in enumerate(self.units)}
+        self.actors: dict[int, Any] = {}
+        self.pids: dict[int, int] = {}  # unit -> worker process id (a restarted worker has a new one)
+        self.server = None
+        self.recreates: Counter = Counter()
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Fleet:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def start(self) -> None:
+        """Start Ray (if needed), the policy server (if used) and one worker actor per unit."""
+        import ray
+
+        ensure_ray(self.fcfg)
+        self._prepare_store()
+        if self.use_server and self.policy["kind"] == "checkpoint":
+            from fleet.policy_server import make_policy_server
+
+            self.server = make_policy_server(self.fcfg, registry_url=self.policy.get("registry_url"),
+                                             path=self.policy.get("path"),
+                                             cache_dir=str(Path(self.policy.get("cache_dir") or "/tmp/fleet_cache") / "server"),
+                                             device=self.fcfg.get("server_device", "auto"))
+            self.policy = {**self.policy, "server": self.server}
+        total = ray.cluster_resources().get("CPU", 1.0)
+        self.worker_cpus = float(self.fcfg.get("worker_cpus") or min(1.0, total / len(self.units)))
+        for u in self.units:
+            self.actors[u] = self._make_actor(u)
+        # wait until every worker has built its env and opened its shard (surfaces config errors here)
+        self.pids = dict(zip(self.actors, ray.get([a.pid.remote() for a in self.actors.values()])))
+
+    def _prepare_store(self) -> None:
+        """Create the store once, from the driver, before workers open their shards (avoids a creation race)."""
+        from experience_dict.store import ExperienceStore
+        from sim import make_env
+
+        env = make_env(task=self.tasks[0], unit_id=self.units[0], robot_cfg=self.cfg["robot"], obs_cfg=self.cfg["obs"],
+                       task_cfg=self.cfg["task"])
+        spec = env.spec_dict()
+        ExperienceStore.create_or_open(self.store_url, spec=spec, control_hz=float(spec.get("control_hz", 80.0)))
+        env.close()
+
+    def _make_actor(self, unit: int):
+        import ray
+
+        cls = ray.remote(RobotWorker).options(
+            max_restarts=int(self.fcfg.get("max_restarts", 3)), max_task_retries=0, num_cpus=self.worker_cpus,
+            max_concurrency=2,
+        )
+        return cls.remote(unit, self.unit_tasks[unit], self.cfg, self.store_url, self.policy, self.is_demo,
+                          self.faults.get(unit))
+
+    def shutdown(self, wait_s: float = 30.0) -> None:
+        """Kill the workers and the policy server and wait until they are gone (so their store shards can be
+        reopened at once); committed episodes are in the store already."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        actors = list(self.actors.values()) + ([self.server] if self.server is not None else [])
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        deadline = time.monotonic() + wait_s
+        for a in actors:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(a.pid.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+                    time.sleep(0.1)
+                except (RayActorError, ray.exceptions.GetTimeoutError):
+                    break
+        self.actors.clear()
+        self.server = None
+
+    def _recreate(self, unit: int, result: FleetResult) -> bool:
+        """Replace a dead worker by a new actor; False (unit given up) after ``max_recreates``."""
+        import ray
+
+        try:
+            ray.kill(self.actors[unit], no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+        if self.recreates[unit] >= int(self.fcfg.get("max_recreates", 2)):
+            result.dropped_units.append(unit)
+            return False
+        self.recreates[unit] += 1
+        self.actors[unit] = self._make_actor(unit)
+        return True
+
+    # ------------------------------------------------------------------ running
+    def run(self, episodes_per_unit: int | None = None, wall_time_s: float | None = None,
+            episodes_per_task: int | None = None, progress: bool = True,
+            should_stop: Callable[[], bool] | None = None,
+            on_episode: Callable[[dict], None] | None = None) -> FleetResult:
+        """Run episodes until the budget is spent; returns a ``FleetResult``.
+
+        Budgets (at least one): ``episodes_per_unit`` (each unit runs that many, its tasks round-robin),
+        ``episodes_per_task`` (that many per task in total, handed to whichever unit runs the task and is
+        free), ``wall_time_s`` (no new episode starts after it; running ones finish). With none given,
+        ``fleet.episodes_per_unit`` / ``fleet.wall_time_s`` from the config are used.
+        ``should_stop()`` is polled (~2 Hz) to end early (e.g. a learner asks for a new round): no new
+        episode starts, running ones finish; ``on_episode(summary)`` is called for each committed episode.
+
+        A failed episode (worker died, raised, or hung past ``fleet.episode_timeout_s``) is run again by the
+        restarted worker; ``result.restarts`` counts failures per unit.
+        Ctrl-C (KeyboardInterrupt) stops the workers and returns with ``interrupted=True``; committed
+        episodes stay in the store, the running ones are dropped.
+
+        Raises:
+            fleet.registry.RegistryError / experience_dict.store.StoreError (not WriterBusyError): a missing
+                or tampered checkpoint, or data that does not fit the store; restarting cannot fix those.
+            ValueError: no budget given or configured.
+        """
+        import ray
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+
+        from experience_dict.store import StoreError, WriterBusyError
+        from fleet.registry import RegistryError
+
+        if not self.actors:
+            self.start()
+        if episodes_per_unit is None and wall_time_s is None and episodes_per_task is None:
+            episodes_per_unit = self.fcfg.get("episodes_per_unit")
+            wall_time_s = self.fcfg.get("wall_time_s")
+            if episodes_per_unit is None and wall_time_s is None:
+                raise ValueError("Fleet.run: give episodes_per_unit, episodes_per_task or wall_time_s")
+        # what is left to do: per unit (its own round-robin) or per task (any free unit running the task)
+        per_unit = {u: (int(episodes_per_unit) if episodes_per_unit is not None else None) for u in self.units}
+        per_task = {t: int(episodes_per_task) for t in self.tasks} if episodes_per_task is not None else None
+        reserved: Counter = Counter()  # task -> episodes in flight (episodes_per_task mode)
+        if per_task is not None:
+            total = sum(per_task.values())
+        elif episodes_per_unit is not None:
+            total = int(episodes_per_unit) * len(self.units)
+        else:
+            total = None
+        timeout_s = float(self.fcfg.get("episode_timeout_s") or 1e9)
+        t_start = time.monotonic()
+        deadline = t_start + float(wall_time_s) if wall_time_s is not None else None
+        result = FleetResult(restarts={u: 0 for u in self.units})
+        inflight: dict[Any, tuple[int, str, str | None, float]] = {}  # ref -> (unit, "episode"|"ping", task, t0)
+        ping_at: dict[int, float] = {}  # recovering unit -> when to ask again whether it is back
+        recovering_since: dict[int, float] = {}
+        active = set(self.units)
+        stopping = False
+
+        def next_task(unit: int) -> tuple[bool, str | None]:
+            if stopping or (deadline is not None and time.monotonic() >= deadline):
+                return False, None
+            if per_task is not None:
+                open_tasks = [t for t in self.unit_tasks[unit] if per_task[t] - reserved[t] > 0]
+                if not open_tasks:
+                    return False, None
+                t = max(open_tasks, key=lambda t: per_task[t] - reserved[t])
+                reserved[t] += 1
+                return True, t
+            if per_unit[unit] is not None and per_unit[unit] <= 0:
+                return False, None
+            return True, None
+
+        def submit(unit: int) -> None:
+            ok, task = next_task(unit)
+            if ok:
+                inflight[self.actors[unit].run_episodes.remote(1, task)] = (unit, "episode", task, time.monotonic())
+
+        def recover(unit: int, err: BaseException | None, kill: bool) -> None:
+            if err is not None:
+                result.restarts[unit] += 1
+                first = str(err).strip().splitlines()[-1][:300] if str(err).strip() else ""
+                result.failures.append(f"unit {unit}: {type(err).__name__}: {first}")
+                if pbar is not None:
+                    pbar.write(f"[fleet] unit {unit} failed ({type(err).__name__}: {first[:120]}); restarting it, "
+                               "its running episode is dropped")
+            if kill:  # alive but broken (exception in the env): Ray restarts it (or it dies: re-created)
+                ray.kill(self.actors[unit], no_restart=False)
+            ping_at[unit] = time.monotonic()
+            recovering_since[unit] = time.monotonic()
+
+        pbar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=total, desc="fleet", unit="ep", dynamic_ncols=True)
+        per_unit_done: Counter = Counter()
+        try:
+            for u in self.units:
+                submit(u)
+            last_poll = time.monotonic()
+            while inflight or ping_at:
+                ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.2) if inflight else ([], [])
+                if not inflight:
+                    time.sleep(0.2)
+                for ref in ready:
+                    unit, kind, task, _ = inflight.pop(ref)
+                    if kind == "ping":
+                        try:
+                            pid = ray.get(ref)
+                            # the old process may answer before the kill lands: wait for the new one
+                            # (unless the process survived a transient error: then go on after 10 s)
+                            if pid == self.pids.get(unit) and time.monotonic() - recovering_since[unit] < 10:
+                                ping_at[unit] = time.monotonic() + 0.2
+                                continue
+                            self.pids[unit] = pid
+                            submit(unit)  # back: hand out work again
+                        except ActorUnavailableError:  # still restarting
+                            ping_at[unit] = time.monotonic() + 0.5
+                        except (RayActorError, RayTaskError) as err:  # dead for good (restarts spent)
+                            if self._recreate(unit, result):
+                                ping_at[unit] = time.monotonic()
+                            else:
+                                active.discard(unit)
+                                if pbar is not None:
+                                    pbar.write(f"[fleet] unit {unit} given up after repeated failures: {err}")
+                        continue
+                    if per_task is not None:
+                        reserved[task] -= 1
+                    try:
+                        summaries = ray.get(ref)
+                    except (RegistryError, StoreError) as err:
+                        if not isinstance(err, WriterBusyError):
+                            raise  # a missing or tampered checkpoint, bad data: restarting cannot help
+                        recover(unit, err, kill=True)
+                        continue
+                    except RayActorError as err:  # the process died or was killed (Ray restarts it)
+                        recover(unit, err, kill=False)
+                        continue
+                    except RayTaskError as err:  # an exception inside the episode (e.g. in the env)
+                        recover(unit, err, kill=True)
+                        continue
+                    for s in summaries:
+                        result.episodes.append(s)
+                        per_unit_done[unit] += 1
+                        if per_unit[unit] is not None:
+                            per_unit[unit] -= 1
+                        if per_task is not None:
+                            per_task[s["task"]] -= 1
+                        if on_episode is not None:
+                            on_episode(s)
+                    if pbar is not None:
+                        self._update_pbar(pbar, result, per_unit_done, t_start, len(summaries))
+                    submit(unit)
+                now = time.monotonic()
+                for ref, (unit, kind, task, t0) in list(inflight.items()):
+                    if kind == "episode" and now - t0 > timeout_s:  # hung: kill it; its ref then fails
+                        inflight[ref] = (unit, kind, task, float("inf"))
+                        if pbar is not None:
+                            pbar.write(f"[fleet] unit {unit} exceeded episode_timeout_s={timeout_s:g}; killing it")
+                        ray.kill(self.actors[unit], no_restart=False)
+                        recovering_since[unit] = now
+                for unit, t in list(ping_at.items()):
+                    if now >= t and unit in active:
+                        del ping_at[unit]
+                        inflight[self.actors[unit].pid.remote()] = (unit, "ping", None, now)
+                if should_stop is not None and now - last_poll > 0.5:
+                    last_poll = now
+                    if should_stop():  # graceful: no new episodes; running ones finish and are committed
+                        stopping, result.interrupted = True, True
+                        ping_at.clear()
+        except KeyboardInterrupt:
+            result.interrupted = True
+            if pbar is not None:
+                pbar.write("[fleet] interrupted: stopping workers; committed episodes are kept")
+            self.shutdown()
+        finally:
+            if pbar is not None:
+                pbar.close()
+        result.wall_s = time.monotonic() - t_start
+        return result
+
+    @staticmethod
+    def _update_pbar(pbar, result: FleetResult, per_unit_done: Counter, t_start: float, n: int) -> None:
+        succ = sum(bool(e["success"]) for e in result.episodes)
+        elapsed = max(time.monotonic() - t_start, 1e-9)
+        pbar.update(n)
+        pbar.set_postfix_str(
+            f"success={succ / max(len(result.episodes), 1):.2f} steps/s={result.steps / elapsed:.0f} "
+            + " ".join(f"u{u}:{c}" for u, c in sorted(per_unit_done.items())),
+            refresh=False,
+        )
+
+    def server_stats(self) -> dict | None:
+        """The policy server's batch-size and latency report (``PolicyServer.stats``), or None."""
+        import ray
+
+        return ray.get(self.server.stats.remote()) if self.server is not None else None
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def collect(cfg, policy: Any = "expert", is_demo: bool = True, episodes_per_task: int = 10,
+            units: list[int] | None = None, store_url: str | None = None, progress: bool = True) -> FleetResult:
+    """Collect ``episodes_per_task`` episodes of every task of ``cfg.task`` on the fleet, in parallel.
+
+    Meant for ``scripts/collect_demos.py``: the scripted expert on the training units, committed with
+    ``is_demo=True`` and ``policy_version=-1`` (``fleet.policies.EXPERT_VERSION``). Every unit runs every
+    task; the episodes of a task go to whichever unit is free.
+    """
+    c = _plain(cfg)
+    c["fleet"] = {**c["fleet"], "tasks_per_unit": None}
+    with Fleet(c, policy=policy, units=units, store_url=store_url, is_demo=is_demo) as fleet:
+        return fleet.run(episodes_per_task=episodes_per_task, progress=progress)
+
+
+def evaluate(cfg, policy: Any, units: list[int] | None = None, episodes_per_task: int | None = None,
+             store_url: str | None = None, progress: bool = True) -> FleetResult:
+    """Evaluate a fixed policy (registry version ``int``, checkpoint path, or ``"expert"``) on held-out units.
+
+    Args:
+        units: default ``robot.heldout_units``.
+        episodes_per_task: default ``eval.trials_per_task``; spread over the units.
+        store_url: where the evaluation episodes are committed (default ``<store.url>-eval``, apart from the
+            training store so held-out experience never reaches training).
+    Returns:
+        ``FleetResult``; ``result.episodes`` carry task, unit_id, success, length and policy_version.
+    """
+    c = _plain(cfg)
+    c["fleet"] = {**c["fleet"], "tasks_per_unit": None}
+    if policy == "latest":
+        raise ValueError("evaluate: give a fixed policy version or path, not 'latest'")
+    units = list(units if units is not None else c["robot"]["heldout_units"])
+    n = int(episodes_per_task if episodes_per_task is not None else c.get("eval", {}).get("trials_per_task", 10))
+    store_url = store_url or f"{str(c['store']['url']).rstrip('/')}-eval"
+    with Fleet(c, policy=policy, units=units, store_url=store_url, is_demo=False) as fleet:
+        return fleet.run(episodes_per_task=n, progress=progress)
+
+
+__all__ = ["Fleet", "FleetResult", "collect", "ensure_ray", "evaluate", "policy_spec", "unit_tasks", "writer_id"]

@@ -1,0 +1,146 @@
+"""A tiny real torch policy (normalised state -> action chunk), for fleet benchmarks and tests.
+
+The fleet's learned policy is ``policies.aed_diffusion.AEDDiffusionPolicy``; this one has the same
+LeRobot-style surface (``forward``, ``predict_action_chunk``, ``select_action``, ``reset``,
+``save_pretrained``/``from_pretrained`` with safetensors + JSON) and loads through
+``fleet.policies.load_checkpoint`` (``config.json`` ``"type": "mlp_chunk"``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclass
+class MLPChunkConfig:
+    """Hyperparameters of ``MLPChunkPolicy`` (a small, real state -> action-chunk regressor).
+
+    ``state_keys`` are concatenated (feature names of INTERFACES.md); ``horizon`` actions are predicted per
+    chunk, the first ``n_action_steps`` are executed (Diffusion Policy's receding horizon, Chi et al. 2023).
+    """
+
+    type: str = "mlp_chunk"
+    state_keys: list[str] = field(default_factory=lambda: ["observation.state", "observation.environment_state"])
+    state_dims: list[int] = field(default_factory=lambda: [4, 17])
+    action_dim: int = 4
+    horizon: int = 8
+    n_action_steps: int = 4
+    hidden_dim: int = 256
+    n_layers: int = 3
+
+    def __post_init__(self):
+        if len(self.state_keys) != len(self.state_dims):
+            raise ValueError(
+                f"MLPChunkConfig: state_keys ({len(self.state_keys)}) and state_dims ({len(self.state_dims)}) "
+                "must have the same length"
+            )
+        if not 1 <= self.n_action_steps <= self.horizon:
+            raise ValueError(f"MLPChunkConfig: need 1 <= n_action_steps <= horizon, got {self.n_action_steps}, "
+                             f"{self.horizon}")
+
+
+class MLPChunkPolicy(nn.Module):
+    """A tiny torch policy: normalised state -> ``(horizon, action_dim)`` action chunk (MSE regression).
+
+    Batch format (``WindowDataset`` / LeRobot style): ``batch[k]`` is ``(B, 1, D_k)`` or ``(B, D_k)`` float32 for
+    each ``k`` in ``config.state_keys``; training also needs ``batch["action"]`` ``(B, horizon, action_dim)``.
+    ``stats`` maps feature name -> ``{"mean": [...], "std": [...]}`` (``ExperienceStore.stats`` output);
+    missing stats mean identity normalisation. Saved as ``model.safetensors`` + ``config.json`` +
+    ``stats.json`` (no pickle).
+    """
+
+    def __init__(self, config: MLPChunkConfig, stats: dict[str, dict[str, list[float]]] | None = None):
+        super().__init__()
+        self.config = config
+        in_dim = sum(config.state_dims)
+        layers, d = [], in_dim
+        for _ in range(config.n_layers - 1):
+            layers += [nn.Linear(d, config.hidden_dim), nn.GELU()]
+            d = config.hidden_dim
+        layers.append(nn.Linear(d, config.horizon * config.action_dim))
+        self.net = nn.Sequential(*layers)
+        self.stats = stats or {}
+        mean, std = [], []
+        for k, n in zip(config.state_keys, config.state_dims):
+            s = self.stats.get(k, {})
+            mean += list(s.get("mean", [0.0] * n))
+            std += list(s.get("std", [1.0] * n))
+        self.register_buffer("in_mean", torch.tensor(mean, dtype=torch.float32))
+        self.register_buffer("in_std", torch.tensor(std, dtype=torch.float32).clamp_min(1e-6))
+        self._queue: deque[np.ndarray] = deque()
+
+    def window_spec(self) -> dict[str, tuple[str, list[int]]]:
+        """Windows a ``WindowDataset`` must produce for training (current state, future action chunk)."""
+        spec = {k: (k, [0]) for k in self.config.state_keys}
+        spec["action"] = ("action", list(range(self.config.horizon)))
+        return spec
+
+    def _inputs(self, batch: dict[str, Any]) -> torch.Tensor:
+        xs = []
+        for k, n in zip(self.config.state_keys, self.config.state_dims):
+            if k not in batch:
+                raise KeyError(f"MLPChunkPolicy: batch lacks {k!r} (have {sorted(batch)})")
+            x = torch.as_tensor(batch[k], dtype=torch.float32, device=self.in_mean.device)
+            if x.ndim == 3:  # (B, T, D): the newest frame
+                x = x[:, -1]
+            if x.shape[-1] != n:
+                raise ValueError(f"MLPChunkPolicy: {k!r} has {x.shape[-1]} dims, config says {n}")
+            xs.append(x)
+        return (torch.cat(xs, -1) - self.in_mean) / self.in_std
+
+    def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        """MSE loss between predicted and target action chunks; returns ``(loss, {"loss": float})``."""
+        pred = self.predict_action_chunk(batch)
+        loss = torch.nn.functional.mse_loss(pred, torch.as_tensor(batch["action"], dtype=torch.float32))
+        return loss, {"loss": loss.item()}
+
+    def predict_action_chunk(self, batch: dict[str, Any]) -> torch.Tensor:
+        """``(B, horizon, action_dim)`` float32 actions, clipped to [-1, 1] at inference."""
+        out = self.net(self._inputs(batch)).view(-1, self.config.horizon, self.config.action_dim)
+        return out if self.training else out.clamp(-1.0, 1.0)
+
+    def reset(self) -> None:
+        self._queue.clear()
+
+    @torch.no_grad()
+    def select_action(self, obs: dict[str, Any]):
+        """One action from one step's observations: ``{name: (B, D) tensor}`` -> ``(B, action_dim)`` tensor, or
+        ``{name: (D,) np.ndarray}`` -> ``(action_dim,)`` float32 array. Re-plans every ``n_action_steps`` steps."""
+        unbatched = all(isinstance(v, np.ndarray) for v in obs.values())
+        if unbatched:
+            obs = {k: torch.as_tensor(obs[k]).unsqueeze(0) for k in self.config.state_keys if k in obs}
+        if not self._queue:
+            chunk = self.predict_action_chunk(obs)[:, : self.config.n_action_steps]  # (B, n, A)
+            self._queue.extend(chunk.transpose(0, 1))
+        a = self._queue.popleft()
+        return a[0].cpu().numpy().astype(np.float32) if unbatched else a
+
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(out_dir / "model.safetensors"))
+        (out_dir / "config.json").write_text(json.dumps(asdict(self.config), indent=1))
+        (out_dir / "stats.json").write_text(json.dumps(self.stats, indent=1))
+        return out_dir
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> MLPChunkPolicy:
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        cfg = MLPChunkConfig(**json.loads((path / "config.json").read_text()))
+        stats_file = path / "stats.json"
+        stats = json.loads(stats_file.read_text()) if stats_file.is_file() else None
+        model = cls(cfg, stats)
+        model.load_state_dict(load_file(str(path / "model.safetensors")))
+        return model.eval()

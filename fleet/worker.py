@@ -1,0 +1,297 @@
+"""Robot worker: one Ray actor per robot unit, running episodes and committing each one to the store.
+
+A worker owns its unit's envs (one per task, made lazily with ``sim.make_env``), its own store writer shard
+(writer id ``unit-<id:04d>``: one writer per shard, as zarr 3 needs) and its acting policy. Episodes are run in
+small batches (``run_episodes(n)``) so the coordinator can watch progress, enforce timeouts and restart it.
+
+Restart semantics: a restarted worker (Ray ``max_restarts``, or re-created by the coordinator) re-opens its
+writer, which recovers the shard (the half-written episode of the dead process is dropped), and continues its
+episode count from the episodes of its unit already committed in the store, so seeds are not repeated and
+nothing committed is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fleet.policies import (
+    ChunkQueuePolicy,
+    ExpertPolicy,
+    RandomPolicy,
+    TorchPolicy,
+    load_checkpoint,
+    resolve_device,
+)
+
+
+class WorkerEpisodeError(RuntimeError):
+    """An exception inside a worker's episode (env, policy), carried as text; the episode was dropped."""
+
+
+def writer_id(unit_id: int) -> str:
+    """The store shard / writer id of a unit: ``unit-0003``."""
+    return f"unit-{int(unit_id):04d}"
+
+
+def episode_seed(base_seed: int, unit_id: int, episode_index: int) -> int:
+    """Reset seed of a unit's ``episode_index``-th episode; distinct across units (< 10^6 episodes/unit)."""
+    return int((int(base_seed) * 1_000_000_007 + int(unit_id) * 1_000_000 + int(episode_index)) % (2**31 - 1))
+
+
+class RobotWorker:
+    """One robot unit (wrap with ``ray.remote``; see ``fleet.coordinator``).
+
+    Args:
+        unit_id: the robot unit id (``sim`` draws its variation from it).
+        tasks: task names this unit runs (round-robin when ``run_episodes`` is not given a task).
+        cfg: plain dict with keys ``robot``, ``obs``, ``task`` (Hydra groups), ``seed`` and ``fleet``.
+        store_url: experience store URL (``ExperienceStore.create_or_open``).
+        policy: acting policy spec: ``{"kind": "expert" | "random" | "checkpoint", "noise_std": float,
+            "registry_url": str | None, "version": "latest" | int, "path": str | None, "server": actor | None,
+            "device": str}``. ``kind="checkpoint"`` with ``version="latest"`` follows the registry: the newest
+            version is picked up at the next episode boundary.
+        is_demo: flag committed with every episode (scripted demonstrations).
+        fault: test hook ``{"kind": "raise" | "hang" | "kill" | "sleep", "episode": i, "step": s,
+            "once_file": path, "seconds": x}``: raise in the env / sleep forever / SIGKILL itself / sleep ``x``
+            seconds at step ``s`` of this unit's ``i``-th episode, once (``once_file`` is created when it fires);
+            or a list of such dicts.
+    """
+
+    def __init__(self, unit_id: int, tasks: list[str], cfg: dict, store_url: str, policy: dict,
+                 is_demo: bool = False, fault: dict | list[dict] | None = None):
+        if not tasks:
+            raise ValueError(f"RobotWorker unit {unit_id}: empty task list")
+        self.unit_id, self.tasks, self.cfg = int(unit_id), list(tasks), cfg
+        self.policy_cfg, self.is_demo = dict(policy), bool(is_demo)
+        self.faults = [fault] if isinstance(fault, dict) else list(fault or [])
+        self.max_steps = int(cfg["task"]["max_episode_steps"])
+        self.envs: dict[str, Any] = {}
+        self.experts: dict[str, ExpertPolicy] = {}
+        # every env / GL call runs on this one thread: an EGL context is current in one thread only, and the
+        # actor answers progress() on a second thread while an episode runs
+        self._sim_thread = ThreadPoolExecutor(1, thread_name_prefix=f"unit{self.unit_id}")
+        self._sim_thread.submit(self._open, store_url).result()
+        self.policy = None  # the current trained-policy acting object (None for expert/random)
+        self.policy_version: int | None = None
+        self.server_info: dict | None = None
+        self.rng_policy = RandomPolicy(seed=episode_seed(cfg.get("seed", 0), unit_id, 0))
+        self.progress_state = {"episode_index": self.episode_index, "step": 0, "task": None, "in_episode": False}
+        self.cache_dir = Path(policy.get("cache_dir") or "/tmp/fleet_cache") / writer_id(self.unit_id)
+
+    def _open(self, store_url: str) -> None:
+        from experience_dict.store import ExperienceStore
+
+        spec = self._env(self.tasks[0]).spec_dict()
+        self.store = ExperienceStore.create_or_open(store_url, spec=spec, control_hz=spec.get("control_hz"))
+        self.writer = self._open_writer()  # recovers a crashed shard
+        # resume the episode count (and so the seeds) from the shard's committed episodes
+        self.episode_index = len(self.store.episodes(shard=writer_id(self.unit_id)))
+
+    def _open_writer(self, wait_s: float = 30.0):
+        """The unit's shard writer; waits while a killed predecessor process still holds the shard lock."""
+        from experience_dict.store import WriterBusyError
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.store.writer(writer_id(self.unit_id))
+            except WriterBusyError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def _server_call(self, method: str, *args):
+        """``ray.get(server.<method>.remote(*args))``, retried while the policy server restarts."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        deadline = time.monotonic() + float(self.cfg["fleet"].get("server_retry_s", 60))
+        while True:
+            try:
+                return ray.get(getattr(self.policy_cfg["server"], method).remote(*args))
+            except RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def _env(self, task: str):
+        if task not in self.envs:
+            from sim import make_env
+
+            self.envs[task] = make_env(task=task, unit_id=self.unit_id, robot_cfg=self.cfg["robot"],
+                                       obs_cfg=self.cfg["obs"], task_cfg=self.cfg["task"])
+        return self.envs[task]
+
+    # ------------------------------------------------------------------ policy
+    def _acting_policy(self, task: str, seed: int):
+        kind = self.policy_cfg.get("kind", "expert")
+        if kind == "expert":
+            if task not in self.experts:
+                self.experts[task] = ExpertPolicy(self._env(task), noise_std=float(self.policy_cfg.get("noise_std", 0.0)),
+                                                  seed=seed)
+            self.experts[task].seed = seed
+            return self.experts[task]
+        if kind == "random":
+            self.rng_policy.rng = np.random.default_rng(seed)
+            return self.rng_policy
+        if kind != "checkpoint":
+            raise ValueError(f"policy kind {kind!r} unknown; expected 'expert', 'random' or 'checkpoint'")
+        self._refresh_checkpoint()
+        return self.policy
+
+    def _wanted_version(self) -> int | None:
+        """The version to act with in the next episode (None: a plain checkpoint path)."""
+        v = self.policy_cfg.get("version", "latest")
+        if self.policy_cfg.get("server") is not None:
+            return self._server_call("latest_version") if v in (None, "latest") else int(v)
+        if self.policy_cfg.get("path"):
+            return None
+        if v in (None, "latest"):
+            from fleet.registry import CheckpointRegistry, RegistryError
+
+            latest = CheckpointRegistry(self.policy_cfg["registry_url"]).latest_version()
+            if latest is None:
+                raise RegistryError(f"unit {self.unit_id}: registry {self.policy_cfg['registry_url']!r} has no "
+                                   "published policy version yet")
+            return latest
+        return int(v)
+
+    def _refresh_checkpoint(self) -> None:
+        """Switch to the newest (or the configured) version between episodes."""
+        version = self._wanted_version()
+        if self.policy is not None and (version is None or version == self.policy_version):
+            return
+        server = self.policy_cfg.get("server")
+        if server is not None:
+            info = self._server_call("info", version)
+            self.policy = ChunkQueuePolicy(server, info["version"], info["window_spec"], info["n_action_steps"],
+                                           info["action_dim"], retry_s=float(self.cfg["fleet"].get("server_retry_s", 60)))
+            self.policy_version = info["version"]
+            return
+        import torch
+
+        torch.set_num_threads(int(self.cfg["fleet"].get("torch_threads", 1)))
+        device = resolve_device(self.policy_cfg.get("device", "cpu"))
+        if version is None:
+            model, self.policy_version = load_checkpoint(self.policy_cfg["path"], device)
+        else:
+            from fleet.registry import CheckpointRegistry
+
+            local = CheckpointRegistry(self.policy_cfg["registry_url"]).fetch(version, self.cache_dir / f"v{version:06d}")
+            model, self.policy_version = load_checkpoint(local, device)
+        self.policy = TorchPolicy(model, self.policy_version)
+
+    # ------------------------------------------------------------------ episodes
+    def _maybe_fault(self, step: int) -> None:
+        for f in self.faults:
+            if f.get("episode") == self.episode_index and f.get("step", 0) == step:
+                self._fire(f, step)
+
+    def _fire(self, f: dict, step: int) -> None:
+        once = f.get("once_file")
+        if once:
+            if os.path.exists(once):
+                return
+            Path(once).touch()
+        if f["kind"] == "raise":
+            raise RuntimeError(f"injected env fault (unit {self.unit_id}, episode {self.episode_index}, step {step})")
+        if f["kind"] == "hang":
+            time.sleep(10**6)
+        if f["kind"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if f["kind"] == "sleep":  # a slow step: lets a test act mid-episode (e.g. SIGKILL from outside)
+            time.sleep(float(f.get("seconds", 5.0)))
+
+    def run_episode(self, task: str | None = None) -> dict[str, Any]:
+        """Run and commit one episode; returns its summary ``{"episode_id", "unit_id", "task", "seed",
+        "success", "length", "policy_version", "is_demo", "episode_index", "wall_s", "return"}``.
+
+        An exception inside the episode aborts the open episode (nothing is committed) and is re-raised.
+        """
+        task = task or self.tasks[self.episode_index % len(self.tasks)]
+        seed = episode_seed(self.cfg.get("seed", 0), self.unit_id, self.episode_index)
+        env = self._env(task)
+        policy = self._acting_policy(task, seed)
+        version = int(policy.version)
+        t0 = time.perf_counter()
+        obs, info = env.reset(seed=seed)
+        policy.reset()
+        self.writer.begin_episode(unit_id=self.unit_id, embodiment=str(env.unit.embodiment), task=task,
+                                  policy_version=version, seed=seed, is_demo=self.is_demo,
+                                  extra={"unit": env.unit.to_dict()} if hasattr(env.unit, "to_dict") else None)
+        self.progress_state.update(task=task, step=0, in_episode=True)
+        success, ret, length = False, 0.0, 0
+        try:
+            for t in range(self.max_steps):
+                self._maybe_fault(t)
+                action = policy.select_action(obs)
+                next_obs, reward, terminated, truncated, info = env.step(action)
+                self.writer.add_step(obs, action, float(reward), info["progress"])
+                success |= bool(info["success"])
+                ret += float(reward)
+                length = t + 1
+                self.progress_state["step"] = length
+                obs = next_obs
+                if terminated or truncated:
+                    break
+            ep_id = self.writer.commit(success=success)
+        except BaseException:
+            self.writer.abort()
+            self.progress_state["in_episode"] = False
+            raise
+        summary = {"episode_id": ep_id, "unit_id": self.unit_id, "task": task, "seed": seed, "success": success,
+                   "length": length, "policy_version": version, "is_demo": self.is_demo,
+                   "episode_index": self.episode_index, "wall_s": time.perf_counter() - t0, "return": ret}
+        self.episode_index += 1
+        self.progress_state.update(episode_index=self.episode_index, in_episode=False)
+        return summary
+
+    def run_episodes(self, n: int = 1, task: str | None = None) -> list[dict[str, Any]]:
+        """Run ``n`` episodes (of ``task``, or the unit's tasks round-robin); list of ``run_episode`` summaries.
+
+        Raises:
+            fleet.registry.RegistryError, experience_dict.store.StoreError: as raised (not retryable).
+            WorkerEpisodeError: any other exception inside an episode (type, message and traceback as text,
+                so that exceptions holding unpicklable objects, e.g. EGL errors, reach the coordinator).
+        """
+        return self._sim_thread.submit(self._run_episodes, int(n), task).result()
+
+    def _run_episodes(self, n: int, task: str | None) -> list[dict[str, Any]]:
+        from experience_dict.store import StoreError
+        from fleet.registry import RegistryError
+
+        out = []
+        for _ in range(n):
+            try:
+                out.append(self.run_episode(task))
+            except (RegistryError, StoreError):
+                raise
+            except Exception as e:  # noqa: BLE001 - re-raised as text
+                raise WorkerEpisodeError(f"unit {self.unit_id} episode {self.episode_index}: {type(e).__name__}: {e}\n"
+                                         + traceback.format_exc()) from None
+        return out
+
+    def progress(self) -> dict[str, Any]:
+        """``{"episode_index", "step", "task", "in_episode", "pid"}`` (callable while an episode runs)."""
+        return {**self.progress_state, "pid": os.getpid()}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        """Close the envs (and their renderers) on the sim thread and release the store writer."""
+        def _close():
+            for env in self.envs.values():
+                env.close()
+            self.envs.clear()
+            self.writer.close()
+
+        self._sim_thread.submit(_close).result()

@@ -1,0 +1,188 @@
+"""Benchmark the fleet: aggregate env steps/s with 1, 2, 4 Ray workers and the policy server's throughput.
+
+    python scripts/bench_fleet.py                                   # writes outputs/bench/bench_fleet.json
+    python scripts/bench_fleet.py +bench.workers=[1,2,4,8] +bench.episodes=8 +bench.out=/tmp/b.json
+
+Workers are the real ``RobotWorker`` actors with the scripted expert, committing every episode to a Zarr
+store in a temporary directory (state-only, then one 96x96 camera). The baseline is the same ``RobotWorker``
+code run in this process, measured in the same run; scaling efficiency = aggregate / (workers x single).
+Policy server: a small real ``AEDDiffusionPolicy`` (random weights: speed does not depend on them) served by one
+``PolicyServer`` actor; ``batch`` requests are kept in flight at once, so each forward pass sees ``batch``
+samples; throughput is executed actions/s (chunks/s x n_action_steps) and latency is per request, beside the
+same forward pass called in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import hydra
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fleet.coordinator import _plain, ensure_ray  # noqa: E402
+from fleet.worker import RobotWorker  # noqa: E402
+
+DEFAULTS = {"workers": [1, 2, 4], "episodes": 6, "task": "reach-v3", "max_episode_steps": 100,
+            "server_batches": [1, 8, 32], "server_rounds": 20, "out": "outputs/bench/bench_fleet.json"}
+
+
+def _cfg(base: dict, images: bool, bench: dict) -> dict:
+    c = json.loads(json.dumps(base))
+    c["obs"].update(images=images, image_size=96, cameras=["corner"])
+    c["task"].update(tasks=[bench["task"]], max_episode_steps=int(bench["max_episode_steps"]))
+    return c
+
+
+def bench_single(cfg: dict, n_episodes: int, store: str) -> float:
+    """Env steps/s of one RobotWorker in this process (expert, store writes included)."""
+    w = RobotWorker(999, cfg["task"]["tasks"], cfg, store, {"kind": "expert"})
+    w.run_episodes(1)  # warm-up (env, renderer, store arrays)
+    t = time.perf_counter()
+    steps = sum(s["length"] for s in w.run_episodes(n_episodes))
+    dt = time.perf_counter() - t
+    w.close()
+    return steps / dt
+
+
+def bench_workers(cfg: dict, k: int, n_episodes: int, store: str) -> float:
+    """Aggregate env steps/s of ``k`` RobotWorker actors running ``n_episodes`` each at once."""
+    import ray
+
+    actor = ray.remote(RobotWorker).options(num_cpus=0.01, max_concurrency=2)
+    workers = [actor.remote(u, cfg["task"]["tasks"], cfg, store, {"kind": "expert"}) for u in range(k)]
+    ray.get([w.run_episodes.remote(1) for w in workers])  # warm-up
+    t = time.perf_counter()
+    results = ray.get([w.run_episodes.remote(n_episodes) for w in workers])
+    dt = time.perf_counter() - t
+    for w in workers:
+        ray.kill(w)
+    return sum(s["length"] for r in results for s in r) / dt
+
+
+def small_policy_checkpoint(path: str) -> str:
+    """A small real AED diffusion policy (dim 64, 2 layers, horizon 16, 10 DDIM steps, AED on)."""
+    import torch
+
+    from experience_dict.tokenizer import ActionTokenizer
+    from policies.aed_diffusion import AEDConfig, AEDDiffusionConfig, AEDDiffusionPolicy, MTLossConfig
+
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    acts = [np.clip(np.cumsum(rng.normal(0, 0.1, (80, 4)), 0), -1, 1).astype(np.float32) for _ in range(8)]
+    tok = ActionTokenizer.fit(acts, r=4, relative_dims=[0, 1, 2], absolute_dims=[3], vocab_size=256)
+    stats = {"observation.state": {"min": [-0.5, 0.3, 0.0, 0.0], "max": [0.5, 0.9, 0.3, 1.0]},
+             "observation.environment_state": {"min": [-1.0] * 17, "max": [1.0] * 17},
+             "action": {"min": [-1.0] * 4, "max": [1.0] * 4}}
+    cfg = AEDDiffusionConfig(dim=64, n_layers=2, n_heads=4, state_hidden=64, horizon=16, n_action_steps=8,
+                             num_inference_steps=10, aed=AEDConfig(history_actions=8, group_size=4),
+                             mt_loss=MTLossConfig(weight=0.0))
+    policy = AEDDiffusionPolicy(cfg, stats, tok)
+    policy.save_pretrained(path)
+    return path, sum(p.numel() for p in policy.parameters())
+
+
+def bench_server(ckpt: str, batches: list[int], rounds: int, max_wait_ms: float = 5.0) -> dict:
+    """Policy-server throughput/latency with ``batch`` requests in flight, beside in-process forward passes."""
+    import ray
+    import torch
+
+    from fleet.policies import ObservationHistory, load_checkpoint
+    from fleet.policy_server import PolicyServer
+
+    torch.set_num_threads(1)
+    server = ray.remote(PolicyServer).options(num_cpus=0.01, max_concurrency=1000).remote(
+        path=ckpt, device="auto", max_batch=max(batches), max_wait_ms=max_wait_ms)
+    info = ray.get(server.info.remote(None))
+    hist = ObservationHistory(info["window_spec"], info["action_dim"])
+    rng = np.random.default_rng(0)
+    for _ in range(10):
+        hist.push_obs({"observation.state": rng.normal(size=4).astype(np.float32),
+                       "observation.environment_state": rng.normal(size=17).astype(np.float32)})
+        hist.push_action(rng.uniform(-1, 1, 4).astype(np.float32))
+    sample = hist.sample()
+    model, _ = load_checkpoint(ckpt, "cpu")
+    out = {"n_action_steps": info["n_action_steps"], "horizon": info["horizon"], "max_wait_ms": max_wait_ms,
+           "per_batch": {}}
+    for b in batches:
+        ray.get([server.predict_chunk.remote(sample, info["version"]) for _ in range(b)])  # warm-up
+        ray.get(server.stats.remote(True))
+        lat = []
+        t = time.perf_counter()
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            ray.get([server.predict_chunk.remote(sample, info["version"]) for _ in range(b)])
+            lat.append(time.perf_counter() - t0)
+        dt = time.perf_counter() - t
+        st = ray.get(server.stats.remote(True))
+        batch = {k: torch.as_tensor(np.stack([sample[k]] * b)) for k in sample}
+        with torch.no_grad():
+            model.predict_action_chunk(batch)
+            t1 = time.perf_counter()
+            for _ in range(max(rounds // 4, 3)):
+                model.predict_action_chunk(batch)
+            local = (time.perf_counter() - t1) / max(rounds // 4, 3)
+        out["per_batch"][str(b)] = {
+            "chunks_per_s": b * rounds / dt,
+            "actions_per_s": b * rounds * info["n_action_steps"] / dt,
+            "latency_ms_p50": float(np.percentile(lat, 50) * 1e3),
+            "latency_ms_p95": float(np.percentile(lat, 95) * 1e3),
+            "server_mean_batch": st["mean_batch"],
+            "server_forward_ms": st["forward_ms_mean"],
+            "in_process_forward_ms": local * 1e3,
+            "in_process_actions_per_s": b * info["n_action_steps"] / local,
+            "server_vs_in_process": (b * rounds / dt) / (b / local),
+        }
+    out["device"] = st["device"]
+    ray.kill(server)
+    return out
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    bench = {**DEFAULTS, **(OmegaConf.to_container(cfg.bench) if "bench" in cfg else {})}
+    base = _plain(cfg)
+    base["robot"]["train_units"] = list(range(1000))  # bench units 0.. and the in-process unit 999
+    base["robot"]["heldout_units"] = []
+    ensure_ray({**base["fleet"], "log_to_driver": bool(bench.get("log_to_driver", False))})
+    import ray
+
+    report = {"host": {"cpu_count": os.cpu_count(), "ray_cpus": ray.cluster_resources().get("CPU"),
+                       "loadavg_start": os.getloadavg()},
+              "task": bench["task"], "episodes_per_worker": bench["episodes"], "policy": "scripted expert",
+              "env": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, images in (("state", False), ("camera96", True)):
+            c = _cfg(base, images, bench)
+            # the in-process baseline is measured before and after the Ray runs (the host may be shared)
+            before = bench_single(c, bench["episodes"], f"{tmp}/{name}-single")
+            aggs = {k: bench_workers(c, k, bench["episodes"], f"{tmp}/{name}-fleet{k}") for k in bench["workers"]}
+            after = bench_single(c, bench["episodes"], f"{tmp}/{name}-single")
+            single = (before + after) / 2
+            rows = {str(k): {"aggregate_steps_per_s": a, "scaling_efficiency": a / (k * single)} for k, a in aggs.items()}
+            report["env"][name] = {"single_env_steps_per_s": single, "single_before_after": [before, after],
+                                   "workers": rows}
+            print(f"{name}: single env {single:.0f} steps/s; "
+                  + "; ".join(f"{k} workers {a:.0f} steps/s (eff {a / (k * single):.2f})" for k, a in aggs.items()),
+                  flush=True)
+        ckpt, n_params = small_policy_checkpoint(f"{tmp}/policy")
+        report["policy_server"] = {"policy": "AEDDiffusionPolicy dim=64 layers=2 horizon=16 ddim=10",
+                                   "parameters": n_params,
+                                   **bench_server(ckpt, list(bench["server_batches"]), int(bench["server_rounds"]))}
+    report["host"]["loadavg_end"] = os.getloadavg()
+    out = Path(bench["out"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The simulated fleet on a real local Ray instance (2 CPUs), real Meta-World envs and a real Zarr store.
+
+One Ray session is shared by the module (Ray starts in ~4 s). Covered: an expert fleet commits the expected
+episodes with correct metadata; a worker SIGKILLed mid-episode, one whose env raises and one that hangs past
+the episode timeout are restarted and nothing committed is lost; a policy version published during a
+run is picked up at the next episode boundary and recorded; a tampered checkpoint is refused; the batched
+policy server serves the real AED policy and survives a SIGKILL.
+"""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ray")
+import ray
+from hydra import compose, initialize_config_dir
+
+from experience_dict.store import ExperienceStore
+from fleet.coordinator import Fleet, collect, ensure_ray
+from fleet.registry import CheckpointRegistry, ChecksumMismatchError
+
+CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session():
+    torch.set_num_threads(1)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ensure_ray({"num_cpus": 2, "log_to_driver": False})
+    yield
+    ray.shutdown()
+
+
+def make_cfg(tmp_path, *overrides):
+    with initialize_config_dir(config_dir=CONFIGS, version_base=None):
+        return compose("config", overrides=["task=mw_quick", "robot=nominal", f"store.url={tmp_path}/store",
+                                            f"fleet.registry_url={tmp_path}/registry",
+                                            f"fleet.cache_dir={tmp_path}/cache", *overrides])
+
+
+def tiny_aed_checkpoint(path, seed=0):
+    """A small real AED diffusion policy (untrained weights, real tokenizer), saved with save_pretrained."""
+    from experience_dict.tokenizer import ActionTokenizer
+    from policies.aed_diffusion import AEDConfig, AEDDiffusionConfig, AEDDiffusionPolicy, MTLossConfig
+
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    acts = [np.clip(np.cumsum(rng.normal(0, 0.1, (40, 4)), 0), -1, 1).astype(np.float32) for _ in range(6)]
+    tok = ActionTokenizer.fit(acts, r=4, relative_dims=[0, 1, 2], absolute_dims=[3], vocab_size=256)
+    stats = {"observation.state": {"min": [-0.5, 0.3, 0.0, 0.0], "max": [0.5, 0.9, 0.3, 1.0]},
+             "observation.environment_state": {"min": [-1.0] * 17, "max": [1.0] * 17},
+             "action": {"min": [-1.0] * 4, "max": [1.0] * 4}}
+    cfg = AEDDiffusionConfig(dim=32, n_layers=1, n_heads=2, state_hidden=32, horizon=8, n_action_steps=4,
+                             num_inference_steps=3, aed=AEDConfig(history_actions=8, group_size=4, memory_queries=2),
+                             mt_loss=MTLossConfig(weight=0.0))
+    return AEDDiffusionPolicy(cfg, stats, tok).save_pretrained(path)
+
+
+def run_in_thread(fleet, **kw):
+    out = {}
+    th = threading.Thread(target=lambda: out.update(result=fleet.run(progress=False, **kw)), daemon=True)
+    th.start()
+    return th, out
+
+
+def wait_for(cond, timeout=60.0, what="condition"):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_expert_fleet_commits_expected_episodes(tmp_path):
+    cfg = make_cfg(tmp_path, "fleet.units=2", "fleet.tasks_per_unit=1", "policy=expert")
+    with Fleet(cfg) as fleet:
+        assert fleet.unit_tasks == {0: ["reach-v3"], 1: ["push-v3"]}
+        result = fleet.run(episodes_per_unit=3, progress=False)
+    assert len(result.episodes) == 6 and not result.failures and result.restarts == {0: 0, 1: 0}
+    store = ExperienceStore.open(str(tmp_path / "store"))
+    eps = store.episodes()
+    assert len(eps) == 6 and store.verify()["ok"]
+    by_id = {e.episode_id: e for e in eps}
+    for s in result.episodes:
+        e = by_id[s["episode_id"]]
+        assert (e.unit_id, e.task, e.seed, e.length, e.success, e.policy_version, e.is_demo) == (
+            s["unit_id"], s["task"], s["seed"], s["length"], s["success"], -1, False)
+        assert e.task == ("reach-v3" if e.unit_id == 0 else "push-v3") and e.embodiment == "sawyer"
+        assert e.shard == f"unit-{e.unit_id:04d}"
+    assert len({e.seed for e in eps}) == 6  # no seed reused across units or episodes
+    assert sorted(e.episode_id for e in store.episodes(unit_id=0)) == [f"unit-0000-{i:06d}" for i in range(3)]
+    assert all(e.success for e in eps)  # the scripted expert solves reach and push
+    assert result.success_by("task") == {"push-v3": (3, 3), "reach-v3": (3, 3)}
+    # the fleet-backed demo collection: episodes_per_task over all tasks, flagged as demonstrations
+    res = collect(cfg, episodes_per_task=1, units=[0], store_url=str(tmp_path / "demos"), progress=False)
+    demos = ExperienceStore.open(str(tmp_path / "demos")).episodes(is_demo=True)
+    assert sorted(e.task for e in demos) == ["drawer-close-v3", "push-v3", "reach-v3"] == sorted(
+        s["task"] for s in res.episodes)
+
+
+def test_killed_raising_and_hung_workers_are_restarted_and_nothing_lost(tmp_path):
+    cfg = make_cfg(tmp_path, "fleet.units=2", "policy=expert", "task.tasks=[reach-v3]", "fleet.episode_timeout_s=6")
+    faults = {0: {"kind": "sleep", "episode": 1, "step": 10, "seconds": 30, "once_file": str(tmp_path / "f0")},
+              1: [{"kind": "raise", "episode": 0, "step": 5, "once_file": str(tmp_path / "f1")},
+                  {"kind": "hang", "episode": 2, "step": 5, "once_file": str(tmp_path / "f2")}]}
+    with Fleet(cfg, faults=faults) as fleet:
+        actor = fleet.actors[0]
+        th, out = run_in_thread(fleet, episodes_per_unit=3)
+        prog = {}
+
+        def mid_episode():  # unit 0 is in its 2nd episode, 10 steps in (buffered, uncommitted)
+            prog.update(ray.get(actor.progress.remote()))
+            return prog["episode_index"] == 1 and prog["in_episode"] and prog["step"] == 10
+
+        wait_for(mid_episode, what="unit 0 mid-episode")
+        before = ExperienceStore.open(str(tmp_path / "store")).episodes(unit_id=0)
+        assert [e.episode_id for e in before] == ["unit-0000-000000"]
+        os.kill(prog["pid"], signal.SIGKILL)  # SIGKILL on the worker's process, from outside
+        th.join(180)
+        result = out["result"]
+        new_pid = ray.get(fleet.actors[0].pid.remote())
+    assert new_pid != prog["pid"]
+    assert result.restarts == {0: 1, 1: 2}, result.failures  # kill; exception in the env + hang past timeout
+    assert "injected env fault" in " ".join(result.failures)
+    store = ExperienceStore.open(str(tmp_path / "store"))
+    assert store.verify()["ok"]
+    for unit in (0, 1):
+        eps = store.episodes(unit_id=unit)
+        # committed episodes survive untouched, the interrupted ones were re-run (same seed), none is missing
+        assert [e.episode_id for e in eps] == [f"unit-{unit:04d}-{i:06d}" for i in range(3)]
+        assert [e.seed for e in eps] == [unit * 1_000_000 + i for i in range(3)]
+        assert all(len(store.load_episode(e.episode_id, ["action"])["action"]) == e.length for e in eps)
+    assert store.episodes(unit_id=0)[0] == before[0]
+    assert len(result.episodes) == 6
+
+
+@pytest.mark.slow
+def test_new_version_picked_up_between_episodes_and_tampered_refused(tmp_path):
+    reg = CheckpointRegistry(tmp_path / "registry")
+    assert reg.publish(tiny_aed_checkpoint(tmp_path / "ck1", seed=1), {"step": 1}) == 1
+    cfg = make_cfg(tmp_path, "fleet.units=1", "policy=aed_diffusion", "task.tasks=[reach-v3]",
+                   "task.max_episode_steps=12")
+    # a slow step in episode 2 lets the test publish while that episode runs
+    faults = {0: {"kind": "sleep", "episode": 2, "step": 3, "seconds": 2, "once_file": str(tmp_path / "f")}}
+    with Fleet(cfg, faults=faults) as fleet:
+        assert fleet.policy["kind"] == "checkpoint" and fleet.policy["version"] == "latest"
+        th, out = run_in_thread(fleet, episodes_per_unit=5)
+        wait_for(lambda: (p := ray.get(fleet.actors[0].progress.remote()))["episode_index"] == 2 and p["step"] >= 3,
+                 what="episode 2 running")
+        assert reg.publish(tiny_aed_checkpoint(tmp_path / "ck2", seed=2), {"step": 2}) == 2
+        th.join(120)
+        result = out["result"]
+        assert [s["policy_version"] for s in result.episodes] == [1, 1, 1, 2, 2]  # switched at the next boundary
+        store = ExperienceStore.open(str(tmp_path / "store"))
+        assert [e.policy_version for e in store.episodes()] == [1, 1, 1, 2, 2] and store.verify()["ok"]
+        # version 3 is tampered with in the registry after publishing: the worker refuses it, the run stops
+        v3 = reg.publish(tiny_aed_checkpoint(tmp_path / "ck3", seed=3), {"step": 3})
+        weights = tmp_path / "registry" / f"v{v3:06d}" / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        weights.write_bytes(bytes(data))
+        with pytest.raises(ChecksumMismatchError, match="tampered"):
+            fleet.run(episodes_per_unit=1, progress=False)
+    assert len(ExperienceStore.open(str(tmp_path / "store")).episodes()) == 5  # nothing acted with v3
+
+
+@pytest.mark.slow
+def test_policy_server_batches_and_survives_sigkill(tmp_path):
+    ckpt = tiny_aed_checkpoint(tmp_path / "ck", seed=3)
+    cfg = make_cfg(tmp_path, "fleet.units=2", "policy=aed_diffusion", f"fleet.checkpoint={ckpt}",
+                   "fleet.policy_server=true", "fleet.server_device=cpu", "task.tasks=[reach-v3]",
+                   "task.max_episode_steps=40")
+    with Fleet(cfg) as fleet:
+        assert fleet.server is not None
+        server_pid = ray.get(fleet.server.pid.remote())
+        th, out = run_in_thread(fleet, episodes_per_unit=2)
+        wait_for(lambda: ray.get(fleet.server.stats.remote())["requests"] >= 5, what="server requests")
+        os.kill(server_pid, signal.SIGKILL)
+        th.join(120)
+        result = out["result"]
+        stats = fleet.server_stats()
+        assert ray.get(fleet.server.pid.remote()) != server_pid
+    # the workers retried through the restart: every episode completed, none counted as failed
+    assert len(result.episodes) == 4 and result.restarts == {0: 0, 1: 0}
+    assert {s["policy_version"] for s in result.episodes} == {0}  # a plain checkpoint dir is UNVERSIONED
+    assert stats["requests"] > 0 and stats["max_batch"] >= 1 and stats["latency_ms_p50"] > 0
+    assert ExperienceStore.open(str(tmp_path / "store")).verify()["ok"]
