@@ -1,0 +1,163 @@
+"""Configuration of the AED diffusion policy (LeRobot style: one dataclass, checked in ``__post_init__``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class AEDConfig:
+    """Action Experience Dictionary conditioning (DESIGN.md, "Action Experience Dictionary").
+
+    history_actions: H, past actions in the history window. group_size: r, actions per frame interval
+    (G = H / r groups, G + 1 history frames at offsets -H, -H + r, ..., 0). memory_queries: M learned
+    visual-memory queries. tokenizer_scale / tokenizer_vocab_size: FAST DCT scale and BPE vocabulary, used
+    when the training script fits the tokenizer.
+    """
+
+    enabled: bool = True
+    history_actions: int = 16
+    group_size: int = 4
+    memory_queries: int = 4
+    memory_layers: int = 1
+    pooling: str = "mean"            # mean | attention
+    token_dim: int | None = None     # embedding-table width (None: model dim)
+    tokenizer_scale: float = 10.0
+    tokenizer_vocab_size: int = 1024
+
+
+@dataclass
+class MTLossConfig:
+    """Motion-aware transition loss (DESIGN.md): weight 0 turns it off. Paper: weight ~0.003-0.01."""
+
+    weight: float = 0.005
+    decoder_layers: int = 1
+    image_feature_dim: int = 64      # width of the frozen random-conv image features used as MT targets
+
+
+@dataclass
+class AEDDiffusionConfig:
+    """Every hyperparameter of the AED diffusion policy.
+
+    Features (LeRobot names): ``input_shapes`` maps each observation key to its per-frame shape:
+    ``observation.state``-like keys ``[d]`` (float), ``observation.images.<cam>`` keys ``[H, W, 3]`` (uint8).
+    Actions are ``action_dim``-d; ``relative_action_dims`` are summed within a history group,
+    ``absolute_action_dims`` take the group's last command.
+
+    Temporal layout (offsets from the anchor step 0): current observation frames ``1 - n_obs_steps .. 0``;
+    predicted action chunk ``0 .. horizon - 1`` of which the first ``n_action_steps`` are executed; AED history
+    actions ``-H .. -1``; MT future frames ``0, r, ..., horizon``.
+
+    Diffusion: DDPM training with ``num_train_timesteps`` (squared-cosine betas, as Diffusion Policy),
+    DDIM sampling with ``num_inference_steps`` (diffusers schedulers).
+
+    Raises:
+        ValueError: from ``__post_init__`` on any inconsistent value, naming the field.
+    """
+
+    input_shapes: dict[str, list[int]] = field(default_factory=lambda: {
+        "observation.state": [4], "observation.environment_state": [17]})
+    action_dim: int = 4
+    relative_action_dims: list[int] = field(default_factory=lambda: [0, 1, 2])
+    absolute_action_dims: list[int] = field(default_factory=lambda: [3])
+    n_obs_steps: int = 2
+    horizon: int = 16
+    n_action_steps: int = 8
+    state_norm: str = "min_max"      # min_max ([-1, 1]) | mean_std; images: x / 255 * 2 - 1
+    action_norm: str = "min_max"
+    # transformer
+    dim: int = 96
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_ratio: float = 2.0
+    dropout: float = 0.0
+    state_hidden: int = 96
+    image_channels: list[int] = field(default_factory=lambda: [16, 32, 64])
+    image_pool: int = 2              # image tokens per frame = image_pool ** 2
+    # diffusion
+    num_train_timesteps: int = 100
+    beta_schedule: str = "squaredcos_cap_v2"
+    prediction_type: str = "epsilon"  # epsilon | sample
+    clip_sample: bool = True
+    clip_sample_range: float = 1.0
+    num_inference_steps: int = 10
+    mask_action_padding: bool = False  # exclude actions past the episode end from the loss
+    aed: AEDConfig = field(default_factory=AEDConfig)
+    mt_loss: MTLossConfig = field(default_factory=MTLossConfig)
+
+    def __post_init__(self):
+        if isinstance(self.aed, dict):
+            self.aed = AEDConfig(**self.aed)
+        if isinstance(self.mt_loss, dict):
+            self.mt_loss = MTLossConfig(**self.mt_loss)
+        self.input_shapes = {k: [int(s) for s in v] for k, v in dict(self.input_shapes).items()}
+        if not self.input_shapes:
+            raise ValueError("input_shapes: at least one observation key is needed")
+        for k, shape in self.input_shapes.items():
+            if not k.startswith("observation."):
+                raise ValueError(f"input_shapes: key {k!r} must start with 'observation.'")
+            if k.startswith("observation.images."):
+                if len(shape) != 3 or shape[2] != 3:
+                    raise ValueError(f"input_shapes[{k!r}]: expected [H, W, 3], given {shape}")
+            elif len(shape) != 1 or shape[0] < 1:
+                raise ValueError(f"input_shapes[{k!r}]: expected [d] for a state key, given {shape}")
+        dims = sorted(list(self.relative_action_dims) + list(self.absolute_action_dims))
+        if dims != list(range(self.action_dim)):
+            raise ValueError(f"relative_action_dims {self.relative_action_dims} + absolute_action_dims "
+                             f"{self.absolute_action_dims} must partition range(action_dim={self.action_dim})")
+        for name in ("n_obs_steps", "horizon", "n_action_steps", "dim", "n_layers", "n_heads",
+                     "num_train_timesteps", "num_inference_steps", "image_pool"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected >= 1, given {getattr(self, name)}")
+        if self.n_action_steps > self.horizon:
+            raise ValueError(f"n_action_steps ({self.n_action_steps}) must be <= horizon ({self.horizon})")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.num_inference_steps > self.num_train_timesteps:
+            raise ValueError(f"num_inference_steps ({self.num_inference_steps}) must be <= num_train_timesteps "
+                             f"({self.num_train_timesteps})")
+        for name in ("state_norm", "action_norm"):
+            if getattr(self, name) not in ("min_max", "mean_std"):
+                raise ValueError(f"{name}: expected 'min_max' or 'mean_std', given {getattr(self, name)!r}")
+        if self.prediction_type not in ("epsilon", "sample"):
+            raise ValueError(f"prediction_type: expected 'epsilon' or 'sample', given {self.prediction_type!r}")
+        a = self.aed
+        if a.pooling not in ("mean", "attention"):
+            raise ValueError(f"aed.pooling: expected 'mean' or 'attention', given {a.pooling!r}")
+        if a.group_size < 1 or a.history_actions < a.group_size or a.history_actions % a.group_size:
+            raise ValueError(f"aed.history_actions ({a.history_actions}) must be a positive multiple of "
+                             f"aed.group_size ({a.group_size})")
+        if a.memory_queries < 1:
+            raise ValueError(f"aed.memory_queries: expected >= 1, given {a.memory_queries}")
+        if self.mt_loss.weight < 0:
+            raise ValueError(f"mt_loss.weight: expected >= 0, given {self.mt_loss.weight}")
+        if self.mt_loss.weight > 0 and self.horizon % a.group_size:
+            raise ValueError(f"with the MT loss on, horizon ({self.horizon}) must be a multiple of "
+                             f"aed.group_size ({a.group_size}) (future frame intervals)")
+
+    @property
+    def state_keys(self) -> list[str]:
+        return [k for k in self.input_shapes if not k.startswith("observation.images.")]
+
+    @property
+    def image_keys(self) -> list[str]:
+        return [k for k in self.input_shapes if k.startswith("observation.images.")]
+
+    @property
+    def num_groups(self) -> int:
+        return self.aed.history_actions // self.aed.group_size
+
+    def to_dict(self) -> dict:
+        """JSON-able dict (nested dataclasses as dicts)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AEDDiffusionConfig:
+        """Build from a dict (e.g. config.json or a Hydra node); unknown keys raise ValueError."""
+        d = dict(d)
+        d.pop("type", None)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"AEDDiffusionConfig: unknown keys {unknown}")
+        return cls(**d)

@@ -1,0 +1,631 @@
+"""The AED diffusion policy: a DiT-style transformer denoiser over action chunks, conditioned on the
+current observation and on an Action Experience Dictionary prefix.
+
+Method (DESIGN.md, "Method details: AED"; after the AED paper's public code):
+- Observation encoders give tokens per frame: one token per state key (MLP), ``image_pool**2`` tokens per
+  camera (ResNet-style convnet with GroupNorm, He et al. 2016 / Wu & He 2018; written here, no downloads).
+- Visual memory: ``M`` learned queries (self-attn -> cross-attn to the history frames' tokens -> FFN).
+- AED: the action history (last ``H`` actions, ``G = H / r`` groups) is tokenized on the CPU by the FAST-style
+  ``ActionTokenizer`` and embedded by ``ActionExperienceDictionary``; the ``G`` group vectors cross-attend to
+  the visual memory and become a prefix of the denoiser sequence.
+- Denoiser: transformer over ``[current-obs tokens; prefix; noisy action tokens]`` with adaLN-Zero timestep
+  modulation (DiT, Peebles & Xie 2023); observation and prefix tokens are modulated with timestep 0. Mask:
+  obs tokens see obs tokens; prefix tokens see obs + prefix; action tokens see obs + prefix + actions.
+- Diffusion: DDPM training, DDIM sampling (``diffusers`` schedulers; Ho et al. 2020, Song et al. 2021),
+  squared-cosine betas and epsilon prediction as in Diffusion Policy (Chi et al. 2023).
+- Motion-aware transition (MT) loss: random start ``s`` and span ``k`` over the chunk's future frame
+  intervals; a small decoder reads frame ``s``'s features and cross-attends to the denoiser's hidden states
+  of actions ``[s*r, (s+k)*r)`` to predict ``f(o_{s+k}) - f(o_s)`` of a frozen extractor ``f``; loss = MSE of
+  the L2-normalized prediction and target. ``f``: the normalized state keys, concatenated (state-only), plus
+  for each camera a frozen, fixed-seed random-init convnet's pooled features (random conv features; no
+  pretrained weights are downloaded).
+
+Batches are dicts from ``experience_dict.sampler.WindowDataset`` with the windows of ``window_spec()``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers import DDIMScheduler, DDPMScheduler
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from experience_dict.aed import ActionExperienceDictionary
+from experience_dict.tokenizer import ActionTokenizer
+from policies.aed_diffusion.configuration_aed_diffusion import AEDDiffusionConfig
+from policies.aed_diffusion.normalization import Normalizer, normalize_image
+
+CONFIG_NAME, WEIGHTS_NAME, STATS_NAME, TOKENIZER_NAME = "config.json", "model.safetensors", "stats.json", "tokenizer.json"
+
+
+# ----------------------------------------------------------------------------- building blocks
+class Attention(nn.Module):
+    """Multi-head attention on ``F.scaled_dot_product_attention``; bool masks: True = may attend."""
+
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.q, self.kv, self.o = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor | None = None, mask: torch.Tensor | None = None):
+        """x: (B, N, D) queries; ctx: (B, M, D) keys/values (default x); mask: (N, M) or (B, 1, N, M) bool."""
+        ctx = x if ctx is None else ctx
+        B, N, D = x.shape
+        q = self.q(x).view(B, N, self.heads, -1).transpose(1, 2)
+        k, v = self.kv(ctx).view(B, ctx.shape[1], 2, self.heads, -1).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             dropout_p=self.dropout if self.training else 0.0)
+        return self.o(out.transpose(1, 2).reshape(B, N, D))
+
+
+def mlp(dim: int, ratio: float, dropout: float = 0.0) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(dim, int(dim * ratio)), nn.GELU(), nn.Dropout(dropout),
+                         nn.Linear(int(dim * ratio), dim))
+
+
+class CrossBlock(nn.Module):
+    """Pre-LN block: [self-attn ->] cross-attn to a context -> FFN (residual each)."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, dropout: float, self_attn: bool):
+        super().__init__()
+        self.self_attn = Attention(dim, heads, dropout) if self_attn else None
+        self.n0 = nn.LayerNorm(dim) if self_attn else None
+        self.n1, self.nc, self.n2 = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.cross, self.ffn = Attention(dim, heads, dropout), mlp(dim, mlp_ratio, dropout)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, ctx_mask: torch.Tensor | None = None):
+        """x: (B, N, D); ctx: (B, M, D); ctx_mask: (B, M) bool, True = valid key."""
+        if self.self_attn is not None:
+            h = self.n0(x)
+            x = x + self.self_attn(h)
+        mask = None if ctx_mask is None else ctx_mask[:, None, None, :]
+        x = x + self.cross(self.n1(x), self.nc(ctx), mask)
+        return x + self.ffn(self.n2(x))
+
+
+class ResBlock(nn.Module):
+    """ResNet basic block with GroupNorm (He et al. 2016; GroupNorm: Wu & He 2018)."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        g = lambda c: nn.GroupNorm(min(8, c), c)
+        self.body = nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), g(cout), nn.ReLU(inplace=True),
+                                  nn.Conv2d(cout, cout, 3, 1, 1, bias=False), g(cout))
+        self.skip = (nn.Identity() if stride == 1 and cin == cout else
+                     nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), g(cout)))
+
+    def forward(self, x):
+        return F.relu(self.body(x) + self.skip(x))
+
+
+class ImageEncoder(nn.Module):
+    """Small ResNet: stride-2 stem, one stride-2 ``ResBlock`` per stage, adaptive average pool to
+    ``pool x pool`` cells. (B, 3, H, W) float in [-1, 1] -> (B, pool*pool, channels[-1])."""
+
+    def __init__(self, channels: list[int], pool: int):
+        super().__init__()
+        c0 = channels[0]
+        layers = [nn.Conv2d(3, c0, 3, 2, 1, bias=False), nn.GroupNorm(min(8, c0), c0), nn.ReLU(inplace=True)]
+        for cin, cout in zip([c0] + channels[:-1], channels):
+            layers.append(ResBlock(cin, cout, 2))
+        self.net = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(pool))
+        self.out_dim = channels[-1]
+
+    def forward(self, x):
+        return self.net(x).flatten(2).transpose(1, 2)
+
+
+class ObsEncoder(nn.Module):
+    """Tokens per frame: one per state key (MLP), ``pool**2`` per camera, plus a learned token-type embedding.
+
+    forward(frames: {key: (B, T, d) normalized | (B, T, 3, H, W) in [-1, 1]}) -> (B, T, K, dim).
+    """
+
+    def __init__(self, cfg: AEDDiffusionConfig):
+        super().__init__()
+        self.state_keys, self.image_keys = cfg.state_keys, cfg.image_keys
+        self.state = nn.ModuleDict({k.replace(".", "_"): nn.Sequential(
+            nn.Linear(cfg.input_shapes[k][0], cfg.state_hidden), nn.GELU(), nn.Linear(cfg.state_hidden, cfg.dim))
+            for k in self.state_keys})
+        self.images = nn.ModuleDict({k.replace(".", "_"): ImageEncoder(cfg.image_channels, cfg.image_pool)
+                                     for k in self.image_keys})
+        self.image_proj = nn.ModuleDict({k.replace(".", "_"): nn.Linear(cfg.image_channels[-1], cfg.dim)
+                                         for k in self.image_keys})
+        self.tokens_per_frame = len(self.state_keys) + len(self.image_keys) * cfg.image_pool ** 2
+        self.type_emb = nn.Parameter(torch.randn(self.tokens_per_frame, cfg.dim) * 0.02)
+
+    def forward(self, frames: dict[str, torch.Tensor]) -> torch.Tensor:
+        toks = []
+        for k in self.state_keys:
+            toks.append(self.state[k.replace(".", "_")](frames[k]).unsqueeze(-2))
+        for k in self.image_keys:
+            x = frames[k]
+            B, T = x.shape[:2]
+            f = self.image_proj[k.replace(".", "_")](self.images[k.replace(".", "_")](x.flatten(0, 1)))
+            toks.append(f.view(B, T, *f.shape[1:]))
+        return torch.cat(toks, dim=-2) + self.type_emb
+
+
+class FrozenFeatures(nn.Module):
+    """Frozen feature extractor ``f`` for the MT loss targets (no trainable parameters).
+
+    ``f(o)`` = concat(normalized state keys, for each camera: a fixed-seed random-init ``ImageEncoder``
+    pooled to one vector and linearly mapped to ``image_feature_dim``). forward: {key: (B, T, ...)} -> (B, T, F).
+    """
+
+    def __init__(self, cfg: AEDDiffusionConfig):
+        super().__init__()
+        self.state_keys, self.image_keys = cfg.state_keys, cfg.image_keys
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1234)
+            self.images = nn.ModuleDict({k.replace(".", "_"): nn.Sequential(
+                ImageEncoder(cfg.image_channels, 1), nn.Flatten(),
+                nn.Linear(cfg.image_channels[-1], cfg.mt_loss.image_feature_dim)) for k in self.image_keys})
+        self.requires_grad_(False)
+        self.dim = sum(cfg.input_shapes[k][0] for k in self.state_keys) + \
+            len(self.image_keys) * cfg.mt_loss.image_feature_dim
+
+    @torch.no_grad()
+    def forward(self, frames: dict[str, torch.Tensor]) -> torch.Tensor:
+        feats = [frames[k] for k in self.state_keys]
+        for k in self.image_keys:
+            x = frames[k]
+            feats.append(self.images[k.replace(".", "_")](x.flatten(0, 1)).view(*x.shape[:2], -1))
+        return torch.cat(feats, dim=-1).float()
+
+
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal embedding of (B,) timesteps -> (B, dim) (Vaswani et al. 2017; DiT's TimestepEmbedder)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    args = t.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class DiTBlock(nn.Module):
+    """adaLN-Zero transformer block (Peebles & Xie 2023) with per-token modulation (B, N, 6D)."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, dropout: float):
+        super().__init__()
+        self.n1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.n2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.attn, self.ffn = Attention(dim, heads, dropout), mlp(dim, mlp_ratio, dropout)
+        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        nn.init.zeros_(self.ada[1].weight)
+        nn.init.zeros_(self.ada[1].bias)
+
+    def forward(self, x, c, token_type, mask):
+        """x: (B, N, D); c: (B, 2, D) conditioning for [timestep 0, timestep t]; token_type: (N,) in {0, 1}."""
+        mod = self.ada(c)[:, token_type]  # (B, N, 6D)
+        sh1, sc1, g1, sh2, sc2, g2 = mod.chunk(6, dim=-1)
+        x = x + g1 * self.attn(self.n1(x) * (1 + sc1) + sh1, mask=mask)
+        return x + g2 * self.ffn(self.n2(x) * (1 + sc2) + sh2)
+
+
+def denoiser_mask(n_obs: int, n_prefix: int, n_act: int) -> torch.Tensor:
+    """(N, N) bool attention mask over ``[obs; prefix; actions]``, True = row may attend to column.
+
+    Obs tokens see obs; prefix tokens see obs + prefix; action tokens see obs + prefix + actions (DESIGN.md).
+    """
+    N = n_obs + n_prefix + n_act
+    m = torch.zeros(N, N, dtype=torch.bool)
+    m[:, :n_obs] = True
+    m[n_obs:, n_obs:n_obs + n_prefix] = True
+    m[n_obs + n_prefix:, n_obs + n_prefix:] = True
+    return m
+
+
+class Denoiser(nn.Module):
+    """DiT-style denoiser of a normalized action chunk.
+
+    forward(noisy (B, horizon, A), t (B,) int, obs_tokens (B, No, D), prefix (B, G, D) | None)
+      -> (prediction (B, horizon, A), action hidden states (B, horizon, D) after the last block).
+    """
+
+    def __init__(self, cfg: AEDDiffusionConfig, n_obs_tokens: int, n_prefix: int):
+        super().__init__()
+        D, A = cfg.dim, cfg.action_dim
+        self.dim, self.n_obs, self.n_prefix, self.horizon = D, n_obs_tokens, n_prefix, cfg.horizon
+        self.act_in = nn.Linear(A, D)
+        self.act_pos = nn.Parameter(torch.randn(cfg.horizon, D) * 0.02)
+        self.t_mlp = nn.Sequential(nn.Linear(D, D * 2), nn.SiLU(), nn.Linear(D * 2, D))
+        self.blocks = nn.ModuleList(DiTBlock(D, cfg.n_heads, cfg.mlp_ratio, cfg.dropout) for _ in range(cfg.n_layers))
+        self.final_norm = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.final_ada = nn.Sequential(nn.SiLU(), nn.Linear(D, 2 * D))
+        self.out = nn.Linear(D, A)
+        for lin in (self.final_ada[1], self.out):
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+        self.register_buffer("mask", denoiser_mask(n_obs_tokens, n_prefix, cfg.horizon), persistent=False)
+        tt = torch.zeros(n_obs_tokens + n_prefix + cfg.horizon, dtype=torch.long)
+        tt[n_obs_tokens + n_prefix:] = 1
+        self.register_buffer("token_type", tt, persistent=False)
+
+    def forward(self, noisy, t, obs_tokens, prefix=None):
+        B = noisy.shape[0]
+        t = t.expand(B) if t.ndim else t.reshape(1).expand(B)
+        c = self.t_mlp(timestep_embedding(torch.cat([torch.zeros_like(t), t]), self.dim)).view(2, B, -1)
+        c = c.transpose(0, 1)  # (B, 2, D): [timestep 0, timestep t]
+        parts = [obs_tokens] + ([prefix] if prefix is not None else []) + [self.act_in(noisy) + self.act_pos]
+        x = torch.cat(parts, dim=1)
+        for blk in self.blocks:
+            x = blk(x, c, self.token_type, self.mask)
+        h = x[:, -self.horizon:]
+        sh, sc = self.final_ada(c[:, 1:2]).chunk(2, dim=-1)
+        return self.out(self.final_norm(h) * (1 + sc) + sh), h
+
+
+class MTDecoder(nn.Module):
+    """Motion-aware transition decoder: (query (B, D), span k (B,), hidden (B, horizon, D), key mask (B, horizon))
+    -> (B, F) predicted feature change."""
+
+    def __init__(self, cfg: AEDDiffusionConfig, feat_dim: int):
+        super().__init__()
+        S = cfg.horizon // cfg.aed.group_size
+        self.span_emb = nn.Embedding(S + 1, cfg.dim)
+        self.blocks = nn.ModuleList(CrossBlock(cfg.dim, cfg.n_heads, cfg.mlp_ratio, cfg.dropout, self_attn=False)
+                                    for _ in range(cfg.mt_loss.decoder_layers))
+        self.out = nn.Sequential(nn.LayerNorm(cfg.dim), nn.Linear(cfg.dim, feat_dim))
+
+    def forward(self, query, k, hidden, key_mask):
+        x = (query + self.span_emb(k)).unsqueeze(1)
+        for blk in self.blocks:
+            x = blk(x, hidden, key_mask)
+        return self.out(x[:, 0])
+
+
+# ----------------------------------------------------------------------------- the policy
+class AEDDiffusionPolicy(nn.Module):
+    """AED-conditioned diffusion policy (see module docstring).
+
+    Args:
+        config: ``AEDDiffusionConfig``.
+        stats: store statistics ``{key: {"min", "max", "mean", "std", ...}}`` for every state key and "action".
+        tokenizer: fitted ``ActionTokenizer`` (required when ``config.aed.enabled``), with
+            ``r == config.aed.group_size`` and ``action_dim == config.action_dim``.
+    Raises:
+        ValueError: missing tokenizer or stats, or a tokenizer that disagrees with the config.
+    """
+
+    name = "aed_diffusion"
+
+    def __init__(self, config: AEDDiffusionConfig, stats: dict, tokenizer: ActionTokenizer | None = None):
+        super().__init__()
+        cfg = self.config = config
+        if cfg.aed.enabled:
+            if tokenizer is None:
+                raise ValueError("aed.enabled=True needs a fitted ActionTokenizer (tokenizer=None given)")
+            if tokenizer.r != cfg.aed.group_size or tokenizer.action_dim != cfg.action_dim:
+                raise ValueError(f"tokenizer (r={tokenizer.r}, action_dim={tokenizer.action_dim}) disagrees with "
+                                 f"config (aed.group_size={cfg.aed.group_size}, action_dim={cfg.action_dim})")
+        self.tokenizer = tokenizer if cfg.aed.enabled else None
+        keys = cfg.state_keys + ["action"]
+        missing = [k for k in keys if k not in stats]
+        if missing:
+            raise ValueError(f"stats lack keys {missing} (have {sorted(stats)})")
+        self.stats = {k: {s: np.asarray(v, dtype=np.float64).reshape(-1).tolist() for s, v in stats[k].items()
+                          if s in ("min", "max", "mean", "std", "q01", "q99")} for k in keys}
+        modes = {k: cfg.state_norm for k in cfg.state_keys} | {"action": cfg.action_norm}
+        dims = {k: cfg.input_shapes[k][0] for k in cfg.state_keys} | {"action": cfg.action_dim}
+        self.normalizer = Normalizer(self.stats, modes, dims)
+
+        self.obs_encoder = ObsEncoder(cfg)
+        K = self.obs_encoder.tokens_per_frame
+        self.obs_frame_emb = nn.Parameter(torch.randn(cfg.n_obs_steps, 1, cfg.dim) * 0.02)
+        G = cfg.num_groups if cfg.aed.enabled else 0
+        if cfg.aed.enabled:
+            self.aed = ActionExperienceDictionary(tokenizer.vocab_size, cfg.dim, G, tokenizer.max_tokens_per_group,
+                                                  token_dim=cfg.aed.token_dim, pooling=cfg.aed.pooling)
+            self.hist_frame_emb = nn.Parameter(torch.randn(G + 1, 1, cfg.dim) * 0.02)
+            self.memory_queries = nn.Parameter(torch.randn(cfg.aed.memory_queries, cfg.dim) * 0.02)
+            self.memory = nn.ModuleList(CrossBlock(cfg.dim, cfg.n_heads, cfg.mlp_ratio, cfg.dropout, self_attn=True)
+                                        for _ in range(cfg.aed.memory_layers))
+            self.prefix_block = CrossBlock(cfg.dim, cfg.n_heads, cfg.mlp_ratio, cfg.dropout, self_attn=False)
+        self.denoiser = Denoiser(cfg, cfg.n_obs_steps * K, G)
+        if cfg.mt_loss.weight > 0:
+            self.mt_features = FrozenFeatures(cfg)
+            self.mt_decoder = MTDecoder(cfg, self.mt_features.dim)
+        sched = {"num_train_timesteps": cfg.num_train_timesteps, "beta_schedule": cfg.beta_schedule,
+                     "clip_sample": cfg.clip_sample, "clip_sample_range": cfg.clip_sample_range,
+                     "prediction_type": cfg.prediction_type}
+        self.noise_scheduler = DDPMScheduler(**sched)
+        self.inference_scheduler = DDIMScheduler(**sched, set_alpha_to_one=True, steps_offset=0)
+        self.reset()
+
+    # ------------------------------------------------------------------ windows and preprocessing
+    def window_spec(self) -> dict[str, tuple[str, list[int]]]:
+        """Named windows the sampler must produce: ``{name: (store key, offsets from the anchor step)}``."""
+        cfg = self.config
+        spec = {k: (k, list(range(1 - cfg.n_obs_steps, 1))) for k in cfg.input_shapes}
+        spec["action"] = ("action", list(range(cfg.horizon)))
+        if cfg.aed.enabled:
+            H, r = cfg.aed.history_actions, cfg.aed.group_size
+            spec["history.action"] = ("action", list(range(-H, 0)))
+            for k in cfg.input_shapes:
+                spec[f"history.{k}"] = (k, list(range(-H, 1, r)))
+        if cfg.mt_loss.weight > 0:
+            for k in cfg.input_shapes:
+                spec[f"future.{k}"] = (k, list(range(0, cfg.horizon + 1, cfg.aed.group_size)))
+        return spec
+
+    def inference_window_spec(self) -> dict[str, tuple[str, list[int]]]:
+        """The windows ``predict_action_chunk`` needs (``window_spec`` without targets and future frames)."""
+        return {n: v for n, v in self.window_spec().items() if n != "action" and not n.startswith("future.")}
+
+    def tokenize_history(self, batch: dict) -> dict:
+        """CPU preprocessor: add ``history.tokens``, ``history.token_mask``, ``history.group_mask`` (numpy ->
+        torch, on the CPU) from ``history.action`` (B, H, A) and ``history.action_is_pad`` (B, H). No-op when the
+        AED is off or the tokens are already there."""
+        if self.tokenizer is None or "history.tokens" in batch:
+            return batch
+        if "history.action" not in batch:
+            raise ValueError("batch lacks 'history.action' (B, H, action_dim) needed by the AED")
+        a = batch["history.action"]
+        pad = batch.get("history.action_is_pad")
+        a = a.detach().cpu().numpy() if torch.is_tensor(a) else np.asarray(a)
+        pad = None if pad is None else (pad.detach().cpu().numpy() if torch.is_tensor(pad) else np.asarray(pad))
+        if a.shape[1] != self.config.aed.history_actions:
+            raise ValueError(f"history.action: expected H={self.config.aed.history_actions} steps, given {a.shape}")
+        out = self.tokenizer.encode_history(a, pad)
+        batch = dict(batch)
+        batch["history.tokens"] = torch.from_numpy(out["tokens"])
+        batch["history.token_mask"] = torch.from_numpy(out["token_mask"])
+        batch["history.group_mask"] = torch.from_numpy(out["group_mask"])
+        return batch
+
+    @property
+    def device(self) -> torch.device:
+        return self.denoiser.act_pos.device
+
+    def _to_device(self, batch: dict) -> dict:
+        dev = self.device
+        out = {}
+        for k, v in batch.items():
+            if isinstance(v, np.ndarray) and v.dtype != object:
+                v = torch.from_numpy(v)
+            out[k] = v.to(dev, non_blocking=True) if torch.is_tensor(v) else v
+        return out
+
+    def _frames(self, batch: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+        out = {}
+        for k in self.config.input_shapes:
+            name = prefix + k
+            if name not in batch:
+                raise ValueError(f"batch lacks {name!r} (window_spec() lists what the policy needs)")
+            x = batch[name]
+            if k.startswith("observation.images."):
+                out[k] = normalize_image(x)
+            else:
+                out[k] = self.normalizer.normalize(k, x.float())
+        return out
+
+    # ------------------------------------------------------------------ conditioning
+    def _conditioning(self, batch: dict):
+        """-> obs tokens (B, n_obs*K, D), prefix (B, G, D) or None."""
+        obs = self.obs_encoder(self._frames(batch)) + self.obs_frame_emb  # (B, n_obs, K, D)
+        obs = obs.flatten(1, 2)
+        if not self.config.aed.enabled:
+            return obs, None
+        hist = self.obs_encoder(self._frames(batch, "history.")) + self.hist_frame_emb  # (B, G+1, K, D)
+        B, T, K, D = hist.shape
+        pad_key = f"history.{next(iter(self.config.input_shapes))}_is_pad"
+        valid = ~batch[pad_key].bool() if pad_key in batch else torch.ones(B, T, dtype=torch.bool, device=hist.device)
+        valid = valid[:, :, None].expand(B, T, K).reshape(B, T * K)
+        mem = self.memory_queries.expand(B, -1, -1)
+        ctx = hist.reshape(B, T * K, D)
+        for blk in self.memory:
+            mem = blk(mem, ctx, valid)
+        groups = self.aed(batch["history.tokens"], batch["history.token_mask"].bool(),
+                          batch["history.group_mask"].bool())
+        return obs, self.prefix_block(groups, mem)
+
+    # ------------------------------------------------------------------ training
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        """Training loss on a collated ``WindowDataset`` batch.
+
+        Optional batch keys: ``sample_weight`` (B,) float weights of each window's diffusion loss (weighted
+        mean); with ``config.mask_action_padding`` actions flagged in ``action_is_pad`` are left out.
+
+        Returns:
+            loss: scalar tensor = diffusion MSE + ``mt_loss.weight`` * MT loss.
+            metrics: {"loss", "diffusion_loss", "mt_loss"} floats.
+        """
+        cfg = self.config
+        batch = self._to_device(self.tokenize_history(batch))
+        obs, prefix = self._conditioning(batch)
+        actions = self.normalizer.normalize("action", batch["action"].float())
+        B = actions.shape[0]
+        noise = torch.randn_like(actions)
+        t = torch.randint(0, cfg.num_train_timesteps, (B,), device=actions.device)
+        noisy = self.noise_scheduler.add_noise(actions, noise, t)
+        pred, hidden = self.denoiser(noisy, t, obs, prefix)
+        target = noise if cfg.prediction_type == "epsilon" else actions
+        err = F.mse_loss(pred.float(), target, reduction="none")
+        keep = torch.ones_like(err)
+        if cfg.mask_action_padding and "action_is_pad" in batch:
+            keep = keep * (~batch["action_is_pad"].bool()).unsqueeze(-1).to(err.dtype)
+        if "sample_weight" in batch:  # optional per-window weights (e.g. FERT retrieval similarity)
+            keep = keep * batch["sample_weight"].to(err.dtype).view(B, 1, 1)
+        diff_loss = (err * keep).sum() / keep.sum().clamp_min(1e-8)
+        loss, metrics = diff_loss, {"diffusion_loss": diff_loss.detach()}
+        if cfg.mt_loss.weight > 0:
+            mt = self._mt_loss(batch, hidden)
+            loss = loss + cfg.mt_loss.weight * mt
+            metrics["mt_loss"] = mt.detach()
+        metrics["loss"] = loss.detach()
+        return loss, {k: float(v) for k, v in metrics.items()}
+
+    def _mt_loss(self, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
+        cfg, r = self.config, self.config.aed.group_size
+        S = cfg.horizon // r
+        B, dev = hidden.shape[0], hidden.device
+        s = torch.randint(0, S, (B,), device=dev)
+        k = (torch.rand(B, device=dev) * (S - s)).long().clamp_min(0) + 1  # k in [1, S - s]
+        frames = self._frames(batch, "future.")
+        feats = self.mt_features(frames)  # (B, S+1, F)
+        ar = torch.arange(B, device=dev)
+        target = feats[ar, s + k] - feats[ar, s]
+        query_frames = {key: x[ar, s].unsqueeze(1) for key, x in frames.items()}
+        query = self.obs_encoder(query_frames)[:, 0].mean(1)  # (B, D)
+        pos = torch.arange(cfg.horizon, device=dev)
+        key_mask = (pos[None] >= (s * r)[:, None]) & (pos[None] < ((s + k) * r)[:, None])
+        pred = self.mt_decoder(query, k, hidden, key_mask)
+        pad_key = f"future.{next(iter(cfg.input_shapes))}_is_pad"
+        valid = target.norm(dim=-1) > 1e-6
+        if pad_key in batch:
+            valid &= ~batch[pad_key].bool()[ar, s + k]
+        per = F.mse_loss(F.normalize(pred.float(), dim=-1), F.normalize(target, dim=-1), reduction="none").mean(-1)
+        return (per * valid).sum() / valid.sum().clamp_min(1)
+
+    # ------------------------------------------------------------------ inference
+    @torch.no_grad()
+    def predict_action_chunk(self, batch: dict, noise: torch.Tensor | None = None,
+                             generator: torch.Generator | None = None,
+                             num_inference_steps: int | None = None) -> torch.Tensor:
+        """Sample an action chunk with DDIM.
+
+        Args:
+            batch: the windows of ``inference_window_spec()`` (collated, leading batch dim B).
+            noise: (B, horizon, action_dim) initial noise (default: ``torch.randn`` with ``generator``).
+            num_inference_steps: DDIM steps (default ``config.num_inference_steps``).
+        Returns:
+            (B, horizon, action_dim) float32 actions in raw (unnormalized) units.
+        """
+        cfg = self.config
+        batch = self._to_device(self.tokenize_history(batch))
+        obs, prefix = self._conditioning(batch)
+        B = obs.shape[0]
+        shape = (B, cfg.horizon, cfg.action_dim)
+        if noise is None:
+            noise = torch.randn(shape, generator=generator, device=generator.device if generator else self.device)
+        if tuple(noise.shape) != shape:
+            raise ValueError(f"noise: expected shape {shape}, given {tuple(noise.shape)}")
+        x = noise.to(self.device, obs.dtype)
+        sched = self.inference_scheduler
+        sched.set_timesteps(num_inference_steps or cfg.num_inference_steps)
+        for t in sched.timesteps:
+            out, _ = self.denoiser(x, t.to(self.device), obs, prefix)
+            x = sched.step(out.float(), t, x.float()).prev_sample.to(obs.dtype)
+        return self.normalizer.unnormalize("action", x.float())
+
+    def reset(self):
+        """Clear the deployment queues (call at every episode start)."""
+        H = self.config.aed.history_actions if self.config.aed.enabled else 0
+        self._obs_hist: deque = deque(maxlen=max(H, self.config.n_obs_steps - 1) + 1)
+        self._act_hist: deque = deque(maxlen=max(H, 1))
+        self._queue: deque = deque()
+
+    @torch.no_grad()
+    def select_action(self, obs: dict, generator: torch.Generator | None = None):
+        """One control step at deployment.
+
+        Keeps the last observations and executed actions to build the same windows the sampler builds
+        (edge-repeated frames and ``_is_pad`` flags before the episode start), predicts a chunk when the
+        queue is empty and queues its first ``n_action_steps`` actions.
+
+        Args:
+            obs: {feature name: (B, ...) tensor} batched, or {name: np.ndarray} of one unbatched observation.
+        Returns:
+            (B, action_dim) float32 tensor, or a (action_dim,) float32 numpy array for unbatched numpy input.
+        """
+        unbatched = all(isinstance(v, np.ndarray) for v in obs.values())
+        cur = {}
+        for k, shape in self.config.input_shapes.items():
+            if k not in obs:
+                raise ValueError(f"observation lacks {k!r}")
+            x = torch.as_tensor(np.asarray(obs[k]) if unbatched else obs[k])
+            if unbatched:
+                x = x.unsqueeze(0)
+            if list(x.shape[1:]) != list(shape):
+                raise ValueError(f"observation {k!r}: expected (B, {', '.join(map(str, shape))}), given {tuple(x.shape)}")
+            cur[k] = x
+        self._obs_hist.append(cur)
+        if not self._queue:
+            chunk = self.predict_action_chunk(self._deployment_batch(), generator=generator)
+            self._queue.extend(chunk[:, : self.config.n_action_steps].transpose(0, 1).cpu())
+        a = self._queue.popleft()
+        self._act_hist.append(a)
+        return a[0].numpy().astype(np.float32) if unbatched else a
+
+    def _deployment_batch(self) -> dict:
+        hist, n = list(self._obs_hist), len(self._obs_hist)
+        batch = {}
+        for name, (key, offsets) in self.inference_window_spec().items():
+            if key == "action":
+                acts, H = list(self._act_hist), len(offsets)
+                B = hist[-1][next(iter(hist[-1]))].shape[0]
+                zero = torch.zeros(B, self.config.action_dim, device=acts[0].device if acts else "cpu")
+                rows = [acts[len(acts) + o] if len(acts) + o >= 0 else (acts[0] if acts else zero) for o in offsets]
+                batch[name] = torch.stack(rows, 1)
+                batch[name + "_is_pad"] = torch.tensor([len(acts) + o < 0 for o in offsets]).expand(B, H)
+            else:
+                idx = [n - 1 + o for o in offsets]
+                frames = [hist[max(i, 0)][key] for i in idx]
+                batch[name] = torch.stack(frames, 1)
+                B = frames[0].shape[0]
+                batch[name + "_is_pad"] = torch.tensor([i < 0 for i in idx]).expand(B, len(idx))
+        return batch
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write ``config.json``, ``model.safetensors``, ``stats.json`` and (AED on) ``tokenizer.json``."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / CONFIG_NAME).write_text(json.dumps({"type": self.name, **self.config.to_dict()}, indent=2))
+        (d / STATS_NAME).write_text(json.dumps(self.stats))
+        if self.tokenizer is not None:
+            self.tokenizer.save(d / TOKENIZER_NAME)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, str(d / WEIGHTS_NAME))
+        return d
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> AEDDiffusionPolicy:
+        """Load a checkpoint written by ``save_pretrained`` (no training code needed); returns it in eval mode.
+
+        Raises:
+            FileNotFoundError: a checkpoint file is missing.
+            ValueError: config type is not this policy, or a weight is missing, unexpected or of the wrong
+                shape (naming the tensor, the expected and the given shape).
+        """
+        d = Path(directory)
+        for name in (CONFIG_NAME, WEIGHTS_NAME, STATS_NAME):
+            if not (d / name).is_file():
+                raise FileNotFoundError(f"checkpoint {d} lacks {name}")
+        cfg_d = json.loads((d / CONFIG_NAME).read_text())
+        if cfg_d.get("type", cls.name) != cls.name:
+            raise ValueError(f"checkpoint {d}: config type {cfg_d.get('type')!r}, expected {cls.name!r}")
+        config = AEDDiffusionConfig.from_dict(cfg_d)
+        tok = ActionTokenizer.load(d / TOKENIZER_NAME) if config.aed.enabled else None
+        policy = cls(config, json.loads((d / STATS_NAME).read_text()), tok)
+        policy.load_weights(d / WEIGHTS_NAME)
+        return policy.to(device).eval()
+
+    def load_weights(self, path: str | Path) -> None:
+        """Load a ``model.safetensors`` into this policy, checking every name and shape first.
+
+        Raises:
+            ValueError: missing/unexpected tensors or a shape mismatch (tensor name, expected, given).
+        """
+        sd = load_file(str(path))
+        own = self.state_dict()
+        missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {path} does not match the model: missing tensors {missing[:10]}, "
+                             f"unexpected tensors {unexpected[:10]}")
+        for k, v in sd.items():
+            if tuple(v.shape) != tuple(own[k].shape):
+                raise ValueError(f"checkpoint {path}: tensor {k!r} has shape {tuple(v.shape)}, the model "
+                                 f"expects {tuple(own[k].shape)}")
+        self.load_state_dict(sd, strict=True)
+
+    def num_parameters(self) -> int:
+        """Learned parameters (the frozen MT-target extractor excluded)."""
+        frozen = {id(p) for p in self.mt_features.parameters()} if hasattr(self, "mt_features") else set()
+        return sum(p.numel() for p in self.parameters() if id(p) not in frozen)

@@ -1,0 +1,336 @@
+"""Training the AED diffusion policy: one training step, EMA, resumable checkpoints, and the loop
+``train_policy`` that ``scripts/train.py`` and the fleet learner call.
+
+Checkpoint layout (no pickle anywhere: tensors in safetensors, everything else JSON)::
+
+    <out_dir>/checkpoints/<step:07d>/pretrained_model/   # save_pretrained of the EMA policy (what gets deployed)
+    <out_dir>/checkpoints/<step:07d>/training_state/     # model.safetensors (live weights), ema.safetensors,
+                                                         # optimizer.safetensors + optimizer.json, state.json
+    <out_dir>/checkpoints/last.json                      # {"step", "path"} of the newest complete checkpoint
+    <out_dir>/metrics.jsonl                              # one JSON line per log step
+
+A checkpoint directory is written under a temporary name and renamed when complete, then ``last.json`` is
+replaced atomically, so an interrupted run resumes from the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from experience_dict.tokenizer import ActionTokenizer
+from policies.aed_diffusion.configuration_aed_diffusion import AEDDiffusionConfig
+from policies.aed_diffusion.modeling_aed_diffusion import AEDDiffusionPolicy
+
+log = logging.getLogger(__name__)
+
+TRAIN_DEFAULTS: dict[str, Any] = {
+    "steps": 2000, "batch_size": 64, "lr": 5e-4, "weight_decay": 0.01, "betas": (0.9, 0.95), "warmup_steps": 100,
+    "grad_clip": 1.0, "ema": True, "ema_power": 0.75, "ema_max_decay": 0.9999, "num_workers": 0, "log_every": 50,
+    "save_every": 500, "resume": True, "amp_bf16": False, "compile": False, "seed": 0, "progress": True, "num_threads": None,
+    "wandb": {"enabled": False, "project": "fleetmind", "mode": "offline", "name": None},
+}
+
+
+# ----------------------------------------------------------------------------- EMA
+class EMA:
+    """Exponential moving average of a policy's weights with Diffusion Policy's warm-up schedule
+    (Chi et al. 2023, ``diffusion_policy/model/diffusion/ema_model.py``):
+    ``decay = clamp(1 - (1 + step) ** -power, 0, max_decay)``. ``self.model`` is the averaged copy.
+    """
+
+    def __init__(self, model: torch.nn.Module, power: float = 0.75, max_decay: float = 0.9999):
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.power, self.max_decay, self.step_count = power, max_decay, 0
+
+    def decay(self) -> float:
+        return float(min(self.max_decay, max(0.0, 1.0 - (1.0 + self.step_count) ** -self.power)))
+
+    @torch.no_grad()
+    def step(self, model: torch.nn.Module) -> None:
+        d = self.decay()
+        ema_p = [p for p in self.model.parameters()]
+        src_p = [p for p in model.parameters()]
+        torch._foreach_lerp_(ema_p, [p.detach() for p in src_p], 1.0 - d)
+        for eb, b in zip(self.model.buffers(), model.buffers()):
+            eb.copy_(b)
+        self.step_count += 1
+
+
+class WarmupCosine:
+    """LR multiplier: linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total`` steps."""
+
+    def __init__(self, warmup: int, total: int):
+        self.warmup, self.total = int(warmup), int(total)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / max(1, self.warmup)
+        frac = (step - self.warmup) / max(1, self.total - self.warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
+
+
+class TokenizingCollate:
+    """``default_collate`` then the policy's CPU preprocessor (AED history tokenization), so tokenization runs
+    in DataLoader workers. Picklable."""
+
+    def __init__(self, tokenizer: ActionTokenizer | None):
+        self.tokenizer = tokenizer
+
+    def __call__(self, items):
+        batch = default_collate(items)
+        if self.tokenizer is not None and "history.action" in batch:
+            pad = batch.get("history.action_is_pad")
+            out = self.tokenizer.encode_history(batch["history.action"].numpy(),
+                                                None if pad is None else pad.numpy())
+            batch["history.tokens"] = torch.from_numpy(out["tokens"])
+            batch["history.token_mask"] = torch.from_numpy(out["token_mask"])
+            batch["history.group_mask"] = torch.from_numpy(out["group_mask"])
+        return batch
+
+
+# ----------------------------------------------------------------------------- optimizer state <-> files
+def save_optimizer(opt: torch.optim.Optimizer, directory: Path) -> None:
+    """Tensors of ``opt.state_dict()`` to ``optimizer.safetensors``, the rest (structure) to ``optimizer.json``."""
+    sd = opt.state_dict()
+    tensors, state = {}, {}
+    for pid, st in sd["state"].items():
+        state[str(pid)] = {}
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"{pid}.{k}"] = v.detach().cpu().contiguous()
+                state[str(pid)][k] = {"tensor": f"{pid}.{k}"}
+            else:
+                state[str(pid)][k] = {"value": v}
+    save_file(tensors, str(directory / "optimizer.safetensors"))
+    (directory / "optimizer.json").write_text(json.dumps({"state": state, "param_groups": sd["param_groups"]}))
+
+
+def load_optimizer(opt: torch.optim.Optimizer, directory: Path) -> None:
+    """Inverse of ``save_optimizer``."""
+    meta = json.loads((directory / "optimizer.json").read_text())
+    tensors = load_file(str(directory / "optimizer.safetensors"))
+    state = {int(pid): {k: (tensors[v["tensor"]] if "tensor" in v else v["value"]) for k, v in st.items()}
+             for pid, st in meta["state"].items()}
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def save_checkpoint(out_dir: Path, step: int, policy: AEDDiffusionPolicy, ema: EMA | None,
+                    opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LambdaLR) -> Path:
+    """Write ``checkpoints/<step>`` atomically and point ``last.json`` at it; returns the pretrained_model dir."""
+    ckpt_root = out_dir / "checkpoints"
+    final = ckpt_root / f"{step:07d}"
+    tmp = ckpt_root / f".tmp-{step:07d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (ema.model if ema is not None else policy).save_pretrained(tmp / "pretrained_model")
+    ts = tmp / "training_state"
+    ts.mkdir(parents=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()}, str(ts / "model.safetensors"))
+    if ema is not None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in ema.model.state_dict().items()},
+                  str(ts / "ema.safetensors"))
+    save_optimizer(opt, ts)
+    (ts / "state.json").write_text(json.dumps({
+        "step": step, "ema_step": ema.step_count if ema is not None else None,
+        "scheduler": {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}}))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    last_tmp = ckpt_root / f".last-{os.getpid()}.json"
+    last_tmp.write_text(json.dumps({"step": step, "path": final.name}))
+    os.replace(last_tmp, ckpt_root / "last.json")
+    return final / "pretrained_model"
+
+
+def last_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint directory under ``out_dir/checkpoints`` or None."""
+    f = Path(out_dir) / "checkpoints" / "last.json"
+    if not f.is_file():
+        return None
+    p = f.parent / json.loads(f.read_text())["path"]
+    return p if p.is_dir() else None
+
+
+# ----------------------------------------------------------------------------- the loop
+def resolve_device(device: str | None) -> torch.device:
+    """"auto"/None -> cuda when available else cpu; otherwise ``torch.device(device)``."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def input_shapes_from_store(reader, keys: list[str] | None = None) -> dict[str, list[int]]:
+    """Per-frame shapes of the store's observation keys (``reader.features``); ``keys`` selects (and orders).
+
+    Raises:
+        ValueError: a requested key the store does not hold.
+    """
+    feats = {k: list(v["shape"]) for k, v in reader.features.items() if k.startswith("observation.")}
+    if keys is None:
+        return feats
+    missing = [k for k in keys if k not in feats]
+    if missing:
+        raise ValueError(f"store {getattr(reader, 'url', '')} lacks observation keys {missing} (has {sorted(feats)})")
+    return {k: feats[k] for k in keys}
+
+
+def build_policy(policy_cfg: AEDDiffusionConfig, reader, episodes) -> AEDDiffusionPolicy:
+    """Fit the action tokenizer on ``episodes``' actions (AED on), take stats over ``episodes`` and build
+    a fresh policy."""
+    stats = reader.stats(policy_cfg.state_keys + ["action"], episodes=episodes)
+    tok = None
+    if policy_cfg.aed.enabled:
+        acts = [reader.load_episode(e.episode_id, keys=["action"])["action"] for e in episodes]
+        tok = ActionTokenizer.fit(acts, r=policy_cfg.aed.group_size, relative_dims=policy_cfg.relative_action_dims,
+                                  absolute_dims=policy_cfg.absolute_action_dims, scale=policy_cfg.aed.tokenizer_scale,
+                                  vocab_size=policy_cfg.aed.tokenizer_vocab_size)
+    return AEDDiffusionPolicy(policy_cfg, stats, tok)
+
+
+def _cycle(loader):
+    while True:
+        yield from loader
+
+
+def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPolicy | None = None,
+                 policy_cfg: AEDDiffusionConfig | None = None, reader=None, episodes=None,
+                 dataset: Dataset | None = None, device: str | None = "auto",
+                 run_config: dict | None = None) -> dict:
+    """Train (or keep training) an AED diffusion policy; resumable.
+
+    Give either ``policy`` (fine-tune an existing one) or ``policy_cfg`` + ``reader`` + ``episodes`` (fit the
+    tokenizer and stats on those episodes, build a fresh policy). The data is ``dataset`` if given (any
+    Dataset of window dicts with ``policy.window_spec()``'s names, e.g. FERT retrieval mixed with demo
+    replay), else ``WindowDataset(reader, episodes, policy.window_spec())``. If ``train_cfg["resume"]`` and
+    ``out_dir`` holds a checkpoint, everything (weights, EMA, optimizer, LR schedule, step) resumes from it.
+
+    Args:
+        train_cfg: keys of ``TRAIN_DEFAULTS`` (missing keys take the defaults).
+        out_dir: run directory (checkpoints, metrics.jsonl, wandb).
+        device: "auto" | "cpu" | "cuda" | ...
+        run_config: extra JSON-able config logged to wandb.
+    Returns:
+        {"step", "checkpoint" (pretrained_model dir of the last checkpoint), "metrics" (last logged),
+         "samples_per_s", "policy" (the EMA policy, eval mode)}.
+    Raises:
+        ValueError: neither ``policy`` nor ``policy_cfg``/``reader``/``episodes`` given, or no episodes.
+    """
+    tc = {**TRAIN_DEFAULTS, **dict(train_cfg)}
+    tc["wandb"] = {**TRAIN_DEFAULTS["wandb"], **dict(tc.get("wandb") or {})}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = resolve_device(device)
+    if tc["num_threads"]:
+        torch.set_num_threads(int(tc["num_threads"]))
+    torch.manual_seed(tc["seed"])
+    np.random.seed(tc["seed"])
+
+    resume_from = last_checkpoint(out_dir) if tc["resume"] else None
+    if resume_from is not None:
+        policy = AEDDiffusionPolicy.from_pretrained(resume_from / "pretrained_model")
+        log.info("resuming from %s", resume_from)
+    elif policy is None:
+        if policy_cfg is None or reader is None or not episodes:
+            raise ValueError("train_policy needs policy=..., or policy_cfg, reader and a non-empty episodes list")
+        policy = build_policy(policy_cfg, reader, episodes)
+    policy = policy.to(dev).train()
+    if dataset is None:
+        if reader is None or not episodes:
+            raise ValueError("train_policy needs dataset=..., or reader and a non-empty episodes list")
+        from experience_dict.sampler import WindowDataset
+        dataset = WindowDataset(reader, episodes, windows=policy.window_spec())
+
+    params = [p for p in policy.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=tc["lr"], betas=tuple(tc["betas"]),
+                            **({"fused": True} if dev.type == "cuda" else {"foreach": True}))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(tc["warmup_steps"], tc["steps"]))
+    ema = EMA(policy, tc["ema_power"], tc["ema_max_decay"]) if tc["ema"] else None
+    step = 0
+    if resume_from is not None:
+        ts = resume_from / "training_state"
+        policy.load_weights(ts / "model.safetensors")
+        if ema is not None and (ts / "ema.safetensors").is_file():
+            ema.model.load_weights(ts / "ema.safetensors")
+        load_optimizer(opt, ts)
+        st = json.loads((ts / "state.json").read_text())
+        # the LR lambda is rebuilt from this run's config (a longer run stretches the cosine); its counters resume
+        sched.load_state_dict({**st["scheduler"], "lr_lambdas": [None] * len(opt.param_groups)})
+        step = int(st["step"])
+        if ema is not None and st.get("ema_step") is not None:
+            ema.step_count = int(st["ema_step"])
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if tc["compile"]:
+        policy.denoiser.compile()
+        policy.obs_encoder.compile()
+
+    loader = DataLoader(dataset, batch_size=tc["batch_size"], shuffle=True, drop_last=len(dataset) >= tc["batch_size"],
+                        num_workers=tc["num_workers"], collate_fn=TokenizingCollate(policy.tokenizer),
+                        pin_memory=dev.type == "cuda", persistent_workers=tc["num_workers"] > 0)
+    wb = None
+    if tc["wandb"]["enabled"]:
+        import wandb
+        wb = wandb.init(project=tc["wandb"]["project"], name=tc["wandb"]["name"], mode=tc["wandb"]["mode"],
+                        dir=str(out_dir), config={"train": tc, "policy": policy.config.to_dict(), **(run_config or {})},
+                        resume="allow", id=hashlib.sha1(str(out_dir.resolve()).encode()).hexdigest()[:12])
+    metrics_f = open(out_dir / "metrics.jsonl", "a")  # noqa: SIM115 (kept open across the loop, closed below)
+    log.info("training %s params on %s for %d steps (from step %d)", f"{policy.num_parameters():,}", dev,
+             tc["steps"], step)
+    from tqdm import tqdm
+    bar = tqdm(total=tc["steps"], initial=step, disable=not tc["progress"], desc="train", dynamic_ncols=True)
+    batches = _cycle(loader)
+    last_metrics, ckpt = {}, None
+    t_log, n_log = time.perf_counter(), 0
+    sps = 0.0
+    while step < tc["steps"]:
+        batch = next(batches)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=tc["amp_bf16"]):
+            loss, m = policy(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(params, tc["grad_clip"])
+        opt.step()
+        sched.step()
+        if ema is not None:
+            ema.step(policy)
+        step += 1
+        n_log += batch["action"].shape[0]
+        bar.update(1)
+        if step % tc["log_every"] == 0 or step == tc["steps"]:
+            now = time.perf_counter()
+            sps = n_log / max(now - t_log, 1e-9)
+            last_metrics = {"step": step, **m, "grad_norm": float(gn), "lr": sched.get_last_lr()[0],
+                            "samples_per_s": sps, "time": time.time()}
+            metrics_f.write(json.dumps(last_metrics) + "\n")
+            metrics_f.flush()
+            if wb is not None:
+                wb.log(last_metrics, step=step)
+            bar.set_postfix(loss=f"{m['loss']:.4f}", sps=f"{sps:.0f}")
+            t_log, n_log = now, 0
+        if step % tc["save_every"] == 0 or step == tc["steps"]:
+            ckpt = save_checkpoint(out_dir, step, policy, ema, opt, sched)
+    bar.close()
+    metrics_f.close()
+    if wb is not None:
+        wb.finish()
+    if ckpt is None:
+        last = last_checkpoint(out_dir)
+        ckpt = last / "pretrained_model" if last is not None else save_checkpoint(out_dir, step, policy, ema, opt, sched)
+    final = (ema.model if ema is not None else policy).eval()
+    return {"step": step, "checkpoint": ckpt, "metrics": last_metrics, "samples_per_s": sps, "policy": final}

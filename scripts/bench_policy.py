@@ -1,0 +1,222 @@
+"""Benchmark the AED diffusion policy: training samples/s, peak memory, and inference latency per action chunk.
+
+    python scripts/bench_policy.py                                   # CPU (and CUDA when visible), JSON to stdout + file
+    python scripts/bench_policy.py train.bench.devices=[cuda] train.bench.compile=true train.bench.batch_size=256
+
+For each device and each config (the default state-only policy, ``policy=aed_diffusion``, and the 96x96-image
+policy, ``configs/policy/aed_diffusion_image.yaml``): training samples/s and peak memory on random batches of
+the policy's windows (AdamW, grad clip, as ``train_policy``), CPU tokenization time per batch (the data-path
+preprocessor), and the latency of one action chunk with DDIM ``num_inference_steps`` (10) at batch 1 and 32
+(CUDA: synchronised timing; optional ``torch.compile(mode="reduce-overhead")`` of the denoiser, which uses
+CUDA graphs). Same-process baselines: the same policy without the AED prefix (``aed.enabled=false``) always,
+and LeRobot's ``DiffusionPolicy`` of similar parameter count when ``lerobot`` is importable.
+Writes ``<output_dir>/bench_policy.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experience_dict.tokenizer import ActionTokenizer
+from policies.aed_diffusion import AEDDiffusionConfig, AEDDiffusionPolicy
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "policy"
+STATE_SHAPES = {"observation.state": [4], "observation.environment_state": [17]}
+
+
+def load_policy_cfg(name: str, image_size: int, overrides: dict | None = None) -> AEDDiffusionConfig:
+    """A policy config file of configs/policy (defaults merged) -> AEDDiffusionConfig with Meta-World shapes."""
+    node = OmegaConf.load(CONFIG_DIR / f"{name}.yaml")
+    base = OmegaConf.create()
+    for d in node.pop("defaults", []) or []:
+        if d != "_self_":
+            base = OmegaConf.merge(base, OmegaConf.load(CONFIG_DIR / f"{d}.yaml"))
+    d = OmegaConf.to_container(OmegaConf.merge(base, node, overrides or {}), resolve=True)
+    d.pop("input_keys", None)
+    images = d.pop("images", False)
+    shapes = dict(STATE_SHAPES)
+    if images:
+        shapes["observation.images.corner"] = [image_size, image_size, 3]
+    return AEDDiffusionConfig.from_dict({**d, "input_shapes": shapes})
+
+
+def synthetic(cfg: AEDDiffusionConfig):
+    """Stats and a tokenizer fitted on smooth random actions (no store needed)."""
+    rng = np.random.default_rng(0)
+    t = np.arange(200)[:, None] / 80.0
+    eps = [np.clip(np.sin(t * rng.uniform(1, 5, 4) + rng.uniform(0, 6, 4)), -1, 1).astype(np.float32) for _ in range(20)]
+    tok = ActionTokenizer.fit(eps, r=cfg.aed.group_size, relative_dims=cfg.relative_action_dims,
+                              absolute_dims=cfg.absolute_action_dims, scale=cfg.aed.tokenizer_scale,
+                              vocab_size=cfg.aed.tokenizer_vocab_size)
+    stats = {k: {"min": [-1.0] * v[0], "max": [1.0] * v[0], "mean": [0.0] * v[0], "std": [1.0] * v[0]}
+             for k, v in cfg.input_shapes.items() if len(v) == 1}
+    stats["action"] = {"min": [-1.0] * cfg.action_dim, "max": [1.0] * cfg.action_dim,
+                       "mean": [0.0] * cfg.action_dim, "std": [1.0] * cfg.action_dim}
+    return stats, tok
+
+
+def random_batch(policy: AEDDiffusionPolicy, B: int, spec: dict) -> dict:
+    cfg, out = policy.config, {}
+    for name, (key, offs) in spec.items():
+        shape = [cfg.action_dim] if key == "action" else cfg.input_shapes[key]
+        if len(shape) == 3:
+            out[name] = torch.randint(0, 256, (B, len(offs), *shape), dtype=torch.uint8)
+        else:
+            out[name] = torch.rand(B, len(offs), *shape) * 2 - 1
+        out[f"{name}_is_pad"] = torch.zeros(B, len(offs), dtype=torch.bool)
+    return out
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fn, dev, iters: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    sync(dev)
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        ts.append(time.perf_counter() - t0)
+    return ts
+
+
+def peak_mem_mib(dev) -> float:
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated(dev) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (Linux: KiB)
+
+
+def bench_policy(cfg: AEDDiffusionConfig, dev, bc: dict) -> dict:
+    stats, tok = synthetic(cfg)
+    torch.manual_seed(0)
+    policy = AEDDiffusionPolicy(cfg, stats, tok).to(dev)
+    res = {"parameters": policy.num_parameters()}
+    B = bc["batch_size"]
+    batch = random_batch(policy, B, policy.window_spec())
+    t0 = time.perf_counter()
+    batch = policy.tokenize_history(batch)
+    res["tokenize_ms_per_batch"] = (time.perf_counter() - t0) * 1e3
+    batch = {k: v.to(dev) for k, v in batch.items()}
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-4, **({"fused": True} if dev.type == "cuda" else {"foreach": True}))
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.cuda.reset_peak_memory_stats(dev)
+    if bc["compile"]:
+        policy.denoiser.compile()
+        policy.obs_encoder.compile()
+
+    def train_step():
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bc["amp_bf16"]):
+            loss, _ = policy(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 10.0)
+        opt.step()
+
+    policy.train()
+    ts = timeit(train_step, dev, bc["train_iters"], bc["warmup"])
+    res["train_samples_per_s"] = B / float(np.median(ts))
+    res["train_step_ms"] = float(np.median(ts)) * 1e3
+    res["peak_memory_mib"] = peak_mem_mib(dev)
+    policy.eval()
+    if bc["compile"] and dev.type == "cuda":
+        policy.denoiser = torch.compile(policy.denoiser, mode="reduce-overhead")
+    for nb in (1, 32):
+        ib = random_batch(policy, nb, policy.inference_window_spec())
+        ib = policy.tokenize_history(ib)
+        ib = {k: v.to(dev) for k, v in ib.items()}
+        noise = torch.randn(nb, cfg.horizon, cfg.action_dim, device=dev)
+        ts = timeit(lambda ib=ib, noise=noise: policy.predict_action_chunk(ib, noise=noise), dev,
+                    bc["infer_iters"], bc["warmup"])
+        res[f"chunk_latency_ms_b{nb}"] = float(np.median(ts)) * 1e3
+    res["ddim_steps"] = cfg.num_inference_steps
+    return res
+
+
+def bench_lerobot(dev, bc: dict, image_size: int | None) -> dict:
+    """LeRobot's DiffusionPolicy on the same batch size (only when lerobot is importable)."""
+    for mod in ("transformers", "peft"):  # lerobot 0.4.4 does not use them (DESIGN.md)
+        sys.modules.setdefault(mod, None)
+    from lerobot.configs.types import FeatureType, PolicyFeature
+    from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig
+    from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
+
+    feats = {"observation.state": PolicyFeature(FeatureType.STATE, (4,)),
+             "observation.environment_state": PolicyFeature(FeatureType.ENV, (17,))}
+    if image_size:
+        feats["observation.images.corner"] = PolicyFeature(FeatureType.VISUAL, (3, image_size, image_size))
+    cfg = DiffusionConfig(input_features=feats, output_features={"action": PolicyFeature(FeatureType.ACTION, (4,))},
+                          horizon=16, n_obs_steps=2, n_action_steps=8, down_dims=tuple(bc["lerobot_down_dims"]),
+                          crop_shape=None, num_inference_steps=10, noise_scheduler_type="DDIM")
+    policy = DiffusionPolicy(cfg).to(dev)
+    B = bc["batch_size"]
+    batch = {"observation.state": torch.randn(B, 2, 4), "observation.environment_state": torch.randn(B, 2, 17),
+             "action": torch.randn(B, 16, 4), "action_is_pad": torch.zeros(B, 16, dtype=torch.bool)}
+    if image_size:
+        batch["observation.images.corner"] = torch.rand(B, 2, 3, image_size, image_size)
+    batch = {k: v.to(dev) for k, v in batch.items()}
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+
+    def step():
+        loss, _ = policy.forward(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    ts = timeit(step, dev, bc["train_iters"], bc["warmup"])
+    return {"parameters": sum(p.numel() for p in policy.parameters()), "train_samples_per_s": B / float(np.median(ts))}
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    bc = OmegaConf.to_container(cfg.train.bench, resolve=True)
+    if bc["num_threads"]:
+        torch.set_num_threads(int(bc["num_threads"]))
+    devices = [d for d in bc["devices"] if d == "cpu" or torch.cuda.is_available()]
+    out = {"torch": torch.__version__, "host": platform.node(), "cpu_threads": torch.get_num_threads(),
+           "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "settings": bc,
+           "results": {}}
+    for dname in devices:
+        dev = torch.device(dname)
+        for cname in bc["configs"]:
+            pol = "aed_diffusion_image" if cname == "image" else "aed_diffusion"
+            size = int(cfg.obs.image_size)
+            r = bench_policy(load_policy_cfg(pol, size), dev, bc)
+            base = bench_policy(load_policy_cfg(pol, size, {"aed": {"enabled": False}, "mt_loss": {"weight": 0.0}}),
+                                dev, bc)
+            r["baseline_no_aed"] = base
+            r["ratio_train_samples_per_s_vs_no_aed"] = r["train_samples_per_s"] / base["train_samples_per_s"]
+            try:
+                lr_res = bench_lerobot(dev, bc, size if cname == "image" else None)
+                r["lerobot_diffusion"] = lr_res
+                r["ratio_train_samples_per_s_vs_lerobot"] = r["train_samples_per_s"] / lr_res["train_samples_per_s"]
+            except ImportError as e:
+                r["lerobot_diffusion"] = f"not run: {e}"
+            out["results"][f"{dname}/{cname}"] = r
+            print(json.dumps({f"{dname}/{cname}": r}), flush=True)
+    path = Path(cfg.output_dir) / "bench_policy.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""AED diffusion policy: config checks, attention mask, overfitting windows of a real Zarr store, training
+resume, checkpoints loaded in a fresh process, wrong-shape checkpoints, deployment windows."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from experience_dict.sampler import WindowDataset
+from experience_dict.store import ExperienceStore
+from policies.aed_diffusion import AEDDiffusionConfig, AEDDiffusionPolicy
+from policies.aed_diffusion.modeling_aed_diffusion import Denoiser, denoiser_mask
+from policies.aed_diffusion.training import build_policy, last_checkpoint, train_policy
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+SPEC = {"observation.state": {"shape": [4], "dtype": "float32"},
+        "observation.environment_state": {"shape": [6], "dtype": "float32"},
+        "action": {"shape": [4], "dtype": "float32"}, "control_hz": 80.0}
+TINY = {"input_shapes": {"observation.state": [4], "observation.environment_state": [6]}, "dim": 32, "n_layers": 2,
+            "n_heads": 2, "state_hidden": 32, "horizon": 8, "n_action_steps": 4,
+            "aed": {"history_actions": 8, "group_size": 4, "memory_queries": 2, "tokenizer_vocab_size": 256},
+            "mt_loss": {"weight": 0.01}}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A real Zarr store: 4 episodes of a point reaching a goal (action = gain * (goal - pos), gripper closes)."""
+    url = str(tmp_path_factory.mktemp("store") / "store")
+    st = ExperienceStore.create_or_open(url, spec=SPEC, progress_keys=[])
+    w = st.writer("unit-0000")
+    rng = np.random.default_rng(0)
+    for e in range(4):
+        pos, goal = rng.uniform(-0.2, 0.2, 3), rng.uniform(-0.2, 0.2, 3)
+        w.begin_episode(unit_id=0, embodiment="sawyer", task="reach-v3", policy_version=-1, seed=e, is_demo=True)
+        for t in range(40):
+            act = np.clip(np.r_[(goal - pos) * 8.0, 1.0 if t > 20 else -1.0], -1, 1).astype(np.float32)
+            obs = {"observation.state": np.r_[pos, 0.5].astype(np.float32),
+                   "observation.environment_state": np.r_[goal, pos - goal].astype(np.float32)}
+            w.add_step(obs, act, reward=0.0, progress={})
+            pos = pos + act[:3] * 0.01
+        w.commit(success=True)
+    return ExperienceStore.open(url)
+
+
+def tiny_cfg(**over) -> AEDDiffusionConfig:
+    d = json.loads(json.dumps(TINY))
+    for k, v in over.items():
+        if isinstance(v, dict):
+            d[k] = {**d.get(k, {}), **v}
+        else:
+            d[k] = v
+    return AEDDiffusionConfig.from_dict(d)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="n_action_steps"):
+        AEDDiffusionConfig(horizon=8, n_action_steps=9)
+    with pytest.raises(ValueError, match="partition"):
+        AEDDiffusionConfig(relative_action_dims=[0, 1], absolute_action_dims=[3])
+    with pytest.raises(ValueError, match="multiple"):
+        tiny_cfg(aed={"history_actions": 10})
+    with pytest.raises(ValueError, match=r"\[H, W, 3\]"):
+        AEDDiffusionConfig(input_shapes={"observation.images.corner": [96, 96]})
+    with pytest.raises(ValueError, match="unknown keys"):
+        AEDDiffusionConfig.from_dict({"dimm": 3})
+
+
+def test_window_spec_and_ablations(store):
+    eps = store.episodes()
+    p = build_policy(tiny_cfg(), store, eps)
+    spec = p.window_spec()
+    assert spec["action"] == ("action", list(range(8)))
+    assert spec["history.action"] == ("action", list(range(-8, 0)))
+    assert spec["history.observation.state"] == ("observation.state", [-8, -4, 0])
+    assert spec["future.observation.state"] == ("observation.state", [0, 4, 8])
+    assert spec["observation.state"] == ("observation.state", [-1, 0])
+    base = build_policy(tiny_cfg(aed={"enabled": False}, mt_loss={"weight": 0.0}), store, eps)
+    assert set(base.window_spec()) == {"observation.state", "observation.environment_state", "action"}
+    assert base.tokenizer is None and not hasattr(base, "aed") and not hasattr(base, "mt_decoder")
+    ds = WindowDataset(store, eps, windows=base.window_spec())
+    loss, m = base(torch.utils.data.default_collate([ds[i] for i in range(4)]))
+    assert torch.isfinite(loss) and "mt_loss" not in m
+
+
+def test_attention_mask_blocks_what_it_must():
+    m = denoiser_mask(n_obs=3, n_prefix=2, n_act=4)
+    obs, pre, act = slice(0, 3), slice(3, 5), slice(5, 9)
+    assert m[obs, obs].all() and not m[obs, pre].any() and not m[obs, act].any()
+    assert m[pre, obs].all() and m[pre, pre].all() and not m[pre, act].any()
+    assert m[act].all()
+    # functionally: with non-zero adaLN weights, noisy actions cannot change obs/prefix states,
+    # the prefix cannot change obs states, and both do change the action states
+    torch.manual_seed(0)
+    cfg = tiny_cfg()
+    den = Denoiser(cfg, n_obs_tokens=3, n_prefix=2).eval()
+    for blk in den.blocks:
+        torch.nn.init.normal_(blk.ada[1].weight, std=0.1)
+    states = {}
+    den.blocks[-1].register_forward_hook(lambda mod, inp, out: states.__setitem__("x", out.detach().clone()))
+    obs_t, prefix, noisy = torch.randn(2, 3, 32), torch.randn(2, 2, 32), torch.randn(2, 8, 4)
+    t = torch.tensor([5, 50])
+    den(noisy, t, obs_t, prefix)
+    x0 = states["x"]
+    den(noisy + 1.0, t, obs_t, prefix)
+    torch.testing.assert_close(states["x"][:, :5], x0[:, :5])
+    assert not torch.allclose(states["x"][:, 5:], x0[:, 5:])
+    den(noisy, t, obs_t, prefix + torch.randn_like(prefix))  # (a constant shift would vanish in LayerNorm)
+    torch.testing.assert_close(states["x"][:, :3], x0[:, :3])
+    assert not torch.allclose(states["x"][:, 3:5], x0[:, 3:5]) and not torch.allclose(states["x"][:, 5:], x0[:, 5:])
+    den(noisy, torch.tensor([70, 99]), obs_t, prefix)  # obs / prefix are modulated at timestep 0
+    torch.testing.assert_close(states["x"][:, :5], x0[:, :5])
+
+
+def _eval_loss(policy, batch, seeds=range(8)):
+    out = []
+    for s in seeds:
+        torch.manual_seed(s)
+        with torch.no_grad():
+            out.append(policy(batch)[0].item())
+    return float(np.mean(out))
+
+
+@pytest.mark.slow
+def test_overfits_windows_of_a_real_store_and_resumes(store, tmp_path):
+    eps = store.episodes()
+    torch.manual_seed(0)
+    policy = build_policy(tiny_cfg(), store, eps)
+    ds = torch.utils.data.Subset(WindowDataset(store, eps, windows=policy.window_spec()), [3, 17, 45, 70, 101, 150])
+    batch = policy.tokenize_history(torch.utils.data.default_collate([ds[i] for i in range(len(ds))]))
+    assert batch["history.group_mask"][0].tolist() == [False, True]  # step 3: steps -5..-2 precede the episode
+    policy.train()
+    start = _eval_loss(policy, batch)
+    tc = {"steps": 150, "batch_size": 6, "lr": 3e-3, "warmup_steps": 10, "log_every": 25, "save_every": 75, "ema": False,
+              "progress": False, "seed": 0}
+    res = train_policy(tc, tmp_path / "run", policy=policy, dataset=ds, device="cpu")
+    assert res["step"] == 150
+    policy.train()
+    end = _eval_loss(policy, batch)
+    print("overfit loss", start, "->", end)
+    assert end < 0.35 * start, (start, end)
+    lines = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [25, 50, 75, 100, 125, 150]
+    # resume: a longer run in the same dir continues from the last checkpoint (step 150), not from scratch
+    assert last_checkpoint(tmp_path / "run").name == "0000150"
+    res2 = train_policy({**tc, "steps": 175}, tmp_path / "run", dataset=ds, device="cpu")
+    assert res2["step"] == 175
+    lines = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines][-2:] == [150, 175]
+    assert lines[-1]["lr"] < tc["lr"] * 0.05  # cosine schedule resumed near its end
+    opt_json = json.loads((last_checkpoint(tmp_path / "run") / "training_state" / "optimizer.json").read_text())
+    assert opt_json["state"]["0"]["step"] == {"tensor": "0.step"}
+
+
+def test_checkpoint_same_actions_in_fresh_process(store, tmp_path):
+    eps = store.episodes()
+    torch.manual_seed(0)
+    policy = build_policy(tiny_cfg(), store, eps).eval()
+    ds = WindowDataset(store, eps, windows=policy.inference_window_spec())
+    batch = torch.utils.data.default_collate([ds[i] for i in (0, 5, 30)])
+    batch = {k: v for k, v in batch.items() if torch.is_tensor(v)}
+    noise = torch.randn(3, 8, 4, generator=torch.Generator().manual_seed(1))
+    ref = policy.predict_action_chunk(batch, noise=noise)
+    assert ref.shape == (3, 8, 4) and torch.isfinite(ref).all()
+    policy.save_pretrained(tmp_path / "ckpt")
+    assert {p.name for p in (tmp_path / "ckpt").iterdir()} == {"config.json", "model.safetensors", "stats.json",
+                                                               "tokenizer.json"}
+    save_file({**{k: v.contiguous() for k, v in batch.items()}, "noise": noise}, str(tmp_path / "batch.safetensors"))
+    code = (
+        "import sys, torch; torch.set_num_threads(1)\n"
+        "from safetensors.torch import load_file, save_file\n"
+        "from policies.aed_diffusion import AEDDiffusionPolicy\n"
+        f"p = AEDDiffusionPolicy.from_pretrained({str(tmp_path / 'ckpt')!r})\n"
+        f"b = load_file({str(tmp_path / 'batch.safetensors')!r}); noise = b.pop('noise')\n"
+        f"save_file({{'a': p.predict_action_chunk(b, noise=noise)}}, {str(tmp_path / 'out.safetensors')!r})\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, timeout=300)
+    torch.testing.assert_close(load_file(str(tmp_path / "out.safetensors"))["a"], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_wrong_shape_checkpoint_fails_clearly(store, tmp_path):
+    eps = store.episodes()
+    small = build_policy(tiny_cfg(), store, eps)
+    big = build_policy(tiny_cfg(dim=48), store, eps)
+    small.save_pretrained(tmp_path / "a")
+    big.save_pretrained(tmp_path / "b")
+    (tmp_path / "a" / "model.safetensors").write_bytes((tmp_path / "b" / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"tensor '.+' has shape \(.*48.*\), the model expects \(.*32.*\)"):
+        AEDDiffusionPolicy.from_pretrained(tmp_path / "a")
+    noaed = build_policy(tiny_cfg(aed={"enabled": False}), store, eps)
+    noaed.save_pretrained(tmp_path / "c")
+    (tmp_path / "a" / "model.safetensors").write_bytes((tmp_path / "c" / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="missing tensors"):
+        AEDDiffusionPolicy.from_pretrained(tmp_path / "a")
+
+
+def test_select_action_builds_the_sampler_windows(store):
+    eps = store.episodes()
+    policy = build_policy(tiny_cfg(), store, eps).eval()
+    spec = policy.inference_window_spec()
+    ds = WindowDataset(store, eps[:1], windows=spec)
+    ep = store.load_episode(eps[0].episode_id)
+    keys = list(policy.config.input_shapes)
+    calls = []
+    orig = policy.predict_action_chunk
+
+    def spy(batch, **kw):
+        calls.append(batch)
+        return orig(batch, **kw)
+
+    policy.predict_action_chunk = spy
+    policy.reset()
+    # drive select_action with the episode's observations; replace the executed actions by the episode's own
+    for t in range(13):
+        a = policy.select_action({k: ep[k][t] for k in keys})
+        assert a.shape == (4,) and a.dtype == np.float32 and np.all(np.abs(a) <= 1.0 + 1e-5)
+        policy._act_hist[-1] = torch.from_numpy(ep["action"][t])[None]
+        if t in (0, 4, 12):  # re-plans every n_action_steps = 4 steps; compare windows with the sampler
+            got, want = calls[-1], ds[t]
+            for name in spec:
+                pad = want[f"{name}_is_pad"]
+                assert torch.equal(got[f"{name}_is_pad"][0], pad), name
+                torch.testing.assert_close(got[name][0][~pad].float(), want[name][~pad].float())
+    assert len(calls) == 4
+    policy.reset()
+    assert not policy._queue and not policy._act_hist
