@@ -294,13 +294,15 @@ class Fleet:
     def run(self, episodes_per_unit: int | None = None, wall_time_s: float | None = None,
             episodes_per_task: int | None = None, progress: bool = True,
             should_stop: Callable[[], bool] | None = None,
-            on_episode: Callable[[dict], None] | None = None) -> FleetResult:
+            on_episode: Callable[[dict], None] | None = None, policy: Any = None) -> FleetResult:
         """Run episodes until the budget is spent; returns a ``FleetResult``.
 
         Budgets (at least one): ``episodes_per_unit`` (each unit runs that many, its tasks round-robin),
         ``episodes_per_task`` (that many per task in total, handed to whichever unit runs the task and is
         free), ``wall_time_s`` (no new episode starts after it; running ones finish). With none given,
         ``fleet.episodes_per_unit`` / ``fleet.wall_time_s`` from the config are used.
+        ``policy`` (see ``policy_spec``) switches the acting policy for this run and later ones (held-out
+        evaluation of several arms on one set of workers); it is handed to the workers with every episode.
         ``should_stop()`` is polled (~2 Hz) to end early (e.g. a learner asks for a new round): no new
         episode starts, running ones finish; ``on_episode(summary)`` is called for each committed episode.
 
@@ -322,6 +324,8 @@ class Fleet:
 
         if not self.actors:
             self.start()
+        if policy is not None:
+            self.policy = policy_spec(self.cfg, policy)
         if episodes_per_unit is None and wall_time_s is None and episodes_per_task is None:
             episodes_per_unit = self.fcfg.get("episodes_per_unit")
             wall_time_s = self.fcfg.get("wall_time_s")
@@ -364,7 +368,7 @@ class Fleet:
         def submit(unit: int) -> None:
             ok, task = next_task(unit)
             if ok:
-                inflight[self.actors[unit].run_episodes.remote(1, task)] = (unit, "episode", task, time.monotonic())
+                inflight[self.actors[unit].run_episodes.remote(1, task, self.policy)] = (unit, "episode", task, time.monotonic())
 
         def recover(unit: int, err: BaseException | None, kill: bool) -> None:
             if err is not None:

@@ -254,7 +254,7 @@ class RobotWorker:
         self.progress_state.update(episode_index=self.episode_index, in_episode=False)
         return summary
 
-    def run_episodes(self, n: int = 1, task: str | None = None) -> list[dict[str, Any]]:
+    def run_episodes(self, n: int = 1, task: str | None = None, policy: dict | None = None) -> list[dict[str, Any]]:
         """Run ``n`` episodes (of ``task``, or the unit's tasks round-robin); list of ``run_episode`` summaries.
 
         Raises:
@@ -262,6 +262,10 @@ class RobotWorker:
             WorkerEpisodeError: any other exception inside an episode (type, message and traceback as text,
                 so that exceptions holding unpicklable objects, e.g. EGL errors, reach the coordinator).
         """
+        if policy is not None and policy != self.policy_cfg:
+            # a new acting policy for this and later calls (the coordinator passes it with every call, so a
+            # worker restarted by Ray picks it up again)
+            self.policy_cfg, self.policy, self.policy_version = dict(policy), None, None
         return self._sim_thread.submit(self._run_episodes, int(n), task).result()
 
     def _run_episodes(self, n: int, task: str | None) -> list[dict[str, Any]]:

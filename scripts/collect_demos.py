@@ -10,6 +10,10 @@ Each unit writes its own shard (writer id ``<store.demos.writer_id>-unit-<id>``)
 ``store.demos.seed + 1000 * task_index + demo_index + 100000 * attempt``; with ``successful_only`` a failed
 attempt is discarded and retried with the next attempt's seed. Running it again adds more demonstrations.
 
+With ``store.demos.on_fleet=true`` the demonstrations are collected in parallel on the Ray fleet instead
+(``fleet.coordinator.collect``: one worker per training unit, each writing its own shard ``unit-<id>``;
+failed attempts are kept as non-successful episodes rather than retried).
+
 Prints and writes ``<output_dir>/collect_demos.json``: per-task counts and success, the store's ``verify``.
 """
 
@@ -55,6 +59,8 @@ def main(cfg: DictConfig) -> None:
 
     dcfg = cfg.store.demos
     tasks = list(cfg.task.tasks)
+    if dcfg.get("on_fleet", False):
+        return collect_on_fleet(cfg)
     units = list(dcfg.units) if dcfg.units is not None else list(cfg.robot.train_units)
     if not units or not tasks:
         raise SystemExit(f"collect_demos: need tasks and units, given tasks={tasks} units={units}")
@@ -106,6 +112,29 @@ def main(cfg: DictConfig) -> None:
     reader = ExperienceStore.open(str(cfg.store.url))
     check = reader.verify()
     result = {"store": str(cfg.store.url), "tasks": summary, "wall_s": round(time.time() - t0, 1),
+              "demos_in_store": len(reader.episodes(is_demo=True)),
+              "verify": {k: check[k] for k in ("ok", "episodes", "chunks_checked", "corrupt_episodes")}}
+    out = Path(cfg.output_dir) / "collect_demos.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    if not check["ok"]:
+        raise SystemExit(f"store verify failed: {check['problems'][:3]}")
+
+
+def collect_on_fleet(cfg: DictConfig) -> None:
+    """Collect the demonstrations on the Ray fleet (one worker per unit, in parallel)."""
+    from fleet.coordinator import collect
+
+    dcfg = cfg.store.demos
+    t0 = time.time()
+    res = collect(cfg, policy={"kind": "expert", "noise_std": float(dcfg.noise_std)}, is_demo=True,
+                  episodes_per_task=int(dcfg.per_task),
+                  units=list(dcfg.units) if dcfg.units is not None else None, store_url=str(cfg.store.url))
+    print(res.table("task"))
+    reader = ExperienceStore.open(str(cfg.store.url))
+    check = reader.verify()
+    result = {"store": str(cfg.store.url), "episodes": len(res.episodes), "wall_s": round(time.time() - t0, 1),
               "demos_in_store": len(reader.episodes(is_demo=True)),
               "verify": {k: check[k] for k in ("ok", "episodes", "chunks_checked", "corrupt_episodes")}}
     out = Path(cfg.output_dir) / "collect_demos.json"

@@ -1,0 +1,199 @@
+"""The asynchronous FERT learner: trains from the growing store and publishes policy versions.
+
+One round, read top to bottom in :meth:`FertLearner.run_round`:
+
+1. wait until the fleet has committed ``min_new_episodes`` episodes since the last round (collection never
+   waits for training; training waits only for *fleet* data, never for one unit);
+2. ``FertData.update``: refresh the store snapshot, locate failure onsets, index new successful windows;
+3. ``FertData.retrieve``: failure contexts of the training units -> top-k successful windows of the same task
+   from the whole fleet (the method of "Learning from Fleet Experience", see DESIGN.md);
+4. train ``updates_per_version`` updates on the retrieved windows mixed with demonstration replay
+   (``policies.aed_diffusion.training.train_policy``, resumable);
+5. write the retrieval audit, publish the EMA weights as the next policy version (atomically, sha256 manifest).
+
+Fault tolerance: the trainer's checkpoints (weights, EMA, optimizer, LR schedule, step) live in
+``<work_dir>/train``; the round cursor in ``<work_dir>/learner_state.json`` (written atomically). A learner
+killed at any point restarts, resumes training from the last checkpoint, and publishes each round once:
+before publishing it looks for a registry version already carrying its ``(run_id, round)``.
+
+Runs in-process (tests, notebooks) or as a Ray actor (``ray.remote(FertLearner)``, one GPU when present).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LEARNER_DEFAULTS: dict[str, Any] = {
+    "updates_per_version": 200,   # optimizer updates between published policy versions (one FERT round)
+    "min_new_episodes": 4,        # fleet episodes committed since the last round before the next round starts
+    "poll_s": 1.0,                # how often the learner re-reads the store while waiting
+    "max_wait_s": 600.0,          # give up waiting for fleet data after this long (round runs on what exists)
+    "lr": 1.0e-4,                 # fine-tuning learning rate (AED paper: 1e-4)
+    "warmup_steps": 0,
+    "batch_size": 64,
+    "device": "auto",
+    "torch_threads": 1,           # CPU threads for training (the fleet's workers use the other cores)
+}
+
+
+def _atomic_write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+class FertLearner:
+    """Failure-guided experience retrieval fine-tuning, run continuously beside the fleet.
+
+    Args:
+        cfg: plain dict with ``fert`` (configs/fert), ``train`` (configs/train), ``learner`` (keys of
+            ``LEARNER_DEFAULTS``) and ``robot`` (for the held-out units, never used for training).
+        store_url: the fleet's experience store.
+        registry_url: where versions are published.
+        work_dir: the learner's own directory (training checkpoints, state, audits).
+        init_checkpoint: ``pretrained_model`` directory the fine-tuning starts from (the base policy).
+        run_id: names this learner's versions in the registry metadata (so a restart never republishes).
+        publish: False trains and audits without publishing (offline arms such as FERT without AED).
+    """
+
+    def __init__(self, cfg: dict, store_url: str, registry_url: str | None, work_dir: str, init_checkpoint: str,
+                 run_id: str = "fert", publish: bool = True):
+        os.environ.setdefault("WANDB_MODE", "offline")
+        self.cfg = cfg
+        self.lcfg = {**LEARNER_DEFAULTS, **dict(cfg.get("learner") or {})}
+        self.store_url, self.registry_url = store_url, registry_url
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.init_checkpoint = str(init_checkpoint)
+        self.run_id = run_id
+        self.publish_versions = publish and registry_url is not None
+        self.heldout = [int(u) for u in cfg["robot"]["heldout_units"]]
+        if self.lcfg.get("torch_threads"):
+            import torch
+
+            torch.set_num_threads(int(self.lcfg["torch_threads"]))
+        self.state_path = self.work_dir / "learner_state.json"
+        self.state = self._load_state()
+        self._fert = None
+        self._reader = None
+
+    # ------------------------------------------------------------------ state
+    def _load_state(self) -> dict:
+        if self.state_path.is_file():
+            st = json.loads(self.state_path.read_text())
+            log.info("learner %s resumes at round %d", self.run_id, st["round"])
+            return st
+        return {"round": 0, "published": [], "episodes_seen": 0, "history": []}
+
+    def status(self) -> dict:
+        """JSON-able: round cursor, published versions, per-round history."""
+        return json.loads(json.dumps(self.state))
+
+    # ------------------------------------------------------------------ data
+    def _setup(self):
+        if self._fert is not None:
+            return
+        from experience_dict.retrieval import FertData
+        from experience_dict.store import ExperienceStore
+
+        self._reader = ExperienceStore.open(self.store_url)
+        demos = self._reader.episodes(is_demo=True)
+        if not demos:
+            raise RuntimeError(f"store {self.store_url!r} holds no demonstrations to replay")
+        stats = self._reader.stats(["observation.state", "observation.environment_state"], episodes=demos)
+        fert_cfg = {k: v for k, v in dict(self.cfg["fert"]).items()}
+        self._fert = FertData(self._reader, fert_cfg, stats=stats, exclude_units=self.heldout)
+
+    def _n_fleet_episodes(self) -> int:
+        self._reader.refresh()
+        return len([m for m in self._reader.episodes(is_demo=False) if int(m.unit_id) not in self.heldout])
+
+    def _wait_for_data(self, should_stop: Callable[[], bool] | None) -> int:
+        need = self.state["episodes_seen"] + int(self.lcfg["min_new_episodes"])
+        deadline = time.monotonic() + float(self.lcfg["max_wait_s"])
+        n = self._n_fleet_episodes()
+        while n < need and time.monotonic() < deadline and not (should_stop and should_stop()):
+            time.sleep(float(self.lcfg["poll_s"]))
+            n = self._n_fleet_episodes()
+        return n
+
+    # ------------------------------------------------------------------ one round
+    def run_round(self, should_stop: Callable[[], bool] | None = None) -> dict:
+        """Run the next FERT round (wait for data, retrieve, train, audit, publish); returns its record."""
+        from experience_dict.audit import write_retrieval_audit
+        from policies.aed_diffusion import AEDDiffusionPolicy
+        from policies.aed_diffusion.training import train_policy
+
+        self._setup()
+        r = int(self.state["round"])
+        n_eps = self._wait_for_data(should_stop)
+        t0 = time.perf_counter()
+        upd = self._fert.update()
+        retrieval = self._fert.retrieve()
+        policy = AEDDiffusionPolicy.from_pretrained(self.init_checkpoint)
+        demos = self._reader.episodes(is_demo=True)
+        dataset = self._fert.dataset(retrieval, demos, policy.window_spec(), seed=r)
+        tcfg = {**dict(self.cfg.get("train") or {}),
+                "steps": (r + 1) * int(self.lcfg["updates_per_version"]), "resume": True,
+                "lr": float(self.lcfg["lr"]), "warmup_steps": int(self.lcfg["warmup_steps"]),
+                "batch_size": int(self.lcfg["batch_size"]), "save_every": int(self.lcfg["updates_per_version"]),
+                "progress": False, "wandb": {**dict((self.cfg.get("train") or {}).get("wandb") or {}),
+                                             "name": f"learner-{self.run_id}"}}
+        out = train_policy(tcfg, self.work_dir / "train", policy=policy, dataset=dataset,
+                           device=str(self.lcfg["device"]))
+        audit = None
+        if self.cfg["fert"].get("audit", True) and len(retrieval):
+            audit = write_retrieval_audit(retrieval, self._fert.index, self.work_dir / "audits", r)
+        version = self._publish_once(out["checkpoint"], r, out)
+        rec = {"round": r, "version": version, "step": int(out["step"]), "fleet_episodes": n_eps,
+               "contexts": len(retrieval.contexts), "retrieved": len(retrieval), "dataset": len(dataset),
+               "update": upd, "loss": (out.get("metrics") or {}).get("loss"), "train_s": time.perf_counter() - t0,
+               "audit": (audit or {}).get("files")}
+        self.state["round"] = r + 1
+        self.state["episodes_seen"] = n_eps
+        self.state["history"].append(rec)
+        _atomic_write_json(self.state_path, self.state)
+        log.info("learner %s round %d: %d contexts, %d retrieved, v%s", self.run_id, r, rec["contexts"],
+                 rec["retrieved"], version)
+        return rec
+
+    def _publish_once(self, checkpoint: str | Path, r: int, out: dict) -> int | None:
+        """Publish ``checkpoint`` for round ``r`` unless a version for ``(run_id, r)`` exists already."""
+        if not self.publish_versions:
+            return None
+        from fleet.registry import CheckpointRegistry
+
+        reg = CheckpointRegistry(self.registry_url)
+        for v in reversed(reg.versions()):
+            md = reg.manifest(v).get("metadata") or {}
+            if md.get("run_id") == self.run_id and md.get("round") == r:
+                log.info("round %d already published as v%d; not publishing again", r, v)
+                return v
+        v = reg.publish(checkpoint, metadata={"run_id": self.run_id, "round": r, "step": int(out["step"]),
+                                              "kind": "fert", "loss": (out.get("metrics") or {}).get("loss")})
+        self.state["published"].append(v)
+        return v
+
+    def run(self, rounds: int, should_stop: Callable[[], bool] | None = None) -> dict:
+        """Run rounds until ``rounds`` are done (counting rounds finished before a restart); returns status."""
+        while self.state["round"] < rounds and not (should_stop and should_stop()):
+            self.run_round(should_stop)
+        return self.status()
+
+    def final_checkpoint(self) -> str | None:
+        """``pretrained_model`` directory of the learner's last training checkpoint (None before round 0)."""
+        from policies.aed_diffusion.training import last_checkpoint
+
+        last = last_checkpoint(self.work_dir / "train")
+        return str(last / "pretrained_model") if last is not None else None
+
+    def pid(self) -> int:
+        return os.getpid()
