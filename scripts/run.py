@@ -254,7 +254,8 @@ def main(cfg: DictConfig) -> None:
         for arm in ("fert", "base"):
             if arm in arms:
                 vids += [str(p) for p in record_rollouts(c, arms[arm], out / "videos" / arm, heldout,
-                                                         list(c["task"]["tasks"]), max_videos=int(job["videos"]))]
+                                                         list(c["task"]["tasks"]), max_videos=int(job["videos"]),
+                                                         max_episodes=int(job.get("video_episodes", 8)))]
         state.mark("videos", vids)
     _log_wandb(c, out, table)
     print("\nheld-out success (Wilson 95% interval):\n" + table_markdown(table), flush=True)

@@ -1,0 +1,154 @@
+"""The asynchronous FERT learner: rounds publish versions; a learner SIGKILLed mid-training resumes and
+publishes the next version, never a repeat. Real Meta-World episodes in a real Zarr store, a tiny real policy."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from experience_dict.store import ExperienceStore
+from fleet.learner import FertLearner
+from fleet.registry import CheckpointRegistry
+from policies.aed_diffusion import AEDDiffusionConfig
+from policies.aed_diffusion.training import train_policy
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+TASK_CFG = {"name": "t", "suite": "metaworld", "tasks": ["reach-v3"], "max_episode_steps": 120, "steps_after_success": 5}
+ROBOT_CFG = {"embodiment": "sawyer", "fleet_seed": 0, "train_units": [0, 1], "heldout_units": [100],
+             "variation": {"camera_pos_mm": 0.0, "camera_rot_deg": 0.0, "light": 0.0, "color": 0.0, "mass_scale": 0.0,
+                           "friction_scale": 0.0, "action_gain": 0.1, "action_latency_max": 0, "obs_noise_std": 0.0}}
+OBS_CFG = {"images": False, "cameras": ["corner"], "image_size": 64}
+TINY = {"dim": 32, "n_layers": 1, "n_heads": 2, "state_hidden": 32, "horizon": 8, "n_action_steps": 4,
+        "aed": {"history_actions": 8, "group_size": 4, "memory_queries": 2, "tokenizer_vocab_size": 128},
+        "mt_loss": {"weight": 0.005}}
+
+
+def _rollout(env, writer, act, unit, seed, version, is_demo):
+    obs, _ = env.reset(seed=seed)
+    writer.begin_episode(unit_id=unit, embodiment="sawyer", task="reach-v3", policy_version=version, seed=seed,
+                         is_demo=is_demo)
+    success, done = False, False
+    while not done:
+        a = act(obs)
+        nxt, r, term, trunc, info = env.step(a)
+        writer.add_step(obs, a, float(r), info["progress"])
+        success |= bool(info["success"])
+        obs, done = nxt, term or trunc
+    writer.commit(success=success)
+    return success
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Store with expert demos, fleet successes and random-policy failures; a tiny base policy; registry v1."""
+    from sim import make_env, make_expert
+
+    root = tmp_path_factory.mktemp("learner")
+    url = str(root / "store")
+    store = None
+    rng = np.random.default_rng(0)
+    for unit in (0, 1):
+        env = make_env("reach-v3", unit_id=unit, robot_cfg=ROBOT_CFG, obs_cfg=OBS_CFG, task_cfg=TASK_CFG)
+        if store is None:
+            spec = env.spec_dict()
+            store = ExperienceStore.create_or_open(url, spec=spec, control_hz=spec["control_hz"])
+        w = store.writer(f"unit-{unit:04d}")
+        expert = make_expert(env, noise_std=0.05, seed=unit)
+        for i in range(2):  # demonstrations
+            expert.reset(seed=10 * unit + i)
+            assert _rollout(env, w, expert.act, unit, 10 * unit + i + 1, -1, True)
+        _rollout(env, w, expert.act, unit, 100 + unit, 1, False)  # a fleet success
+        for i in range(2):  # fleet failures: a random policy
+            _rollout(env, w, lambda o: rng.uniform(-1, 1, 4).astype(np.float32), unit, 200 + 10 * unit + i, 1, False)
+        w.close()
+        env.close()
+    reader = ExperienceStore.open(url)
+    demos = reader.episodes(is_demo=True)
+    shapes = {k: list(v["shape"]) for k, v in reader.features.items() if k.startswith("observation.")}
+    cfg = AEDDiffusionConfig.from_dict({**TINY, "input_shapes": shapes})
+    base = train_policy({"steps": 4, "batch_size": 16, "progress": False, "save_every": 4}, root / "base",
+                        policy_cfg=cfg, reader=reader, episodes=demos, device="cpu")
+    reg_url = str(root / "registry")
+    CheckpointRegistry(reg_url).publish(base["checkpoint"], metadata={"run_id": "base", "round": -1})
+    return {"root": root, "store": url, "registry": reg_url, "base": str(base["checkpoint"])}
+
+
+def learner_cfg(updates: int) -> dict:
+    return {"robot": ROBOT_CFG,
+            "fert": {"window": 4, "top_k": 4, "replay_ratio": 0.5, "max_contexts_per_task": 16, "audit": True},
+            "train": {"batch_size": 16, "wandb": {"enabled": False}, "log_every": 5},
+            "learner": {"updates_per_version": updates, "min_new_episodes": 0, "max_wait_s": 0, "batch_size": 16,
+                        "device": "cpu", "torch_threads": 1}}
+
+
+def _rounds_published(registry_url: str, run_id: str) -> list[int]:
+    reg = CheckpointRegistry(registry_url)
+    return [reg.manifest(v)["metadata"].get("round") for v in reg.versions()
+            if reg.manifest(v)["metadata"].get("run_id") == run_id]
+
+
+def test_learner_rounds_publish_versions_and_audits(setup, tmp_path):
+    reg_url = str(tmp_path / "registry")
+    lrn = FertLearner(learner_cfg(3), setup["store"], reg_url, str(tmp_path / "work"), setup["base"], run_id="a")
+    status = lrn.run(rounds=2)
+    assert status["round"] == 2 and status["published"] == [1, 2]
+    rec = status["history"][0]
+    assert rec["contexts"] >= 1 and rec["retrieved"] >= rec["contexts"]  # failures found similar successes
+    assert Path(rec["audit"]["json"]).is_file() and Path(rec["audit"]["png"]).is_file()
+    assert status["history"][1]["step"] == 6
+    assert _rounds_published(reg_url, "a") == [0, 1]
+    # every failed fleet episode got a failure onset written into the store
+    reader = ExperienceStore.open(setup["store"])
+    failed = reader.episodes(success=False, is_demo=False)
+    assert failed and all(m.failure_onset is not None for m in failed)
+
+    # a crash after publishing but before the round cursor was saved must not publish the round again
+    state = json.loads((tmp_path / "work" / "learner_state.json").read_text())
+    state["round"] = 1
+    (tmp_path / "work" / "learner_state.json").write_text(json.dumps(state))
+    again = FertLearner(learner_cfg(3), setup["store"], reg_url, str(tmp_path / "work"), setup["base"], run_id="a")
+    again.run(rounds=2)
+    assert _rounds_published(reg_url, "a") == [0, 1]
+
+
+def test_learner_killed_mid_training_resumes_and_publishes_next_version(setup, tmp_path):
+    reg_url, work = setup["registry"], tmp_path / "work"
+    cfg = learner_cfg(6)
+    # a learner process that SIGKILLs itself at its 9th optimizer step: mid-way through round 1 (steps 7..12),
+    # after round 0 was trained (steps 1..6), checkpointed and published
+    script = textwrap.dedent(f"""
+        import json, os, signal, sys, torch
+        sys.path.insert(0, {str(REPO)!r})
+        torch.set_num_threads(1)
+        calls = {{"n": 0}}
+        orig = torch.optim.AdamW.step
+        def step(self, *a, **k):
+            calls["n"] += 1
+            if calls["n"] == 9:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return orig(self, *a, **k)
+        torch.optim.AdamW.step = step
+        from fleet.learner import FertLearner
+        cfg = json.loads({json.dumps(json.dumps(cfg))})
+        FertLearner(cfg, {setup['store']!r}, {reg_url!r}, {str(work)!r}, {setup['base']!r}, run_id="k").run(3)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "WANDB_MODE": "disabled"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert _rounds_published(reg_url, "k") == [0]          # round 0 published before the kill
+    assert json.loads((work / "learner_state.json").read_text())["round"] == 1
+
+    status = FertLearner(cfg, setup["store"], reg_url, str(work), setup["base"], run_id="k").run(3)
+    assert status["round"] == 3
+    assert _rounds_published(reg_url, "k") == [0, 1, 2]     # the next versions, no repeat of round 0
+    assert [h["step"] for h in status["history"]] == [6, 12, 18]
+    versions = CheckpointRegistry(reg_url).versions()
+    assert versions == sorted(set(versions)) and len(versions) == 4  # base + 3 rounds
