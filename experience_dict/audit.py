@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from experience_dict.retrieval import Retrieval, SuccessIndex
+from experience_dict.stats import wilson_interval
 
 
 def concentration(counts: Iterable[float], n_candidates: int | None = None) -> dict[str, float]:
@@ -86,17 +87,6 @@ def concentration(counts: Iterable[float], n_candidates: int | None = None) -> d
     return {"selections": float(total), "sources": len(c), "entropy": ent,
             "effective_number": float(math.exp(ent)), "top1_share": float(p.max()), "gini": max(gini, 0.0),
             "coverage": float(len(c) / n)}
-
-
-def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion (Wilson 1927); ``(0, 1)`` with no trials."""
-    if trials <= 0:
-        return 0.0, 1.0
-    p = successes / trials
-    d = 1 + z * z / trials
-    c = (p + z * z / (2 * trials)) / d
-    h = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / d
-    return max(0.0, c - h), min(1.0, c + h)
 
 
 def round_outcomes(reader, min_version: int, exclude_units: Iterable[int] = (),

@@ -23,7 +23,37 @@ steps whose tails hold the quantile); min, max, mean and std are exact (up to fl
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+Z_95 = 1.959963984540054  # two-sided 95% normal quantile
+
+
+def wilson_interval(successes: int, trials: int, z: float = Z_95) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (Wilson, 1927; Brown, Cai & DasGupta, 2001).
+
+    Args:
+        successes: number of successful trials, ``0 <= successes <= trials``.
+        trials: number of trials; ``0`` gives the uninformative interval ``(0.0, 1.0)``.
+        z: normal quantile (1.96 for 95%).
+
+    Returns:
+        ``(low, high)`` bounds in [0, 1].
+
+    Raises:
+        ValueError: if the counts are negative or ``successes > trials``.
+    """
+    if trials < 0 or successes < 0 or successes > trials:
+        raise ValueError(f"wilson_interval needs 0 <= successes <= trials, got {successes}/{trials}")
+    if trials == 0:
+        return 0.0, 1.0
+    p = successes / trials
+    denom = 1.0 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denom
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
 
 QGRID = np.concatenate([[0.0, 0.005, 0.01, 0.02, 0.03, 0.05], np.linspace(0.1, 0.9, 17),
                         [0.95, 0.97, 0.98, 0.99, 0.995, 1.0]])

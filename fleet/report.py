@@ -7,37 +7,11 @@ nor MuJoCo, so it serves `scripts/run.py`, `scripts/eval.py` and notebooks alike
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-Z_95 = 1.959963984540054  # two-sided 95% normal quantile
-
-
-def wilson_interval(successes: int, trials: int, z: float = Z_95) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion (Wilson, 1927; Brown, Cai & DasGupta, 2001).
-
-    Args:
-        successes: number of successful trials, ``0 <= successes <= trials``.
-        trials: number of trials; ``0`` gives the uninformative interval ``(0.0, 1.0)``.
-        z: normal quantile (1.96 for 95%).
-
-    Returns:
-        ``(low, high)`` bounds in [0, 1].
-
-    Raises:
-        ValueError: if the counts are negative or ``successes > trials``.
-    """
-    if trials < 0 or successes < 0 or successes > trials:
-        raise ValueError(f"wilson_interval needs 0 <= successes <= trials, got {successes}/{trials}")
-    if trials == 0:
-        return 0.0, 1.0
-    p = successes / trials
-    denom = 1.0 + z * z / trials
-    centre = (p + z * z / (2 * trials)) / denom
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+from experience_dict.stats import Z_95, wilson_interval  # noqa: F401  (re-exported)
 
 
 def success_table(results: Mapping[str, Iterable[Mapping]]) -> dict:

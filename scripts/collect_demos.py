@@ -109,10 +109,14 @@ def main(cfg: DictConfig) -> None:
         w.close()
     for env, _ in envs.values():
         env.close()
+    finish(cfg, {"tasks": summary, "wall_s": round(time.time() - t0, 1)})
+
+
+def finish(cfg: DictConfig, result: dict) -> None:
+    """Verify the store, print and write ``<output_dir>/collect_demos.json``; exit non-zero on corruption."""
     reader = ExperienceStore.open(str(cfg.store.url))
     check = reader.verify()
-    result = {"store": str(cfg.store.url), "tasks": summary, "wall_s": round(time.time() - t0, 1),
-              "demos_in_store": len(reader.episodes(is_demo=True)),
+    result = {"store": str(cfg.store.url), **result, "demos_in_store": len(reader.episodes(is_demo=True)),
               "verify": {k: check[k] for k in ("ok", "episodes", "chunks_checked", "corrupt_episodes")}}
     out = Path(cfg.output_dir) / "collect_demos.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -132,17 +136,7 @@ def collect_on_fleet(cfg: DictConfig) -> None:
                   episodes_per_task=int(dcfg.per_task),
                   units=list(dcfg.units) if dcfg.units is not None else None, store_url=str(cfg.store.url))
     print(res.table("task"))
-    reader = ExperienceStore.open(str(cfg.store.url))
-    check = reader.verify()
-    result = {"store": str(cfg.store.url), "episodes": len(res.episodes), "wall_s": round(time.time() - t0, 1),
-              "demos_in_store": len(reader.episodes(is_demo=True)),
-              "verify": {k: check[k] for k in ("ok", "episodes", "chunks_checked", "corrupt_episodes")}}
-    out = Path(cfg.output_dir) / "collect_demos.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
-    if not check["ok"]:
-        raise SystemExit(f"store verify failed: {check['problems'][:3]}")
+    finish(cfg, {"episodes": len(res.episodes), "wall_s": round(time.time() - t0, 1)})
 
 
 if __name__ == "__main__":
