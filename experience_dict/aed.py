@@ -63,13 +63,19 @@ class ActionExperienceDictionary(nn.Module):
         if tokens.ndim != 3 or tokens.shape[1:] != (self.num_groups, self.max_tokens):
             raise ValueError(f"AED tokens: expected (B, {self.num_groups}, {self.max_tokens}), "
                              f"given {tuple(tokens.shape)}")
-        # proj(embed(id)) depends on the id only: project each distinct id of the batch once, then gather.
+        # proj(embed(id)) depends on the id only: project each distinct id of the batch once.
         ids, inverse = torch.unique(tokens, return_inverse=True)
-        x = self.proj(self.embed(ids))[inverse] + self.token_pos  # (B, G, L, D)
-        m = token_mask.to(x.dtype).unsqueeze(-1)
+        table = self.proj(self.embed(ids))  # (U, D)
         if self.pooling == "mean":
-            pooled = (x * m).sum(-2) / m.sum(-2).clamp_min(1.0)
+            # masked mean of (table[id] + token_pos) over a group's slots, as two matmuls: per-group counts of
+            # each distinct id (B*G, U) @ table, plus mask (B*G, L) @ token_pos; no (B, G, L, D) tensor.
+            m = token_mask.to(table.dtype).reshape(-1, self.max_tokens)  # (B*G, L)
+            counts = torch.zeros(m.shape[0], len(ids), dtype=table.dtype, device=table.device)
+            counts.scatter_add_(1, inverse.reshape(m.shape), m)
+            n = m.sum(-1, keepdim=True).clamp_min(1.0)
+            pooled = ((counts @ table + m @ self.token_pos) / n).view(*tokens.shape[:2], -1)
         else:
+            x = table[inverse] + self.token_pos  # (B, G, L, D)
             logits = (x @ self.pool_query) / x.shape[-1] ** 0.5  # (B, G, L)
             logits = logits.masked_fill(~token_mask, float("-inf"))
             w = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # all-pad groups -> zeros (replaced below)

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 FORMAT = "fleetmind.fast_action_tokenizer/v1"
 # Integer coefficient v maps to chr(_CHAR_BASE + v - min_coeff): CJK ideographs, no whitespace/control chars.
 _CHAR_BASE = 0x4E00
+MEMO_SIZE = 1 << 16  # memoised group encodings per tokenizer (~15 MB at most)
 
 
 def align_groups(actions: np.ndarray, is_pad: np.ndarray | None, r: int,
@@ -125,6 +126,10 @@ class ActionTokenizer:
         self.pad_id = self.vocab_size
         self.max_tokens_per_group = self.r * self.action_dim  # BPE never emits more tokens than characters
         self._id_to_str = [bpe.id_to_token(i) for i in range(self.vocab_size)]
+        self._memo: dict[str, list[int]] = {}  # coefficient string -> BPE ids (training revisits the same groups)
+
+    def __getstate__(self) -> dict:  # pickled into DataLoader workers: leave the memo behind
+        return {**self.__dict__, "_memo": {}}
 
     # ---------------------------------------------------------------- numeric part (DCT + quantization)
     @property
@@ -169,14 +174,26 @@ class ActionTokenizer:
         return ((x + 1.0) * self._half_range + self.low).astype(np.float32)
 
     def _to_string(self, coeffs: np.ndarray) -> list[str]:
-        base = _CHAR_BASE - self.min_coeff
-        return ["".join(map(chr, (row + base).tolist())) for row in coeffs]
+        """(N, r*D) ints -> N strings of r*D code points (numpy's UTF-32 view, no per-character Python)."""
+        c = np.ascontiguousarray(coeffs - self.min_coeff + _CHAR_BASE, dtype="<u4")
+        return c.view(f"<U{c.shape[-1]}").reshape(-1).tolist()
 
     # ---------------------------------------------------------------- token part (BPE)
     def encode(self, groups: np.ndarray) -> list[list[int]]:
-        """Aligned groups (N, r, D) (or one (r, D)) -> N lists of BPE token ids (variable length <= r*D)."""
+        """Aligned groups (N, r, D) (or one (r, D)) -> N lists of BPE token ids (variable length <= r*D).
+
+        Encodings are memoised per coefficient string (bounded at ``MEMO_SIZE`` entries): BPE is
+        deterministic, and training windows share most groups.
+        """
         g = self._check_groups(groups).reshape(-1, self.r, self.action_dim)
-        return [e.ids for e in self.bpe.encode_batch(self._to_string(self.coefficients(g)))]
+        strings = self._to_string(self.coefficients(g))
+        memo = self._memo
+        new = list({t for t in strings if t not in memo})
+        if new:
+            if len(memo) + len(new) > MEMO_SIZE:
+                memo.clear()
+            memo.update(zip(new, (e.ids for e in self.bpe.encode_batch(new))))
+        return [list(memo[t]) for t in strings]
 
     def decode(self, ids: Sequence[Sequence[int]]) -> np.ndarray:
         """Token id lists -> (N, r, D) float32 aligned groups, raw units.
@@ -215,9 +232,10 @@ class ActionTokenizer:
         aligned, _, group_mask = align_groups(actions, is_pad, self.r, self.relative_dims, self.absolute_dims)
         G, L = H // self.r, self.max_tokens_per_group
         ids = self.encode(aligned.reshape(B * G, self.r, self.action_dim))
+        lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         tokens = np.full((B * G, L), self.pad_id, dtype=np.int64)
-        for n, seq in enumerate(ids):
-            tokens[n, : len(seq)] = seq
+        tokens[np.arange(L) < lens[:, None]] = np.fromiter((i for seq in ids for i in seq), dtype=np.int64,
+                                                             count=int(lens.sum()))
         tokens = tokens.reshape(B, G, L)
         return {"tokens": tokens, "token_mask": tokens != self.pad_id, "group_mask": group_mask}
 
@@ -276,6 +294,7 @@ class ActionTokenizer:
         tok = cls(r=r, action_dim=D, relative_dims=relative_dims, absolute_dims=absolute_dims, scale=scale,
                   low=low, high=high, min_coeff=cmin, max_coeff=cmax, bpe=bpe)
         ids = tok.encode(groups)
+        tok._memo.clear()  # the fit's own groups: not worth keeping
         err = np.abs(tok.decode(ids) - groups)
         lens = np.array([len(s) for s in ids])
         tok.fit_report = FitReport(

@@ -5,11 +5,14 @@
 
 For each device and each config (the default state-only policy, ``policy=aed_diffusion``, and the 96x96-image
 policy, ``configs/policy/aed_diffusion_image.yaml``): training samples/s and peak memory on random batches of
-the policy's windows (AdamW, grad clip, as ``train_policy``), CPU tokenization time per batch (the data-path
-preprocessor), and the latency of one action chunk with DDIM ``num_inference_steps`` (10) at batch 1 and 32
-(CUDA: synchronised timing; optional ``torch.compile(mode="reduce-overhead")`` of the denoiser, which uses
-CUDA graphs). Same-process baselines: the same policy without the AED prefix (``aed.enabled=false``) always,
-and LeRobot's ``DiffusionPolicy`` of similar parameter count when ``lerobot`` is importable.
+the policy's windows (fused AdamW, grad clip, as ``train_policy``), CPU tokenization time per batch (the
+data-path preprocessor; first sight and memoised), and the latency of one action chunk with DDIM
+``num_inference_steps`` (10) at batch 1 and 32, with the per-chunk cache of the observation/prefix tokens'
+denoiser states and without it (``use_cache=False``), and their ratio (CUDA: synchronised timing; optional
+``torch.compile``, on CUDA ``mode="reduce-overhead"`` (CUDA graphs) for the per-step action-token pass).
+Same-process baselines, timed interleaved with the AED policy: the same policy without the AED prefix
+(``aed.enabled=false``, MT loss as configured: the main job's ablation arm) always, and LeRobot's
+``DiffusionPolicy`` of similar parameter count when ``lerobot`` is importable.
 Writes ``<output_dir>/bench_policy.json``.
 """
 
@@ -103,51 +106,89 @@ def peak_mem_mib(dev) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (Linux: KiB)
 
 
-def bench_policy(cfg: AEDDiffusionConfig, dev, bc: dict) -> dict:
-    stats, tok = synthetic(cfg)
-    torch.manual_seed(0)
-    policy = AEDDiffusionPolicy(cfg, stats, tok).to(dev)
-    res = {"parameters": policy.num_parameters()}
-    B = bc["batch_size"]
-    batch = random_batch(policy, B, policy.window_spec())
-    t0 = time.perf_counter()
-    batch = policy.tokenize_history(batch)
-    res["tokenize_ms_per_batch"] = (time.perf_counter() - t0) * 1e3
-    batch = {k: v.to(dev) for k, v in batch.items()}
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-4, **({"fused": True} if dev.type == "cuda" else {"foreach": True}))
+class Setup:
+    """One policy on one device, with a random training batch, fused AdamW (as ``train_policy``) and inference
+    batches; ``train_step()`` and ``chunk(nb, use_cache)`` are what gets timed."""
+
+    def __init__(self, cfg: AEDDiffusionConfig, dev, bc: dict):
+        stats, tok = synthetic(cfg)
+        torch.manual_seed(0)
+        self.policy = policy = AEDDiffusionPolicy(cfg, stats, tok).to(dev)
+        self.dev, self.bc, self.B = dev, bc, bc["batch_size"]
+        self.res = {"parameters": policy.num_parameters(), "ddim_steps": cfg.num_inference_steps}
+        raw = random_batch(policy, self.B, policy.window_spec())
+        for name in ("cold", "warm"):  # the tokenizer memoises group encodings: first sight vs seen before
+            t0 = time.perf_counter()
+            batch = policy.tokenize_history(raw)
+            self.res[f"tokenize_ms_per_batch_{name}"] = (time.perf_counter() - t0) * 1e3
+        self.batch = {k: v.to(dev) for k, v in batch.items()}
+        self.opt = torch.optim.AdamW(policy.parameters(), lr=1e-4, fused=True)
+        if bc["compile"]:
+            policy.denoiser.compile()
+            policy.obs_encoder.compile()
+        self.infer = {}
+        for nb in (1, 32):
+            ib = policy.tokenize_history(random_batch(policy, nb, policy.inference_window_spec()))
+            self.infer[nb] = ({k: v.to(dev) for k, v in ib.items()},
+                              torch.randn(nb, cfg.horizon, cfg.action_dim, device=dev))
+
+    def train_step(self):
+        self.policy.train()
+        with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.bc["amp_bf16"]):
+            loss, _ = self.policy(self.batch)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 10.0)
+        self.opt.step()
+
+    def chunk(self, nb: int, use_cache: bool = True):
+        self.policy.eval()
+        ib, noise = self.infer[nb]
+        return self.policy.predict_action_chunk(ib, noise=noise, use_cache=use_cache)
+
+
+def bench_pair(cfgs: dict[str, AEDDiffusionConfig], dev, bc: dict) -> dict[str, dict]:
+    """Time several policies side by side in this process: every timed iteration runs each policy once in
+    turn (so load from other processes hits all alike); medians. Per policy: training samples/s, step ms,
+    and the latency of one action chunk (DDIM ``num_inference_steps``) at batch 1 and 32, with the per-chunk
+    cache of the obs/prefix tokens' denoiser states (default) and without it (whole masked sequence every
+    step), and their ratio."""
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.cuda.reset_peak_memory_stats(dev)
-    if bc["compile"]:
-        policy.denoiser.compile()
-        policy.obs_encoder.compile()
-
-    def train_step():
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bc["amp_bf16"]):
-            loss, _ = policy(batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 10.0)
-        opt.step()
-
-    policy.train()
-    ts = timeit(train_step, dev, bc["train_iters"], bc["warmup"])
-    res["train_samples_per_s"] = B / float(np.median(ts))
-    res["train_step_ms"] = float(np.median(ts)) * 1e3
-    res["peak_memory_mib"] = peak_mem_mib(dev)
-    policy.eval()
-    if bc["compile"] and dev.type == "cuda":
-        policy.denoiser = torch.compile(policy.denoiser, mode="reduce-overhead")
+    setups = {name: Setup(cfg, dev, bc) for name, cfg in cfgs.items()}
+    if bc["compile"] and dev.type == "cuda":  # CUDA graphs for the per-step action-token pass
+        for st in setups.values():
+            st.policy.denoiser.denoise = torch.compile(st.policy.denoiser.denoise, mode="reduce-overhead")
+    jobs = {"train": lambda st: st.train_step()}
     for nb in (1, 32):
-        ib = random_batch(policy, nb, policy.inference_window_spec())
-        ib = policy.tokenize_history(ib)
-        ib = {k: v.to(dev) for k, v in ib.items()}
-        noise = torch.randn(nb, cfg.horizon, cfg.action_dim, device=dev)
-        ts = timeit(lambda ib=ib, noise=noise: policy.predict_action_chunk(ib, noise=noise), dev,
-                    bc["infer_iters"], bc["warmup"])
-        res[f"chunk_latency_ms_b{nb}"] = float(np.median(ts)) * 1e3
-    res["ddim_steps"] = cfg.num_inference_steps
-    return res
+        jobs[f"chunk_b{nb}"] = lambda st, nb=nb: st.chunk(nb)
+        jobs[f"chunk_b{nb}_uncached"] = lambda st, nb=nb: st.chunk(nb, use_cache=False)
+    times = {name: {job: [] for job in jobs} for name in setups}
+    for job, fn in jobs.items():
+        iters = bc["train_iters"] if job == "train" else bc["infer_iters"]
+        for it in range(bc["warmup"] + iters):
+            for name, st in setups.items():
+                sync(dev)
+                t0 = time.perf_counter()
+                fn(st)
+                sync(dev)
+                if it >= bc["warmup"]:
+                    times[name][job].append(time.perf_counter() - t0)
+    out = {}
+    for name, st in setups.items():
+        r, med = st.res, {job: float(np.median(ts)) for job, ts in times[name].items()}
+        r["train_samples_per_s"] = st.B / med["train"]
+        r["train_step_ms"] = med["train"] * 1e3
+        for nb in (1, 32):
+            r[f"chunk_latency_ms_b{nb}"] = med[f"chunk_b{nb}"] * 1e3
+            r[f"chunk_latency_ms_b{nb}_uncached"] = med[f"chunk_b{nb}_uncached"] * 1e3
+            r[f"ratio_chunk_latency_cached_vs_uncached_b{nb}"] = med[f"chunk_b{nb}"] / med[f"chunk_b{nb}_uncached"]
+        out[name] = r
+    peak = peak_mem_mib(dev)  # process-wide (CPU: peak RSS; CUDA: all policies of this pair)
+    for r in out.values():
+        r["peak_memory_mib"] = peak
+    return out
 
 
 def bench_lerobot(dev, bc: dict, image_size: int | None) -> dict:
@@ -198,11 +239,11 @@ def main(cfg: DictConfig) -> None:
         for cname in bc["configs"]:
             pol = "aed_diffusion_image" if cname == "image" else "aed_diffusion"
             size = int(cfg.obs.image_size)
-            r = bench_policy(load_policy_cfg(pol, size), dev, bc)
-            base = bench_policy(load_policy_cfg(pol, size, {"aed": {"enabled": False}, "mt_loss": {"weight": 0.0}}),
-                                dev, bc)
-            r["baseline_no_aed"] = base
-            r["ratio_train_samples_per_s_vs_no_aed"] = r["train_samples_per_s"] / base["train_samples_per_s"]
+            pair = bench_pair({"aed": load_policy_cfg(pol, size),
+                               "no_aed": load_policy_cfg(pol, size, {"aed": {"enabled": False}})}, dev, bc)
+            r = pair["aed"]
+            r["baseline_no_aed"] = pair["no_aed"]
+            r["ratio_train_samples_per_s_vs_no_aed"] = r["train_samples_per_s"] / pair["no_aed"]["train_samples_per_s"]
             try:
                 lr_res = bench_lerobot(dev, bc, size if cname == "image" else None)
                 r["lerobot_diffusion"] = lr_res

@@ -38,6 +38,11 @@ def test_shapes_and_null_vector(tok, pooling):
     t2 = t["tokens"].clone()
     t2[1, :2] = 0
     torch.testing.assert_close(aed(t2, t2 != tok.pad_id, t["group_mask"])[1], out[1])
+    # each real group = masked mean over its slots of proj(embed(token)) + token_pos (written out per group)
+    for b, g in [(1, 2), (1, 3), (2, 0), (2, 3)] if pooling == "mean" else []:
+        m = t["token_mask"][b, g]
+        ref = aed.proj(aed.embed(t["tokens"][b, g][m])) + aed.token_pos[m]
+        torch.testing.assert_close(out[b, g], ref.mean(0) + aed.group_pos[g], atol=1e-5, rtol=1e-5)
     out.sum().backward()
     assert aed.embed.weight.grad.abs().sum() > 0 and aed.null.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="expected"):

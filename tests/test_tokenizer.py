@@ -83,6 +83,12 @@ def test_encode_history_padding_and_save_load(tok, tmp_path):
     tok2 = ActionTokenizer.load(path)
     assert tok2.vocab_size == tok.vocab_size and tok2.fit_report == tok.fit_report
     assert np.array_equal(tok2.encode_history(hist, pad)["tokens"], out["tokens"])
+    # memoised encodings: a second call (memo hits) equals a fresh tokenizer's, and the returned id lists are
+    # copies (mutating them does not change later encodings)
+    groups = align_groups(hist, pad, 4, [0, 1, 2], [3])[0].reshape(-1, 4, 4)
+    assert tok2._memo and tok2.encode(groups) == ActionTokenizer.load(path).encode(groups)
+    tok2.encode(groups)[0].append(-1)
+    assert tok2.encode(groups) == [e.ids for e in tok2.bpe.encode_batch(tok2._to_string(tok2.coefficients(groups)))]
 
 
 def test_bad_input_errors(tok, tmp_path):

@@ -11,6 +11,8 @@ Method (DESIGN.md, "Method details: AED"; after the AED paper's public code):
 - Denoiser: transformer over ``[current-obs tokens; prefix; noisy action tokens]`` with adaLN-Zero timestep
   modulation (DiT, Peebles & Xie 2023); observation and prefix tokens are modulated with timestep 0. Mask:
   obs tokens see obs tokens; prefix tokens see obs + prefix; action tokens see obs + prefix + actions.
+  Since obs and prefix tokens see neither actions nor t, their hidden states are computed once per action
+  chunk at sampling time (keys/values cached per block) and every DDIM step runs only the action tokens.
 - Diffusion: DDPM training, DDIM sampling (``diffusers`` schedulers; Ho et al. 2020, Song et al. 2021),
   squared-cosine betas and epsilon prediction as in Diffusion Policy (Chi et al. 2023).
 - Motion-aware transition (MT) loss: random start ``s`` and span ``k`` over the chunk's future frame
@@ -54,12 +56,24 @@ class Attention(nn.Module):
         self.heads, self.dropout = heads, dropout
         self.q, self.kv, self.o = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor | None = None, mask: torch.Tensor | None = None):
-        """x: (B, N, D) queries; ctx: (B, M, D) keys/values (default x); mask: (N, M) or (B, 1, N, M) bool."""
-        ctx = x if ctx is None else ctx
+    def keys_values(self, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ctx (B, M, D) -> keys, values (B, heads, M, D / heads) each."""
+        k, v = self.kv(ctx).view(ctx.shape[0], ctx.shape[1], 2, self.heads, -1).permute(2, 0, 3, 1, 4)
+        return k, v
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                past_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """x: (B, N, D) queries; ctx: (B, M, D) keys/values (default x); mask: (N, M') or (B, 1, N, M') bool.
+
+        past_kv: keys/values (B, heads, P, D / heads) of earlier tokens (a cache, see ``Denoiser.condition``)
+        put before those of ``ctx``, so M' = P + M. Returns (B, N, D).
+        """
         B, N, D = x.shape
         q = self.q(x).view(B, N, self.heads, -1).transpose(1, 2)
-        k, v = self.kv(ctx).view(B, ctx.shape[1], 2, self.heads, -1).permute(2, 0, 3, 1, 4)
+        k, v = self.keys_values(x if ctx is None else ctx)
+        if past_kv is not None:
+            k = torch.cat([past_kv[0].expand(B, -1, -1, -1), k], 2)
+            v = torch.cat([past_kv[1].expand(B, -1, -1, -1), v], 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                              dropout_p=self.dropout if self.training else 0.0)
         return self.o(out.transpose(1, 2).reshape(B, N, D))
@@ -83,8 +97,11 @@ class CrossBlock(nn.Module):
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, ctx_mask: torch.Tensor | None = None):
         """x: (B, N, D); ctx: (B, M, D); ctx_mask: (B, M) bool, True = valid key."""
         if self.self_attn is not None:
-            h = self.n0(x)
-            x = x + self.self_attn(h)
+            shared = x.shape[0] > 1 and x.stride(0) == 0 and not (self.training and self.self_attn.dropout > 0)
+            if shared:  # learned queries expanded over the batch: every row is the same, attend once
+                x = (x[:1] + self.self_attn(self.n0(x[:1]))).expand_as(x)
+            else:
+                x = x + self.self_attn(self.n0(x))
         mask = None if ctx_mask is None else ctx_mask[:, None, None, :]
         x = x + self.cross(self.n1(x), self.nc(ctx), mask)
         return x + self.ffn(self.n2(x))
@@ -190,7 +207,11 @@ def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -
 
 
 class DiTBlock(nn.Module):
-    """adaLN-Zero transformer block (Peebles & Xie 2023) with per-token modulation (B, N, 6D)."""
+    """adaLN-Zero transformer block (Peebles & Xie 2023) with per-token modulation.
+
+    ``modulation(c)`` gives, per conditioning vector, [shift1, 1 + scale1, gate1, shift2, 1 + scale2, gate2]
+    (= ``ada(c)`` with the 1 of ``x * (1 + scale) + shift`` folded in).
+    """
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, dropout: float):
         super().__init__()
@@ -200,13 +221,26 @@ class DiTBlock(nn.Module):
         self.ada = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
         nn.init.zeros_(self.ada[1].weight)
         nn.init.zeros_(self.ada[1].bias)
+        one = torch.zeros(6, dim)
+        one[[1, 4]] = 1.0
+        self.register_buffer("one", one.flatten(), persistent=False)
 
-    def forward(self, x, c, token_type, mask):
-        """x: (B, N, D); c: (B, 2, D) conditioning for [timestep 0, timestep t]; token_type: (N,) in {0, 1}."""
-        mod = self.ada(c)[:, token_type]  # (B, N, 6D)
+    def modulation(self, c: torch.Tensor) -> torch.Tensor:
+        """(..., D) conditioning -> (..., 6D) [shift1, 1 + scale1, gate1, shift2, 1 + scale2, gate2]."""
+        return self.ada(c) + self.one
+
+    def forward(self, x, mod, mask=None, past_kv=None):
+        """x: (B, N, D); mod: (B | 1, N | 1, 6D) ``modulation`` of each token's conditioning; mask: (N, P + N)
+        bool; past_kv: cached keys/values (B | 1, heads, P, D / heads) of earlier tokens x may attend to.
+        -> (B, N, D)."""
         sh1, sc1, g1, sh2, sc2, g2 = mod.chunk(6, dim=-1)
-        x = x + g1 * self.attn(self.n1(x) * (1 + sc1) + sh1, mask=mask)
-        return x + g2 * self.ffn(self.n2(x) * (1 + sc2) + sh2)
+        x = torch.addcmul(x, g1, self.attn(torch.addcmul(sh1, self.n1(x), sc1), mask=mask, past_kv=past_kv))
+        return torch.addcmul(x, g2, self.ffn(torch.addcmul(sh2, self.n2(x), sc2)))
+
+    def keys_values(self, x, mod):
+        """The attention keys/values (B, heads, N, D / heads) this block computes for tokens x (B, N, D)."""
+        sh1, sc1 = mod[..., : 2 * x.shape[-1]].chunk(2, dim=-1)
+        return self.attn.keys_values(torch.addcmul(sh1, self.n1(x), sc1))
 
 
 def denoiser_mask(n_obs: int, n_prefix: int, n_act: int) -> torch.Tensor:
@@ -223,10 +257,18 @@ def denoiser_mask(n_obs: int, n_prefix: int, n_act: int) -> torch.Tensor:
 
 
 class Denoiser(nn.Module):
-    """DiT-style denoiser of a normalized action chunk.
+    """DiT-style denoiser of a normalized action chunk over ``[obs tokens; prefix; noisy action tokens]``.
 
-    forward(noisy (B, horizon, A), t (B,) int, obs_tokens (B, No, D), prefix (B, G, D) | None)
+    forward(noisy (B, horizon, A), t (B,) | () int, obs_tokens (B, No, D), prefix (B, G, D) | None)
       -> (prediction (B, horizon, A), action hidden states (B, horizon, D) after the last block).
+
+    ``forward_masked`` is the literal form: the whole sequence through every block under ``denoiser_mask``,
+    obs and prefix tokens modulated with timestep 0. There the obs and prefix tokens never attend to action
+    tokens, so their hidden states depend neither on the noisy actions nor on t. ``forward`` computes the
+    same thing in two streams: ``condition`` runs the obs + prefix tokens (mask restricted to them) and keeps
+    each block's keys/values; ``denoise`` runs the action tokens, which attend to those cached keys/values
+    and their own (their mask rows are all True). Sampling calls ``condition`` once per chunk and ``denoise``
+    at every DDIM step. All three agree up to float rounding (tests/test_policy.py).
     """
 
     def __init__(self, cfg: AEDDiffusionConfig, n_obs_tokens: int, n_prefix: int):
@@ -243,23 +285,85 @@ class Denoiser(nn.Module):
         for lin in (self.final_ada[1], self.out):
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
+        n_cond = n_obs_tokens + n_prefix
         self.register_buffer("mask", denoiser_mask(n_obs_tokens, n_prefix, cfg.horizon), persistent=False)
-        tt = torch.zeros(n_obs_tokens + n_prefix + cfg.horizon, dtype=torch.long)
-        tt[n_obs_tokens + n_prefix:] = 1
-        self.register_buffer("token_type", tt, persistent=False)
+        self.register_buffer("cond_mask", denoiser_mask(n_obs_tokens, n_prefix, 0), persistent=False)
+        is_act = (torch.arange(n_cond + cfg.horizon) >= n_cond).float()
+        # (N, 2) one-hot of each token's conditioning [timestep 0, timestep t] (forward_masked's modulation)
+        self.register_buffer("token_type", torch.stack([1 - is_act, is_act], 1), persistent=False)
+
+    def timestep_conditioning(self, t: torch.Tensor) -> torch.Tensor:
+        """(B,) int timesteps -> (B, D) conditioning vectors ``t_mlp(sinusoidal(t))``."""
+        return self.t_mlp(timestep_embedding(t, self.dim))
 
     def forward(self, noisy, t, obs_tokens, prefix=None):
+        return self.denoise(noisy, t, self.condition(obs_tokens, prefix))
+
+    def forward_masked(self, noisy, t, obs_tokens, prefix=None):
+        """The same as ``forward``, as one masked sequence ``[obs; prefix; actions]`` (reference path)."""
         B = noisy.shape[0]
         t = t.expand(B) if t.ndim else t.reshape(1).expand(B)
-        c = self.t_mlp(timestep_embedding(torch.cat([torch.zeros_like(t), t]), self.dim)).view(2, B, -1)
-        c = c.transpose(0, 1)  # (B, 2, D): [timestep 0, timestep t]
+        c = self.timestep_conditioning(torch.cat([t.new_zeros(1), t]))  # (1 + B, D): [timestep 0; timestep t]
         parts = [obs_tokens] + ([prefix] if prefix is not None else []) + [self.act_in(noisy) + self.act_pos]
         x = torch.cat(parts, dim=1)
         for blk in self.blocks:
-            x = blk(x, c, self.token_type, self.mask)
-        h = x[:, -self.horizon:]
-        sh, sc = self.final_ada(c[:, 1:2]).chunk(2, dim=-1)
-        return self.out(self.final_norm(h) * (1 + sc) + sh), h
+            mod = blk.modulation(c)
+            x = blk(x, self.token_type @ torch.stack([mod[:1].expand(B, -1), mod[1:]], 1), self.mask)
+        return self._head(x[:, -self.horizon:], self.final_ada(c[1:]).unsqueeze(1))
+
+    def _head(self, h, final_mod):
+        """Final adaLN (final_mod: (B | 1, 1, 2D) = [shift, scale]) and output layer -> (prediction, h)."""
+        sh, sc = final_mod.chunk(2, dim=-1)
+        return self.out(torch.addcmul(sh, self.final_norm(h), 1 + sc)), h
+
+    def condition(self, obs_tokens, prefix=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Run the obs and prefix tokens (B, No, D), (B, G, D) | None through the blocks at timestep 0.
+
+        Returns, per block, the keys and values (B, heads, No + G, D / heads) the action tokens attend to
+        (the cache ``denoise`` takes).
+        """
+        x = obs_tokens if prefix is None else torch.cat([obs_tokens, prefix], dim=1)
+        c0 = self.timestep_conditioning(torch.zeros(1, dtype=torch.long, device=x.device))  # (1, D)
+        mask = None if prefix is None else self.cond_mask
+        cache = []
+        for i, blk in enumerate(self.blocks):
+            mod = blk.modulation(c0).unsqueeze(1)  # (1, 1, 6D): the same for every sample and token
+            cache.append(blk.keys_values(x, mod))
+            if i + 1 < len(self.blocks):  # the last block's outputs of these tokens are never read
+                x = blk(x, mod, mask)
+        return cache
+
+    def step_modulation(self, t: torch.Tensor) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+        """Timestep conditioning of the action tokens for a sampling schedule, computed in one pass.
+
+        t: (S,) int timesteps -> per timestep (block modulations [(1, 1, 6D)] * n_layers, final (1, 1, 2D)),
+        the ``modulation`` argument of ``denoise`` (the same t for the whole batch).
+        """
+        ct = self.timestep_conditioning(t)  # (S, D)
+        blocks = [blk.modulation(ct)[:, None, None].unbind(0) for blk in self.blocks]
+        final = self.final_ada(ct)[:, None, None].unbind(0)
+        return [([b[i] for b in blocks], final[i]) for i in range(len(t))]
+
+    def denoise(self, noisy, t, cache, modulation=None):
+        """One denoising step on the action tokens only.
+
+        Args:
+            noisy: (B, horizon, A) noisy normalized actions. t: (B,) or () int timestep.
+            cache: ``condition(obs_tokens, prefix)`` (batch B or 1).
+            modulation: ``step_modulation(...)[i]`` for this t (optional; computed from t when None).
+        Returns:
+            as ``forward``: (prediction (B, horizon, A), action hidden states (B, horizon, D)).
+        """
+        B = noisy.shape[0]
+        if modulation is None:
+            t = t.expand(B) if t.ndim else t.reshape(1).expand(B)
+            ct = self.timestep_conditioning(t)
+            modulation = [blk.modulation(ct).unsqueeze(1) for blk in self.blocks], self.final_ada(ct).unsqueeze(1)
+        mods, final = modulation
+        x = self.act_in(noisy) + self.act_pos
+        for blk, mod, kv in zip(self.blocks, mods, cache):
+            x = blk(x, mod, None, past_kv=kv)  # action rows of the mask are all True: no mask
+        return self._head(x, final)
 
 
 class MTDecoder(nn.Module):
@@ -409,13 +513,19 @@ class AEDDiffusionPolicy(nn.Module):
     # ------------------------------------------------------------------ conditioning
     def _conditioning(self, batch: dict):
         """-> obs tokens (B, n_obs*K, D), prefix (B, G, D) or None."""
-        obs = self.obs_encoder(self._frames(batch)) + self.obs_frame_emb  # (B, n_obs, K, D)
-        obs = obs.flatten(1, 2)
+        n, keys = self.config.n_obs_steps, list(self.config.input_shapes)
+        if self.config.aed.enabled:  # current and history frames through the encoder in one call
+            for k in keys:
+                if f"history.{k}" not in batch:
+                    raise ValueError(f"batch lacks 'history.{k}' (window_spec() lists what the policy needs)")
+            batch = {**batch, **{k: torch.cat([batch[k], batch[f"history.{k}"]], 1) for k in keys if k in batch}}
+        tok = self.obs_encoder(self._frames(batch))  # (B, n_obs [+ G+1], K, D)
+        obs = (tok[:, :n] + self.obs_frame_emb).flatten(1, 2)
         if not self.config.aed.enabled:
             return obs, None
-        hist = self.obs_encoder(self._frames(batch, "history.")) + self.hist_frame_emb  # (B, G+1, K, D)
+        hist = tok[:, n:] + self.hist_frame_emb  # (B, G+1, K, D)
         B, T, K, D = hist.shape
-        pad_key = f"history.{next(iter(self.config.input_shapes))}_is_pad"
+        pad_key = f"history.{keys[0]}_is_pad"
         valid = ~batch[pad_key].bool() if pad_key in batch else torch.ones(B, T, dtype=torch.bool, device=hist.device)
         valid = valid[:, :, None].expand(B, T, K).reshape(B, T * K)
         mem = self.memory_queries.expand(B, -1, -1)
@@ -488,8 +598,14 @@ class AEDDiffusionPolicy(nn.Module):
     @torch.no_grad()
     def predict_action_chunk(self, batch: dict, noise: torch.Tensor | None = None,
                              generator: torch.Generator | None = None,
-                             num_inference_steps: int | None = None) -> torch.Tensor:
+                             num_inference_steps: int | None = None, use_cache: bool = True) -> torch.Tensor:
         """Sample an action chunk with DDIM.
+
+        The observation tokens, visual memory and AED prefix are computed once per chunk; with ``use_cache``
+        (default) so are the denoiser's hidden states of those tokens (``Denoiser.condition``: they see
+        neither the noisy actions nor the timestep), and each DDIM step runs the action tokens only.
+        ``use_cache=False`` runs the whole masked sequence every step (``Denoiser.forward_masked``; the same
+        result up to float rounding).
 
         Args:
             batch: the windows of ``inference_window_spec()`` (collated, leading batch dim B).
@@ -497,6 +613,8 @@ class AEDDiffusionPolicy(nn.Module):
             num_inference_steps: DDIM steps (default ``config.num_inference_steps``).
         Returns:
             (B, horizon, action_dim) float32 actions in raw (unnormalized) units.
+        Raises:
+            ValueError: a missing window or noise of the wrong shape.
         """
         cfg = self.config
         batch = self._to_device(self.tokenize_history(batch))
@@ -510,8 +628,14 @@ class AEDDiffusionPolicy(nn.Module):
         x = noise.to(self.device, obs.dtype)
         sched = self.inference_scheduler
         sched.set_timesteps(num_inference_steps or cfg.num_inference_steps)
-        for t in sched.timesteps:
-            out, _ = self.denoiser(x, t.to(self.device), obs, prefix)
+        if use_cache:
+            cache = self.denoiser.condition(obs, prefix)
+            mods = self.denoiser.step_modulation(sched.timesteps.to(self.device))
+        for i, t in enumerate(sched.timesteps):
+            if use_cache:
+                out = self.denoiser.denoise(x, t, cache, mods[i])[0]
+            else:
+                out = self.denoiser.forward_masked(x, t.to(self.device), obs, prefix)[0]
             x = sched.step(out.float(), t, x.float()).prev_sample.to(obs.dtype)
         return self.normalizer.unnormalize("action", x.float())
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, default_collate
 
 from experience_dict.tokenizer import ActionTokenizer
 from policies.aed_diffusion.configuration_aed_diffusion import AEDDiffusionConfig
@@ -84,14 +84,15 @@ class WarmupCosine:
 
 
 class TokenizingCollate:
-    """``default_collate`` then the policy's CPU preprocessor (AED history tokenization), so tokenization runs
-    in DataLoader workers. Picklable."""
+    """``default_collate`` (skipped when given an already collated batch dict, e.g. from
+    ``WindowDataset.fetch``) then the policy's CPU preprocessor (AED history tokenization), so tokenization
+    runs in DataLoader workers. Picklable."""
 
     def __init__(self, tokenizer: ActionTokenizer | None):
         self.tokenizer = tokenizer
 
     def __call__(self, items):
-        batch = default_collate(items)
+        batch = items if isinstance(items, dict) else default_collate(items)
         if self.tokenizer is not None and "history.action" in batch:
             pad = batch.get("history.action_is_pad")
             out = self.tokenizer.encode_history(batch["history.action"].numpy(),
@@ -257,7 +258,7 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPo
     no_decay = [p for p in params if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc["weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}], lr=tc["lr"], betas=tuple(tc["betas"]),
-                            **({"fused": True} if dev.type == "cuda" else {"foreach": True}))
+                            fused=True)  # one fused kernel per step (CPU too: ~4x faster than foreach here)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(tc["warmup_steps"], tc["steps"]))
     ema = EMA(policy, tc["ema_power"], tc["ema_max_decay"]) if tc["ema"] else None
     step = 0
@@ -280,8 +281,12 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPo
         policy.denoiser.compile()
         policy.obs_encoder.compile()
 
-    loader = DataLoader(dataset, batch_size=tc["batch_size"], shuffle=True, drop_last=len(dataset) >= tc["batch_size"],
-                        num_workers=tc["num_workers"], collate_fn=TokenizingCollate(policy.tokenizer),
+    drop_last = len(dataset) >= tc["batch_size"]
+    if callable(getattr(dataset, "fetch", None)):  # WindowDataset: one vectorised read per batch, no per-item collate
+        batching = {"sampler": BatchSampler(RandomSampler(dataset), tc["batch_size"], drop_last), "batch_size": None}
+    else:
+        batching = {"batch_size": tc["batch_size"], "shuffle": True, "drop_last": drop_last}
+    loader = DataLoader(dataset, **batching, num_workers=tc["num_workers"], collate_fn=TokenizingCollate(policy.tokenizer),
                         pin_memory=dev.type == "cuda", persistent_workers=tc["num_workers"] > 0)
     wb = None
     if tc["wandb"]["enabled"]:
