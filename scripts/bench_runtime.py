@@ -1,0 +1,120 @@
+"""Latency of the lean runtime (``policies.runtime``) per action chunk: CPU at 1 and 2 threads, and CUDA.
+
+    python scripts/bench_runtime.py                                   # fresh default-size policy
+    python scripts/bench_runtime.py deploy.bench.export_dir=exports/push deploy.bench.threads=[1]
+
+For each device / thread count / DDIM step count: median and p90 milliseconds of one action chunk at batch 1
+(``PolicyRuntime.predict_action_chunk`` on the policy's inference windows), beside a same-process baseline: the
+training-side ``AEDDiffusionPolicy.from_pretrained`` on the checkpoint the export was made from (ratio ~1: the
+runtime adds no work). Also the cold import + load time of the runtime in a fresh interpreter and whether it
+pulled in Ray / MuJoCo / Hydra / wandb, and the 1-minute load average (timings on a shared CPU are noisy). Without ``deploy.bench.export_dir`` a default-size
+``policy=aed_diffusion`` (Meta-World shapes, synthetic stats and tokenizer; untrained weights, same latency) is
+saved and exported to a temporary folder. Writes JSON to ``deploy.bench.out``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_policy import load_policy_cfg, random_batch, synthetic
+
+from policies.aed_diffusion import AEDDiffusionPolicy
+from policies.export import export_checkpoint
+from policies.runtime import PolicyRuntime
+
+HEAVY = ("ray", "mujoco", "hydra", "wandb", "metaworld", "zarr", "gymnasium", "sim", "fleet")
+
+
+def cold_start(export_dir: Path) -> dict:
+    """In a fresh interpreter: seconds to import ``policies.runtime`` and to load the export, and which heavy
+    packages (and whether diffusers) were imported by then."""
+    code = ("import sys, time, json; t = time.perf_counter(); from policies.runtime import PolicyRuntime\n"
+            "t1 = time.perf_counter(); PolicyRuntime.load(sys.argv[1]); t2 = time.perf_counter()\n"
+            f"print(json.dumps({{'import_s': t1 - t, 'load_s': t2 - t1, 'heavy_modules': sorted({{m.split('.')[0] "
+            f"for m in sys.modules}} & set({list(HEAVY)!r})), 'diffusers_imported': 'diffusers' in sys.modules}}))")
+    out = subprocess.run([sys.executable, "-c", code, str(export_dir)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def time_chunks(fn, n: int, dev: torch.device) -> dict:
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(n):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": float(np.median(ts)), "p90_ms": float(np.percentile(ts, 90)), "n": n}
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    if "deploy" not in cfg:
+        raise SystemExit("compose the deploy group: python scripts/bench_runtime.py")
+    bc = OmegaConf.to_container(cfg.deploy.bench, resolve=True)
+    tmp = tempfile.TemporaryDirectory()
+    export_dir = bc["export_dir"]
+    if export_dir is None:
+        pcfg = load_policy_cfg("aed_diffusion", 96)
+        stats, tok = synthetic(pcfg)
+        torch.manual_seed(0)
+        AEDDiffusionPolicy(pcfg, stats, tok).save_pretrained(Path(tmp.name) / "ckpt")
+        export_dir = export_checkpoint(Path(tmp.name) / "ckpt", Path(tmp.name) / "export", control_hz=80.0)
+    export_dir = Path(export_dir)
+    source = json.loads((export_dir / "export.json").read_text())["source"]["path"]
+    out = {"export_dir": str(export_dir), "host": platform.node(), "cpu_count": os.cpu_count(),
+           "torch": torch.__version__, "cold_start": cold_start(export_dir),
+           "loadavg_1min_before": os.getloadavg()[0], "results": {}}
+    for dname in bc["devices"]:
+        if dname == "cuda" and not torch.cuda.is_available():
+            continue
+        dev = torch.device(dname)
+        rt = PolicyRuntime.load(export_dir, device=dev)
+        base = AEDDiffusionPolicy.from_pretrained(source if Path(source).is_dir() else export_dir, device=dev)
+        out["parameters"] = rt.policy.num_parameters()
+        batch = random_batch(rt.policy, 1, rt.inference_window_spec())
+        for threads in (bc["threads"] if dname == "cpu" else [torch.get_num_threads()]):
+            torch.set_num_threads(int(threads))
+            for steps in bc["num_inference_steps"]:
+                gen = torch.Generator(device=dev).manual_seed(0)
+                r = time_chunks(partial(rt.predict_action_chunk, batch, generator=gen, num_inference_steps=steps),
+                                bc["chunks"], dev)
+                b = time_chunks(partial(base.predict_action_chunk, batch, generator=gen, num_inference_steps=steps),
+                                bc["chunks"], dev)
+                r["baseline_training_policy_median_ms"] = b["median_ms"]
+                r["ratio_vs_training_policy"] = r["median_ms"] / b["median_ms"]
+                key = f"{dname}/threads={threads}/ddim_steps={steps}" if dname == "cpu" else f"{dname}/ddim_steps={steps}"
+                out["results"][key] = r
+                print(json.dumps({key: r}), flush=True)
+    out["loadavg_1min_after"] = os.getloadavg()[0]  # the CPU may be shared: a load above cpu_count skews timings
+    path = Path(bc["out"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1))
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()

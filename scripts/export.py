@@ -1,0 +1,82 @@
+"""Export a policy checkpoint (directory or registry version) to a self-contained deployment folder.
+
+    python scripts/export.py deploy.export.checkpoint=outputs/train_quick deploy.export.out_dir=exports/push
+    python scripts/export.py deploy.export.version=3 deploy.export.success_table=outputs/eval/table.json
+
+Writes weights (safetensors), config, normalization stats, tokenizer, ``export.json`` and a model card
+(``README.md``); load the folder with ``policies.runtime.PolicyRuntime.load``. See ``policies.export``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from policies.aed_diffusion.training import last_checkpoint
+from policies.export import export_checkpoint, training_provenance
+
+log = logging.getLogger("export")
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A ``pretrained_model`` dir as given, or a training run dir's newest checkpoint. Raises FileNotFoundError."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return p
+    last = last_checkpoint(p)
+    if last is not None and (last / "pretrained_model" / "config.json").is_file():
+        return last / "pretrained_model"
+    raise FileNotFoundError(f"export.checkpoint {str(p)!r}: neither a checkpoint dir (config.json) nor a training "
+                            "run dir (checkpoints/last.json)")
+
+
+def store_control_hz(ckpt: Path) -> float | None:
+    """The control rate of the store the checkpoint was trained on (Hydra run config), or None."""
+    store = training_provenance(ckpt).get("store")
+    if not store:
+        return None
+    try:
+        from experience_dict.store import ExperienceStore
+
+        return float(ExperienceStore.open(str(store)).control_hz)
+    except Exception as e:  # noqa: BLE001 - provenance only: the store may have moved
+        log.warning("could not read control_hz from store %r: %s", store, e)
+        return None
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    if "deploy" not in cfg:
+        raise SystemExit("compose the deploy group: python scripts/export.py deploy.export....")
+    ecfg = cfg.deploy.export
+    table = json.loads(Path(ecfg.success_table).read_text()) if ecfg.success_table else None
+    with tempfile.TemporaryDirectory() as tmp:
+        if ecfg.checkpoint:
+            ckpt, source = resolve_checkpoint(ecfg.checkpoint), None
+        else:
+            from fleet.registry import CheckpointRegistry
+
+            reg = CheckpointRegistry(str(ecfg.registry_url))
+            version = None if str(ecfg.version) == "latest" else int(ecfg.version)
+            ckpt = reg.fetch(version, Path(tmp) / "ckpt")
+            manifest = json.loads((ckpt / "MANIFEST.json").read_text())
+            source = {"kind": "registry", "registry_url": str(ecfg.registry_url), "version": manifest["version"],
+                      "metadata": manifest.get("metadata")}
+        hz = ecfg.control_hz if ecfg.control_hz is not None else store_control_hz(ckpt)
+        out = export_checkpoint(ckpt, ecfg.out_dir, control_hz=hz, success_table=table, source=source,
+                                overwrite=bool(ecfg.overwrite))
+    meta = json.loads((out / "export.json").read_text())
+    print(json.dumps({"export_dir": str(out), "files": sorted(meta["files"]), "parameters": meta["parameters"],
+                      "control_hz": meta["control_hz"], "git": meta["git"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Export and lean runtime: same actions as the training-side policy, sha256-verified folders, model card,
+registry export through the Hydra script, and a runtime import free of Ray/MuJoCo/Hydra/wandb."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from experience_dict.tokenizer import ActionTokenizer
+from policies.aed_diffusion import AEDDiffusionConfig, AEDDiffusionPolicy
+from policies.export import export_checkpoint
+from policies.runtime import PolicyRuntime, verify_export
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+TINY = {"input_shapes": {"observation.state": [4], "observation.environment_state": [17]}, "dim": 32, "n_layers": 2,
+        "n_heads": 2, "state_hidden": 32, "horizon": 8, "n_action_steps": 4, "num_inference_steps": 6,
+        "aed": {"history_actions": 8, "group_size": 4, "memory_queries": 2, "tokenizer_vocab_size": 256},
+        "mt_loss": {"weight": 0.01}}
+HEAVY = ("ray", "mujoco", "hydra", "wandb", "metaworld", "zarr", "gymnasium", "sim", "fleet")
+
+
+def _policy() -> AEDDiffusionPolicy:
+    cfg = AEDDiffusionConfig.from_dict(json.loads(json.dumps(TINY)))
+    rng = np.random.default_rng(0)
+    eps = [np.clip(np.cumsum(rng.normal(0, 0.2, (60, 4)), 0), -1, 1).astype(np.float32) for _ in range(6)]
+    tok = ActionTokenizer.fit(eps, r=4, relative_dims=[0, 1, 2], absolute_dims=[3], scale=10.0, vocab_size=256)
+    stats = {"observation.state": {"min": [-0.5, 0.3, 0.0, 0.0], "max": [0.5, 0.9, 0.3, 1.0]},
+             "observation.environment_state": {"min": [-1.0] * 17, "max": [1.0] * 17},
+             "action": {"min": [-1.0] * 4, "max": [1.0] * 4}}
+    torch.manual_seed(0)
+    policy = AEDDiffusionPolicy(cfg, stats, tok)
+    with torch.no_grad():  # adaLN-Zero starts at zero output: perturb so actions depend on every input
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return policy.eval()
+
+
+def _batch(policy, B=3, seed=0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (key, offs) in policy.inference_window_spec().items():
+        dim = policy.config.action_dim if key == "action" else policy.config.input_shapes[key][0]
+        out[name] = torch.rand(B, len(offs), dim, generator=g) * 2 - 1
+        out[f"{name}_is_pad"] = torch.zeros(B, len(offs), dtype=torch.bool)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    policy = _policy()
+    policy.save_pretrained(root / "ckpt")
+    table = {"so100-reach": {"success_rate": 0.9, "episodes": 10}, "push-v3": {"success_rate": 0.5, "episodes": 10}}
+    out = export_checkpoint(root / "ckpt", root / "export", control_hz=30.0, success_table=table)
+    return policy, out
+
+
+def test_runtime_gives_the_training_policys_actions(exported):
+    policy, folder = exported
+    rt = PolicyRuntime.load(folder)
+    batch = _batch(policy)
+    noise = torch.randn(3, 8, 4, generator=torch.Generator().manual_seed(1))
+    ref = policy.predict_action_chunk(batch, noise=noise)
+    got = rt.predict_action_chunk(batch, noise=noise)
+    assert got.shape == (3, 8, 4) and torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+    # different observations give different chunks (the comparison above is not vacuous)
+    assert not torch.allclose(rt.predict_action_chunk(_batch(policy, seed=5), noise=noise), ref, atol=1e-3)
+    # DDIM steps are configurable, per call and per runtime, and match the training side
+    ref4 = policy.predict_action_chunk(batch, noise=noise, num_inference_steps=4)
+    torch.testing.assert_close(rt.predict_action_chunk(batch, noise=noise, num_inference_steps=4), ref4)
+    assert not torch.allclose(ref4, ref, atol=1e-4)
+    torch.testing.assert_close(PolicyRuntime.load(folder, num_inference_steps=4).predict_action_chunk(batch, noise=noise),
+                               ref4)
+    # closed loop: select_action with the same generator seed gives the same action stream
+    rt.reset()
+    policy.reset()
+    rng = np.random.default_rng(0)
+    ga, gb = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for _ in range(9):
+        obs = {"observation.state": rng.uniform(0, 1, 4).astype(np.float32),
+               "observation.environment_state": rng.uniform(-1, 1, 17).astype(np.float32)}
+        a, b = rt.select_action(obs, generator=ga), policy.select_action(obs, generator=gb)
+        assert a.shape == (4,) and a.dtype == np.float32
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert rt.control_hz == 30.0 and rt.action_dim == 4 and rt.input_shapes == TINY["input_shapes"]
+
+
+def test_export_folder_contents_and_model_card(exported):
+    _, folder = exported
+    names = {p.name for p in folder.iterdir()}
+    assert names == {"config.json", "model.safetensors", "stats.json", "tokenizer.json", "export.json", "README.md"}
+    meta = verify_export(folder)
+    assert set(meta["files"]) == {"config.json", "model.safetensors", "stats.json", "tokenizer.json"}
+    assert meta["features"]["action"]["names"] == ["dx", "dy", "dz", "gripper"] and meta["control_hz"] == 30.0
+    card = (folder / "README.md").read_text()
+    assert "| so100-reach | 0.900 | 10 |" in card and "| push-v3 | 0.500 | 10 |" in card
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    assert meta["git"]["commit"] == commit and commit in card
+    assert "`observation.environment_state`: shape [17]" in card
+
+
+def test_tampered_or_incomplete_exports_are_refused(exported, tmp_path):
+    _, folder = exported
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    w = load_file(str(bad / "model.safetensors"))
+    k = next(iter(w))
+    w[k] = w[k] + 1.0
+    save_file(w, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.safetensors has sha256"):
+        PolicyRuntime.load(bad)
+    (bad / "export.json").unlink()
+    with pytest.raises(FileNotFoundError, match="lacks export.json"):
+        PolicyRuntime.load(bad)
+    with pytest.raises(ValueError, match="num_inference_steps: expected 1..100, given 0"):
+        PolicyRuntime.load(folder, num_inference_steps=0)
+    with pytest.raises(FileExistsError):
+        export_checkpoint(folder, folder)
+    with pytest.raises(FileNotFoundError, match="lacks config.json"):
+        export_checkpoint(tmp_path / "nothing", tmp_path / "out")
+
+
+def test_runtime_imports_without_heavy_dependencies_in_a_fresh_process(exported, tmp_path):
+    policy, folder = exported
+    batch = _batch(policy, B=2, seed=2)
+    noise = torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(4))
+    save_file({**batch, "noise": noise}, str(tmp_path / "in.safetensors"))
+    code = ("import sys, json, torch; torch.set_num_threads(1)\n"
+            "from safetensors.torch import load_file, save_file\n"
+            "from policies.runtime import PolicyRuntime\n"
+            f"rt = PolicyRuntime.load({str(folder)!r})\n"
+            f"b = load_file({str(tmp_path / 'in.safetensors')!r}); n = b.pop('noise')\n"
+            f"save_file({{'a': rt.predict_action_chunk(b, noise=n)}}, {str(tmp_path / 'out.safetensors')!r})\n"
+            f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({list(HEAVY)!r}))))\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == []
+    torch.testing.assert_close(load_file(str(tmp_path / "out.safetensors"))["a"],
+                               policy.predict_action_chunk(batch, noise=noise), atol=1e-6, rtol=1e-6)
+
+
+def test_export_script_from_a_registry_version(exported, tmp_path):
+    from fleet.registry import CheckpointRegistry
+
+    policy, folder = exported
+    ckpt = tmp_path / "ckpt"
+    policy.save_pretrained(ckpt)
+    reg = CheckpointRegistry(str(tmp_path / "registry"))
+    reg.publish(ckpt, metadata={"run_id": "t", "round": 0})
+    v = reg.publish(ckpt, metadata={"run_id": "t", "round": 1})
+    res = subprocess.run(
+        [sys.executable, "scripts/export.py", f"deploy.export.registry_url={tmp_path / 'registry'}",
+         f"deploy.export.version={v}", f"deploy.export.out_dir={tmp_path / 'out'}", "deploy.export.control_hz=80",
+         f"hydra.run.dir={tmp_path / 'hydra'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "MUJOCO_GL": "egl"}, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    meta = verify_export(tmp_path / "out")
+    assert meta["source"]["kind"] == "registry" and meta["source"]["version"] == v
+    assert meta["source"]["metadata"] == {"run_id": "t", "round": 1}
+    assert f"version {v}" in (tmp_path / "out" / "README.md").read_text()
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
