@@ -499,6 +499,9 @@ class FertDataset(torch.utils.data.Dataset):
       ``replay_ratio``) drawn uniformly from every step of the replay episodes (without replacement while
       possible), ``sample_weight = 1``. So replay is exactly ``n_replay / len(self)`` ~= ``r`` of an epoch.
       With ``r = 1`` or no retrieved entry, the dataset is replay only (every replay window once).
+    * ``replay_all=True`` (the learner's default, ``fert.replay_all``): the retrieved slots are tiled
+      ``k`` times (same per-slot weights) with ``k`` the smallest making ``n_replay`` cover every replay window,
+      so an epoch replays all the demonstrations once and the mix is still ``r``.
 
     Windows come from ``experience_dict.sampler.WindowDataset`` with the policy's ``windows`` spec (no second
     windowing code): an item is a WindowDataset item (``{name: tensor (len(offsets), ...), name_is_pad,
@@ -521,7 +524,7 @@ class FertDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, reader, retrieval: Retrieval, replay_episodes: Sequence, windows: Mapping,
-                 replay_ratio: float = 0.5, weighting: str = "loss", seed: int = 0):
+                 replay_ratio: float = 0.5, weighting: str = "loss", seed: int = 0, replay_all: bool = False):
         from experience_dict.sampler import WindowDataset
         if not 0.0 <= replay_ratio <= 1.0:
             raise ValueError(f"replay_ratio: expected a fraction in [0, 1], given {replay_ratio}")
@@ -552,6 +555,12 @@ class FertDataset(torch.utils.data.Dataset):
         else:
             self.source, self._ret_index = None, np.zeros(0, np.int64)
             self._ret_entry, self._ret_w = np.zeros(0, np.int64), np.zeros(0, np.float32)
+        if replay_all and len(self._ret_entry) and n_rep_windows and 0.0 < replay_ratio < 1.0:
+            # tile the retrieved slots so that one epoch replays every demonstration window once at the stated
+            # ratio (few failure contexts would otherwise leave only a handful of replay windows per round)
+            need = int(np.ceil(n_rep_windows * (1.0 - replay_ratio) / replay_ratio))
+            k = max(1, -(-need // len(self._ret_entry)))
+            self._ret_entry, self._ret_w = np.tile(self._ret_entry, k), np.tile(self._ret_w, k)
         self.n_retrieved = len(self._ret_entry)
         # replay part
         if n_rep_windows == 0:
@@ -659,7 +668,7 @@ def policy_encoder(policy, pool: str = "mean") -> Encoder:
 
 # ----------------------------------------------------------------------------------------- one object
 # keys of configs/fert/default.yaml ("rounds" and "audit" are read by the learner / scripts/run.py)
-FERT_CONFIG_KEYS = {"rounds", "window", "frame_stride", "embed_keys", "encoder", "pool", "index_stride",
+FERT_CONFIG_KEYS = {"rounds", "replay_all", "window", "frame_stride", "embed_keys", "encoder", "pool", "index_stride",
                     "include_demos", "top_k", "temperature", "min_similarity", "max_contexts_per_task",
                     "replay_ratio", "weighting", "onset", "priority", "audit"}
 
@@ -743,7 +752,8 @@ class FertData:
         """The round's :class:`FertDataset` (``replay_ratio`` and ``weighting`` from the config)."""
         return FertDataset(self.reader, retrieval, replay_episodes, windows,
                            replay_ratio=float(self.cfg.get("replay_ratio", 0.5)),
-                           weighting=str(self.cfg.get("weighting", "loss")), seed=seed)
+                           weighting=str(self.cfg.get("weighting", "loss")), seed=seed,
+                           replay_all=bool(self.cfg.get("replay_all", True)))
 
     def state_dict(self) -> dict:
         """JSON-able learner-checkpoint state: the task statistics. (Onsets live in the store; the index is

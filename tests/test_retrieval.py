@@ -186,7 +186,8 @@ def test_index_refreshes_incrementally(tmp_path):
 def test_fert_batches_have_the_replay_mix(world):
     url, _ = world
     reader = ExperienceStore.open(url)
-    fert = FertData(reader, FERT_CFG, stats=reader.stats(list(STATE_KEYS)), exclude_units=[HELDOUT])
+    fert = FertData(reader, {**FERT_CFG, "replay_all": False}, stats=reader.stats(list(STATE_KEYS)),
+                    exclude_units=[HELDOUT])
     fert.update()
     ret = fert.retrieve()
     demos = reader.episodes(is_demo=True)
@@ -227,6 +228,14 @@ def test_fert_batches_have_the_replay_mix(world):
     assert all(float(ds_s[i]["sample_weight"]) == 1.0 for i in range(0, ds_s.n_retrieved, 9))
     with pytest.raises(ValueError, match="replay_ratio"):
         FertDataset(reader, ret, demos, windows, replay_ratio=1.5)
+    # replay_all: every demonstration window is replayed once per epoch, still at the stated ratio
+    n_demo_windows = sum(e.length for e in demos)
+    ds_all = FertDataset(reader, ret, demos, windows, replay_ratio=0.25, replay_all=True)
+    assert ds_all.n_replay >= n_demo_windows and ds_all.n_retrieved % len(ret) == 0
+    assert sorted(set(ds_all._rep_index.tolist())) == list(range(n_demo_windows))
+    assert abs(ds_all.n_replay / len(ds_all) - 0.25) < 0.01
+    sw_all = np.array([float(ds_all[i]["sample_weight"]) for i in range(0, ds_all.n_retrieved, 7)])
+    assert sw_all.mean() == pytest.approx(1.0, rel=0.2)
 
 
 def test_task_priority_learnability():
