@@ -107,6 +107,9 @@ def plot_success_per_round(history: Mapping[str, Sequence[Mapping]], path: str |
         line = ax.plot(rounds, rates, marker="o", label=arm)[0]
         ax.fill_between(rounds, [b[0] for b in bands], [b[1] for b in bands], alpha=0.15,
                         color=line.get_color())
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("success rate")
     ax.set_ylim(-0.02, 1.02)

@@ -240,12 +240,13 @@ def main(cfg: DictConfig) -> None:
                      "total_wall_s": time.perf_counter() - t_start}
     write_table(table, out, "results")
 
-    # plots: training-fleet success per policy version (= FERT round) beside the held-out arms
+    # plots: training-fleet success per policy version (v1 = base = round -1, v2 = round 0, ...) beside the
+    # held-out arms (placed at the last round)
     history = {"fert (training units, per version)": [
-        {"round": int(v) - 1, "successes": s, "trials": n} for v, (s, n) in sorted(
+        {"round": int(v) - 2, "successes": s, "trials": n} for v, (s, n) in sorted(
             ((int(k), tuple(v)) for k, v in fert_state["per_version"].items()))]}
     for arm, row in table["arms"].items():
-        history[f"{arm} (held-out)"] = [{"round": int(c["fert"]["rounds"]), "successes": row["average"]["successes"],
+        history[f"{arm} (held-out)"] = [{"round": int(c["fert"]["rounds"]) - 1, "successes": row["average"]["successes"],
                                          "trials": row["average"]["trials"]}]
     plot_success_per_round(history, out / "success_per_round.png",
                            title="success per FERT round (round -1 = base policy)")
