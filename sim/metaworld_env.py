@@ -16,7 +16,7 @@ import numpy as np
 from gymnasium import spaces
 
 from sim.gl import CameraRenderer
-from sim.units import CAMERAS, ModelVariation, RobotUnit, as_dict, json_safe, unit_lists
+from sim.units import CAMERAS, ModelVariation, RobotUnit, as_dict, feature_spec, unit_lists
 
 PROGRESS_KEYS = ("near_object", "grasp_success", "grasp_reward", "in_place_reward", "obj_to_target",
                  "unscaled_reward")
@@ -34,22 +34,6 @@ def _all_tasks() -> list[str]:
     from metaworld.env_dict import ALL_V3_ENVIRONMENTS
 
     return list(ALL_V3_ENVIRONMENTS)
-
-
-def list_tasks(task_cfg: Any = None) -> list[str]:
-    """Task names: all 50 Meta-World v3 tasks (Meta-World's order) or a suite config's ``tasks``, validated.
-
-    Raises:
-        ValueError: a suite names an unknown task or has no tasks.
-    """
-    if task_cfg is None:
-        return _all_tasks()
-    tasks = list(as_dict(task_cfg).get("tasks") or [])
-    if not tasks:
-        raise ValueError(f"task config {as_dict(task_cfg).get('name', '?')!r} lists no tasks")
-    for t in tasks:
-        check_task(t)
-    return tasks
 
 
 def check_task(task: str) -> None:
@@ -277,21 +261,11 @@ class MetaWorldEnv(gym.Env):
 
     def spec_dict(self) -> dict[str, Any]:
         """JSON-able feature spec (docs/INTERFACES.md): per feature shape, dtype, names, unit; plus ``control_hz``."""
-        spec: dict[str, Any] = {
-            "observation.state": {"shape": [4], "dtype": "float32", "names": STATE_NAMES,
-                                  "unit": "m (gripper: normalised opening 0..1)"},
-            "observation.environment_state": {"shape": [17], "dtype": "float32", "names": ENV_STATE_NAMES,
-                                              "unit": "m (quaternion entries unitless)"},
-        }
-        if self.images:
-            for c in self.cameras:
-                spec[f"observation.images.{c}"] = {"shape": [*self.image_hw, 3], "dtype": "uint8",
-                                                   "names": ["height", "width", "channel"], "unit": "rgb"}
-        spec["action"] = {"shape": [4], "dtype": "float32", "names": ACTION_NAMES, "low": -1.0, "high": 1.0,
-                          "relative_dims": [0, 1, 2], "absolute_dims": [3],
-                          "unit": "1 = 1 cm end-effector displacement (x, y, z); gripper effort -1 open .. +1 close"}
-        spec["control_hz"] = CONTROL_HZ
-        return json_safe(spec)
+        return feature_spec(STATE_NAMES, ENV_STATE_NAMES, ACTION_NAMES,
+                            state_unit="m (gripper: normalised opening 0..1)",
+                            action_unit="1 = 1 cm end-effector displacement (x, y, z); gripper effort -1 open .. +1 close",
+                            cameras=self.cameras if self.images else None, image_hw=self.image_hw,
+                            control_hz=CONTROL_HZ)
 
 
 def make_env(task: str, unit_id: int = 0, robot_cfg: Any = None, obs_cfg: Any = None, task_cfg: Any = None,
@@ -299,7 +273,7 @@ def make_env(task: str, unit_id: int = 0, robot_cfg: Any = None, obs_cfg: Any = 
     """Build the Gymnasium env of ``task`` (a Meta-World v3 name, e.g. ``"push-v3"``) on robot unit ``unit_id``.
 
     Args:
-        task: one of ``list_tasks()``.
+        task: a Meta-World v3 task name (``sim.list_tasks()``).
         unit_id: robot unit; must be in ``robot_cfg``'s ``train_units`` or ``heldout_units`` when a config is given.
         robot_cfg: the ``robot`` config (embodiment, fleet_seed, unit lists, variation ranges); None: nominal robot.
         obs_cfg: the ``obs`` config: ``images`` (bool), ``cameras`` (names), ``image_size`` (int or [H, W]),

@@ -279,3 +279,30 @@ def _has(model, objtype, name: str) -> bool:
     import mujoco
 
     return mujoco.mj_name2id(model, objtype, name) >= 0
+
+
+def feature_spec(state_names: list[str], env_state_names: list[str], action_names: list[str], state_unit: str,
+                 action_unit: str, cameras: list[str] | None, image_hw: tuple[int, int], control_hz: float) -> dict:
+    """The JSON-able feature spec every sim env returns from ``spec_dict()`` (docs/INTERFACES.md).
+
+    Args:
+        state_names / env_state_names / action_names: per-dimension names of ``observation.state`` (4),
+            ``observation.environment_state`` and ``action`` (4: dx, dy, dz relative; gripper absolute).
+        state_unit / action_unit: human-readable units of the state and action.
+        cameras: camera names with an ``observation.images.<camera>`` feature (uint8 HWC), or None.
+        image_hw: (height, width) of those images, pixels.
+        control_hz: control frequency, Hz.
+    """
+    spec: dict = {
+        "observation.state": {"shape": [len(state_names)], "dtype": "float32", "names": state_names,
+                              "unit": state_unit},
+        "observation.environment_state": {"shape": [len(env_state_names)], "dtype": "float32",
+                                          "names": env_state_names, "unit": "m (quaternion entries unitless)"},
+    }
+    for c in cameras or []:
+        spec[f"observation.images.{c}"] = {"shape": [*image_hw, 3], "dtype": "uint8",
+                                           "names": ["height", "width", "channel"], "unit": "rgb"}
+    spec["action"] = {"shape": [len(action_names)], "dtype": "float32", "names": action_names, "low": -1.0,
+                      "high": 1.0, "relative_dims": [0, 1, 2], "absolute_dims": [3], "unit": action_unit}
+    spec["control_hz"] = control_hz
+    return json_safe(spec)

@@ -28,7 +28,7 @@ import numpy as np
 from gymnasium import spaces
 
 from sim.gl import CameraRenderer
-from sim.units import RobotUnit, as_dict, json_safe, unit_lists
+from sim.units import RobotUnit, as_dict, feature_spec, unit_lists
 
 PROGRESS_KEYS = ("near_object", "grasp_success", "grasp_reward", "in_place_reward", "obj_to_target",
                  "unscaled_reward")  # == sim.metaworld_env.PROGRESS_KEYS (kept equal by a test)
@@ -424,21 +424,11 @@ class SO100Env(gym.Env):
 
     def spec_dict(self) -> dict[str, Any]:
         """JSON-able feature spec (docs/INTERFACES.md), the same keys and shapes as the Meta-World envs."""
-        spec: dict[str, Any] = {
-            "observation.state": {"shape": [4], "dtype": "float32", "names": STATE_NAMES,
-                                  "unit": "m (gripper: jaw opening 0 closed .. 1 open)"},
-            "observation.environment_state": {"shape": [17], "dtype": "float32", "names": ENV_STATE_NAMES,
-                                              "unit": "m (quaternion entries unitless)"},
-        }
-        if self.images:
-            for c in self.cameras:
-                spec[f"observation.images.{c}"] = {"shape": [*self.image_hw, 3], "dtype": "uint8",
-                                                   "names": ["height", "width", "channel"], "unit": "rgb"}
-        spec["action"] = {"shape": [4], "dtype": "float32", "names": ACTION_NAMES, "low": -1.0, "high": 1.0,
-                          "relative_dims": [0, 1, 2], "absolute_dims": [3],
-                          "unit": "1 = 1 cm tcp target displacement (x, y, z); gripper -1 open .. +1 closed"}
-        spec["control_hz"] = CONTROL_HZ
-        return json_safe(spec)
+        return feature_spec(STATE_NAMES, ENV_STATE_NAMES, ACTION_NAMES,
+                            state_unit="m (gripper: jaw opening 0 closed .. 1 open)",
+                            action_unit="1 = 1 cm tcp target displacement (x, y, z); gripper -1 open .. +1 closed",
+                            cameras=self.cameras if self.images else None, image_hw=self.image_hw,
+                            control_hz=CONTROL_HZ)
 
 
 def make_so100_env(task: str, unit_id: int = 0, robot_cfg: Any = None, obs_cfg: Any = None, task_cfg: Any = None,
