@@ -499,6 +499,12 @@ class FertDataset(torch.utils.data.Dataset):
       ``replay_ratio``) drawn uniformly from every step of the replay episodes (without replacement while
       possible), ``sample_weight = 1``. So replay is exactly ``n_replay / len(self)`` ~= ``r`` of an epoch.
       With ``r = 1`` or no retrieved entry, the dataset is replay only (every replay window once).
+    * ``segment_steps = S > 1`` (``fert.segment_steps``): a retrieved entry stands for the *segment* of its
+      successful episode that follows the matched anchor, the windows anchored at ``step, step + 1, ..,
+      step + S - 1`` (cut at the episode's end), each carrying ``1 / len(segment)`` of the entry's weight. The
+      design brief's "the retrieved segments' actions become supervision": the policy learns what the
+      successful robot did from the matched state onwards, not only its next action chunk. ``S = 1``: the
+      matched window only.
     * ``replay_all=True`` (the learner's default, ``fert.replay_all``): the retrieved slots are tiled
       ``k`` times (same per-slot weights) with ``k`` the smallest making ``n_replay`` cover every replay window,
       so an epoch replays all the demonstrations once and the mix is still ``r``.
@@ -518,14 +524,19 @@ class FertDataset(torch.utils.data.Dataset):
         replay_ratio: fraction ``r`` of replay slots, in [0, 1].
         weighting: ``"loss"`` or ``"sample"`` (above).
         seed: seed of the slot plan.
+        replay_all: tile the retrieved slots so an epoch replays every demonstration window (above).
+        segment_steps: steps of successful continuation per retrieved entry (>= 1, above).
 
     Raises:
         ValueError: bad ratio / weighting, or neither retrieved entries nor replay episodes.
     """
 
     def __init__(self, reader, retrieval: Retrieval, replay_episodes: Sequence, windows: Mapping,
-                 replay_ratio: float = 0.5, weighting: str = "loss", seed: int = 0, replay_all: bool = False):
+                 replay_ratio: float = 0.5, weighting: str = "loss", seed: int = 0, replay_all: bool = False,
+                 segment_steps: int = 1):
         from experience_dict.sampler import WindowDataset
+        if int(segment_steps) < 1:
+            raise ValueError(f"segment_steps: expected >= 1, given {segment_steps}")
         if not 0.0 <= replay_ratio <= 1.0:
             raise ValueError(f"replay_ratio: expected a fraction in [0, 1], given {replay_ratio}")
         if weighting not in ("loss", "sample"):
@@ -544,16 +555,24 @@ class FertDataset(torch.utils.data.Dataset):
             self.source = WindowDataset(reader, src, windows=dict(windows))
             # WindowDataset anchors every step of its episodes in order: item = first item of episode + step
             first = dict(zip((e.episode_id for e in src), np.cumsum([0] + [e.length for e in src[:-1]])))
-            self._ret_index = np.array([first[e] + s for e, s in zip(retrieval.episode_id, retrieval.step)],
-                                       np.int64)
+            length = {e.episode_id: int(e.length) for e in src}
             w = retrieval.weight / retrieval.weight.sum()
-            n = len(retrieval)
+            # expand each entry into its segment: (source window index, entry, probability) per segment window
+            idx, ent, p = [], [], []
+            for j, (e, s) in enumerate(zip(retrieval.episode_id, retrieval.step)):
+                m = max(1, min(int(segment_steps), length[e] - int(s)))
+                idx.extend(range(first[e] + int(s), first[e] + int(s) + m))
+                ent.extend([j] * m)
+                p.extend([w[j] / m] * m)
+            self._ret_index, self._seg_entry = np.array(idx, np.int64), np.array(ent, np.int64)
+            p = np.asarray(p, np.float64)
+            n = len(p)
             if weighting == "loss":
-                self._ret_entry, self._ret_w = np.arange(n), (w * n).astype(np.float32)
+                self._ret_entry, self._ret_w = np.arange(n), (p * n).astype(np.float32)
             else:
-                self._ret_entry, self._ret_w = rng.choice(n, n, p=w), np.ones(n, np.float32)
+                self._ret_entry, self._ret_w = rng.choice(n, n, p=p / p.sum()), np.ones(n, np.float32)
         else:
-            self.source, self._ret_index = None, np.zeros(0, np.int64)
+            self.source, self._ret_index, self._seg_entry = None, np.zeros(0, np.int64), np.zeros(0, np.int64)
             self._ret_entry, self._ret_w = np.zeros(0, np.int64), np.zeros(0, np.float32)
         if replay_all and len(self._ret_entry) and n_rep_windows and 0.0 < replay_ratio < 1.0:
             # tile the retrieved slots so that one epoch replays every demonstration window once at the stated
@@ -585,7 +604,7 @@ class FertDataset(torch.utils.data.Dataset):
             item = self.source[int(self._ret_index[e])]
             item["sample_weight"] = torch.tensor(float(self._ret_w[i]))
             item["fert.is_replay"] = torch.tensor(False)
-            item["fert.similarity"] = torch.tensor(float(self.retrieval.similarity[e]))
+            item["fert.similarity"] = torch.tensor(float(self.retrieval.similarity[self._seg_entry[e]]))
             return item
         item = self.replay[int(self._rep_index[i - self.n_retrieved])]
         item["sample_weight"] = torch.tensor(1.0)
@@ -668,7 +687,7 @@ def policy_encoder(policy, pool: str = "mean") -> Encoder:
 
 # ----------------------------------------------------------------------------------------- one object
 # keys of configs/fert/default.yaml ("rounds" and "audit" are read by the learner / scripts/run.py)
-FERT_CONFIG_KEYS = {"rounds", "replay_all", "window", "frame_stride", "embed_keys", "encoder", "pool", "index_stride",
+FERT_CONFIG_KEYS = {"rounds", "replay_all", "segment_steps", "window", "frame_stride", "embed_keys", "encoder", "pool", "index_stride",
                     "include_demos", "top_k", "temperature", "min_similarity", "max_contexts_per_task",
                     "replay_ratio", "weighting", "onset", "priority", "audit"}
 
@@ -753,7 +772,8 @@ class FertData:
         return FertDataset(self.reader, retrieval, replay_episodes, windows,
                            replay_ratio=float(self.cfg.get("replay_ratio", 0.5)),
                            weighting=str(self.cfg.get("weighting", "loss")), seed=seed,
-                           replay_all=bool(self.cfg.get("replay_all", True)))
+                           replay_all=bool(self.cfg.get("replay_all", True)),
+                           segment_steps=int(self.cfg.get("segment_steps", 1)))
 
     def state_dict(self) -> dict:
         """JSON-able learner-checkpoint state: the task statistics. (Onsets live in the store; the index is

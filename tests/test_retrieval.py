@@ -236,6 +236,20 @@ def test_fert_batches_have_the_replay_mix(world):
     assert abs(ds_all.n_replay / len(ds_all) - 0.25) < 0.01
     sw_all = np.array([float(ds_all[i]["sample_weight"]) for i in range(0, ds_all.n_retrieved, 7)])
     assert sw_all.mean() == pytest.approx(1.0, rel=0.2)
+    # segments: each entry expands into the windows of its successful continuation, sharing its weight
+    S = 5
+    ds_seg = FertDataset(reader, ret, demos, windows, replay_ratio=0.5, segment_steps=S)
+    lengths = [min(S, reader.episode(e).length - int(s)) for e, s in zip(ret.episode_id, ret.step)]
+    assert ds_seg.n_retrieved == sum(lengths) > len(ret)
+    sw_seg = np.array([float(ds_seg[i]["sample_weight"]) for i in range(ds_seg.n_retrieved)])
+    assert sw_seg.mean() == pytest.approx(1.0, rel=1e-5)
+    np.testing.assert_allclose(sw_seg[:lengths[0]].sum() / ds_seg.n_retrieved, ret.weight[0] / ret.weight.sum(),
+                               rtol=1e-5)
+    steps = [int(ds_seg[i]["step"]) for i in range(lengths[0])]
+    assert steps == list(range(int(ret.step[0]), int(ret.step[0]) + lengths[0]))
+    assert all(ds_seg[i]["task"] == ret.source_task[0] for i in range(lengths[0]))
+    with pytest.raises(ValueError, match="segment_steps"):
+        FertDataset(reader, ret, demos, windows, segment_steps=0)
 
 
 def test_task_priority_learnability():
