@@ -85,12 +85,17 @@ def write_table(table: Mapping, out_dir: str | Path, name: str = "results") -> t
 
 
 def plot_success_per_round(history: Mapping[str, Sequence[Mapping]], path: str | Path,
-                           title: str = "success rate per FERT round") -> Path:
-    """Plot success rate (with Wilson 95% band) against round, one line per arm.
+                           title: str = "success rate per FERT round", x: str = "round",
+                           xlabel: str | None = None) -> Path:
+    """Plot success rate (with Wilson 95% band) against round (or another integer ``x``), one line per arm.
 
     Args:
-        history: ``{arm: [{"round": int, "successes": int, "trials": int}, ...]}``.
+        history: ``{arm: [{x: int, "successes": int, "trials": int}, ...]}`` (``x`` = "round" by default;
+            "fleet_size" for the fleet-size sweep of scripts/run.py).
         path: output PNG path.
+        title: plot title.
+        x: the key of each point plotted on the horizontal axis.
+        xlabel: axis label (default: ``x`` with underscores as spaces).
     """
     import matplotlib
 
@@ -101,7 +106,7 @@ def plot_success_per_round(history: Mapping[str, Sequence[Mapping]], path: str |
     for arm, points in history.items():
         if not points:
             continue
-        rounds = [p["round"] for p in points]
+        rounds = [p[x] for p in points]
         rates = [p["successes"] / max(p["trials"], 1) for p in points]
         bands = [wilson_interval(p["successes"], p["trials"]) for p in points]
         line = ax.plot(rounds, rates, marker="o", label=arm)[0]
@@ -110,7 +115,7 @@ def plot_success_per_round(history: Mapping[str, Sequence[Mapping]], path: str |
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("round")
+    ax.set_xlabel(xlabel or x.replace("_", " "))
     ax.set_ylabel("success rate")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)

@@ -4,6 +4,7 @@
     python scripts/run.py hydra.run.dir=outputs/myrun   # a fixed run dir: re-running resumes finished stages
     python scripts/run.py job.fleet_units=4 fert.rounds=4 eval.trials_per_task=100
     python scripts/run.py experiment=mw10_vision        # full-size image run meant for a GPU
+    python scripts/run.py job.fleet_sizes=[1,2,4]       # + FERT per fleet size -> success_vs_fleet_size.png
 
 Stages (each resumable; finished ones are recorded in ``<run dir>/job_state.json``):
 
@@ -21,6 +22,10 @@ Stages (each resumable; finished ones are recorded in ``<run dir>/job_state.json
 5. held-out evaluation: every arm on the held-out units (never used for training), ``eval.trials_per_task``
    episodes per task; success with Wilson 95% intervals -> ``results.md`` / ``results.json``; plots, rollout
    videos, retrieval audits; wandb (offline) logs.
+6. fleet-size sweep (only with ``job.fleet_sizes=[1,2,4]``): FERT rerun from the demonstrations-only store with
+   each fleet size at a fixed collection per unit (``job.sweep_episodes_per_unit`` new episodes per unit per
+   round), each evaluated on the held-out units -> ``fleet_size.md`` / ``fleet_size.json`` and
+   ``success_vs_fleet_size.png``. Start it in a fresh run dir.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -177,6 +183,8 @@ def main(cfg: DictConfig) -> None:
     job = c["job"]
     print(f"fleetmind main job -> {out}\n  tasks {c['task']['tasks']}, training units {train_units}, "
           f"held-out units {heldout}", flush=True)
+    sizes = [int(n) for n in (job.get("fleet_sizes") or [])]
+    check_fleet_sizes(sizes, train_units)
 
     # 1. demonstrations (the only expert data)
     if not state.done("demos"):
@@ -197,6 +205,15 @@ def main(cfg: DictConfig) -> None:
             ckpt = train_base(c, reader, demos, out / name, aed)
             state.mark(name, {"checkpoint": ckpt, "wall_s": time.perf_counter() - t0})
     base_ckpt, base_noaed_ckpt = state.get("base")["checkpoint"], state.get("base_no_aed")["checkpoint"]
+
+    if sizes and not state.done("demo_snapshot"):   # the demonstrations-only store every fleet size starts from
+        if state.done("fert") or reader.episodes(is_demo=False):
+            raise SystemExit(f"job.fleet_sizes: {out} already holds fleet episodes; run the sweep in a fresh "
+                             "run dir (hydra.run.dir=...) so every fleet size starts from the demonstrations only")
+        snap = out / "sweep" / "demo_store"
+        shutil.rmtree(snap, ignore_errors=True)
+        shutil.copytree(c["store"]["url"], snap)
+        state.mark("demo_snapshot", str(snap))
 
     # 3. fleet + asynchronous FERT learner
     reg = CheckpointRegistry(c["fleet"]["registry_url"])
@@ -250,6 +267,13 @@ def main(cfg: DictConfig) -> None:
                                          "trials": row["average"]["trials"]}]
     plot_success_per_round(history, out / "success_per_round.png",
                            title="success per FERT round (round -1 = base policy)")
+    # 6. fleet-size sweep: at a fixed collection per unit and round, FERT with n units, on held-out units
+    if sizes:
+        sweep = fleet_size_sweep(c, out, state, sizes, base_ckpt, train_units, heldout)
+        write_table(sweep["table"], out, "fleet_size")
+        plot_success_per_round(sweep["history"], out / "success_vs_fleet_size.png", x="fleet_size",
+                               title="held-out success of FERT against fleet size")
+        print("\nheld-out success against fleet size:\n" + table_markdown(sweep["table"]), flush=True)
     if not state.done("videos") and int(job["videos"]) > 0:
         vids = []
         for arm in ("fert", "base"):
@@ -262,6 +286,63 @@ def main(cfg: DictConfig) -> None:
     print("\nheld-out success (Wilson 95% interval):\n" + table_markdown(table), flush=True)
     print(f"outputs in {out}: results.md, results.json, success_per_round.png, videos/, "
           f"learner_fert/audits/ ({time.perf_counter() - t_start:.0f} s)", flush=True)
+
+
+def check_fleet_sizes(sizes: list[int], train_units: list[int]) -> None:
+    """Raise ValueError unless every fleet size is in ``[1, len(train_units)]``."""
+    bad = [n for n in sizes if not 1 <= n <= len(train_units)]
+    if bad:
+        raise ValueError(f"job.fleet_sizes: sizes {bad} outside [1, {len(train_units)}] (robot.train_units has "
+                         f"{len(train_units)} units: {train_units}); add training units or drop those sizes")
+
+
+def fleet_size_sweep(c: dict, out: Path, state: JobState, sizes: list[int], base_ckpt: str,
+                     train_units: list[int], heldout: list[int]) -> dict:
+    """FERT once per fleet size, each from the demonstrations-only store, evaluated on the held-out units.
+
+    As in "Learning from Fleet Experience" (success against fleet size at a fixed collection time per robot),
+    collection per robot is fixed: a round starts after ``job.sweep_episodes_per_unit * n`` new fleet
+    episodes, so a fleet of ``n`` units feeds every round ``n`` times the experience of one unit. Everything
+    else (rounds, updates per round, base policy, evaluation trials and units) is the main run's. Each size
+    runs in ``<out>/sweep/n<n>/`` (own store copied from ``sweep/demo_store``, registry, learner) and is a
+    resumable stage ``sweep_n<n>`` of ``job_state.json``.
+
+    Returns:
+        ``{"table": success_table of arms "fert_n<n>", "history": {"FERT (held-out)": [{"fleet_size",
+        "successes", "trials"}]}}``.
+    """
+    from fleet.evaluation import evaluate_arms
+    from fleet.learner import FertLearner
+    from fleet.registry import CheckpointRegistry
+    from fleet.report import success_table
+
+    per_unit = int(c["job"].get("sweep_episodes_per_unit", 15))
+    arms = {}
+    for n in sizes:
+        sub = out / "sweep" / f"n{n}"
+        stage = f"sweep_n{n}"
+        cs = {**c, "store": {**c["store"], "url": str(sub / "store")},
+              "fleet": {**c["fleet"], "registry_url": str(sub / "registry"), "cache_dir": str(sub / "cache")},
+              "learner": {**c["learner"], "min_new_episodes": per_unit * n}}
+        if not state.done(stage):
+            if not (sub / "store").exists():
+                shutil.copytree(state.get("demo_snapshot"), sub / "store")
+            reg = CheckpointRegistry(cs["fleet"]["registry_url"])
+            if reg.latest_version() is None:
+                reg.publish(base_ckpt, metadata={"run_id": "base", "round": -1, "kind": "base"})
+            print(f"fleet-size sweep: FERT with {n} unit(s) ({per_unit * n} new episodes per round)", flush=True)
+            r = run_fleet_with_learner(cs, sub, base_ckpt, train_units[:n])
+            ckpt = FertLearner(cs, cs["store"]["url"], None, str(sub / "learner_fert"), base_ckpt).final_checkpoint()
+            state.mark(stage, {"checkpoint": ckpt, "fleet_episodes": len(r["episodes"]), "wall_s": r["wall_s"],
+                               "per_version": _per_version(r["episodes"])})
+        arms[f"fert_n{n}"] = state.get(stage)["checkpoint"]
+    results = evaluate_arms(c, arms, out / "sweep", int(c["job"]["trials_per_task"]), units=heldout)
+    table = success_table(results)
+    table["meta"] = {"fleet_sizes": sizes, "episodes_per_unit_per_round": per_unit, "held_out_units": heldout,
+                     "trials_per_task": int(c["job"]["trials_per_task"]), "checkpoints": arms}
+    history = {"FERT (held-out)": [{"fleet_size": n, "successes": table["arms"][f"fert_n{n}"]["average"]["successes"],
+                                    "trials": table["arms"][f"fert_n{n}"]["average"]["trials"]} for n in sizes]}
+    return {"table": table, "history": history}
 
 
 def _per_version(episodes: list[dict]) -> dict[str, list[int]]:

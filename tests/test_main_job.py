@@ -22,7 +22,7 @@ def test_main_job_tiny_end_to_end(tmp_path):
             "fert.rounds=1", "learner.updates_per_version=5", "learner.min_new_episodes=1", "learner.batch_size=16",
             "train.batch_size=16", "train.wandb.enabled=false", "train.progress=false",
             "policy.dim=32", "policy.n_layers=1", "policy.n_heads=2", "policy.state_hidden=32",
-            "policy.aed.tokenizer_vocab_size=128"]
+            "policy.aed.tokenizer_vocab_size=128", "job.fleet_sizes=[1,2]", "job.sweep_episodes_per_unit=1"]
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "WANDB_MODE": "disabled",
            "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run([sys.executable, "scripts/run.py", *args], cwd=REPO, env=env, capture_output=True,
@@ -49,3 +49,12 @@ def test_main_job_tiny_end_to_end(tmp_path):
     assert {m.unit_id for m in eval_eps} <= {100, 101} and len(eval_eps) == 8
     assert list((out / "videos").rglob("*.mp4"))
     assert "held-out success" in proc.stdout
+    # the fleet-size sweep: FERT per size from the demonstrations-only store, each on the held-out units
+    sweep = json.loads((out / "fleet_size.json").read_text())
+    assert set(sweep["arms"]) == {"fert_n1", "fert_n2"}
+    assert all(row["average"]["trials"] == 2 for row in sweep["arms"].values())
+    assert (out / "success_vs_fleet_size.png").stat().st_size > 1000
+    n1 = ExperienceStore.open(str(out / "sweep" / "n1" / "store")).episodes(is_demo=False)
+    assert n1 and {m.unit_id for m in n1} == {0}
+    assert not ExperienceStore.open(str(out / "sweep" / "demo_store")).episodes(is_demo=False)
+    assert state["sweep_n2"]["per_version"] and (out / "sweep" / "n2" / "registry").is_dir()
