@@ -19,6 +19,7 @@ Writes ``<output_dir>/bench_policy.json``.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import resource
 import sys
@@ -147,7 +148,7 @@ class Setup:
         return self.policy.predict_action_chunk(ib, noise=noise, use_cache=use_cache)
 
 
-def bench_pair(cfgs: dict[str, AEDDiffusionConfig], dev, bc: dict) -> dict[str, dict]:
+def bench_pair(cfgs: dict[str, AEDDiffusionConfig], dev, bc: dict, extra: dict | None = None) -> dict[str, dict]:
     """Time several policies side by side in this process: every timed iteration runs each policy once in
     turn (so load from other processes hits all alike); medians. Per policy: training samples/s, step ms,
     and the latency of one action chunk (DDIM ``num_inference_steps``) at batch 1 and 32, with the per-chunk
@@ -156,11 +157,18 @@ def bench_pair(cfgs: dict[str, AEDDiffusionConfig], dev, bc: dict) -> dict[str, 
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.cuda.reset_peak_memory_stats(dev)
+    log_skip: dict[str, str] = {}
     setups = {name: Setup(cfg, dev, bc) for name, cfg in cfgs.items()}
+    for name, make in (extra or {}).items():  # e.g. LeRobot's DiffusionPolicy, sized to match the first policy
+        try:
+            setups[name] = make(next(iter(setups.values())).res["parameters"])
+        except ImportError as e:
+            log_skip[name] = f"not run: {e}"
     if bc["compile"] and dev.type == "cuda":  # CUDA graphs for the per-step action-token pass
         for st in setups.values():
             st.policy.denoiser.denoise = torch.compile(st.policy.denoiser.denoise, mode="reduce-overhead")
     jobs = {"train": lambda st: st.train_step()}
+
     for nb in (1, 32):
         jobs[f"chunk_b{nb}"] = lambda st, nb=nb: st.chunk(nb)
         jobs[f"chunk_b{nb}_uncached"] = lambda st, nb=nb: st.chunk(nb, use_cache=False)
@@ -180,6 +188,12 @@ def bench_pair(cfgs: dict[str, AEDDiffusionConfig], dev, bc: dict) -> dict[str, 
         r, med = st.res, {job: float(np.median(ts)) for job, ts in times[name].items()}
         r["train_samples_per_s"] = st.B / med["train"]
         r["train_step_ms"] = med["train"] * 1e3
+        if isinstance(st, LeRobotSetup):  # no per-chunk cache there: the uncached runs time the same thing
+            for nb in (1, 32):
+                r[f"chunk_latency_ms_b{nb}"] = float(np.median(times[name][f"chunk_b{nb}"]
+                                                               + times[name][f"chunk_b{nb}_uncached"])) * 1e3
+            out[name] = r
+            continue
         for nb in (1, 32):
             r[f"chunk_latency_ms_b{nb}"] = med[f"chunk_b{nb}"] * 1e3
             r[f"chunk_latency_ms_b{nb}_uncached"] = med[f"chunk_b{nb}_uncached"] * 1e3
@@ -188,41 +202,73 @@ def bench_pair(cfgs: dict[str, AEDDiffusionConfig], dev, bc: dict) -> dict[str, 
     peak = peak_mem_mib(dev)  # process-wide (CPU: peak RSS; CUDA: all policies of this pair)
     for r in out.values():
         r["peak_memory_mib"] = peak
+    out.update(log_skip)
     return out
 
 
-def bench_lerobot(dev, bc: dict, image_size: int | None) -> dict:
-    """LeRobot's DiffusionPolicy on the same batch size (only when lerobot is importable)."""
-    for mod in ("transformers", "peft"):  # lerobot 0.4.4 does not use them (DESIGN.md)
-        sys.modules.setdefault(mod, None)
-    from lerobot.configs.types import FeatureType, PolicyFeature
-    from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig
-    from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
+class LeRobotSetup:
+    """LeRobot 0.4.4's ``DiffusionPolicy`` (U-Net denoiser, DDIM ``num_inference_steps`` 10, horizon 16, 2 obs
+    steps) on the same batch size and shapes, with the ``down_dims`` of ``candidates`` whose parameter count is
+    closest to ``match_params``; same ``train_step()`` / ``chunk(nb)`` interface as :class:`Setup` so
+    :func:`bench_pair` times it interleaved with ours. Raises ImportError when lerobot is not installed."""
 
-    feats = {"observation.state": PolicyFeature(FeatureType.STATE, (4,)),
-             "observation.environment_state": PolicyFeature(FeatureType.ENV, (17,))}
-    if image_size:
-        feats["observation.images.corner"] = PolicyFeature(FeatureType.VISUAL, (3, image_size, image_size))
-    cfg = DiffusionConfig(input_features=feats, output_features={"action": PolicyFeature(FeatureType.ACTION, (4,))},
-                          horizon=16, n_obs_steps=2, n_action_steps=8, down_dims=tuple(bc["lerobot_down_dims"]),
-                          crop_shape=None, num_inference_steps=10, noise_scheduler_type="DDIM")
-    policy = DiffusionPolicy(cfg).to(dev)
-    B = bc["batch_size"]
-    batch = {"observation.state": torch.randn(B, 2, 4), "observation.environment_state": torch.randn(B, 2, 17),
-             "action": torch.randn(B, 16, 4), "action_is_pad": torch.zeros(B, 16, dtype=torch.bool)}
-    if image_size:
-        batch["observation.images.corner"] = torch.rand(B, 2, 3, image_size, image_size)
-    batch = {k: v.to(dev) for k, v in batch.items()}
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+    def __init__(self, dev, bc: dict, image_size: int | None, match_params: int):
+        for mod in ("transformers", "peft"):  # lerobot 0.4.4 does not use them (DESIGN.md)
+            sys.modules.setdefault(mod, None)
+        from lerobot.configs.types import FeatureType, PolicyFeature
+        from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig
+        from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
 
-    def step():
-        loss, _ = policy.forward(batch)
-        opt.zero_grad(set_to_none=True)
+        feats = {"observation.state": PolicyFeature(FeatureType.STATE, (4,)),
+                 "observation.environment_state": PolicyFeature(FeatureType.ENV, (17,))}
+        if image_size:
+            feats["observation.images.corner"] = PolicyFeature(FeatureType.VISUAL, (3, image_size, image_size))
+
+        def make(dims):
+            cfg = DiffusionConfig(input_features=feats,
+                                  output_features={"action": PolicyFeature(FeatureType.ACTION, (4,))},
+                                  horizon=16, n_obs_steps=2, n_action_steps=8, down_dims=tuple(dims),
+                                  crop_shape=None, num_inference_steps=10, noise_scheduler_type="DDIM")
+            torch.manual_seed(0)
+            return DiffusionPolicy(cfg)
+
+        counts = {}
+        for dims in bc["lerobot_down_dims"]:
+            counts[tuple(dims)] = sum(p.numel() for p in make(dims).parameters())
+        dims = min(counts, key=lambda d: abs(np.log(counts[d] / match_params)))
+        self.policy = make(dims).to(dev)
+        self.dev, self.B, self.image = dev, bc["batch_size"], bool(image_size)
+        self.res = {"parameters": counts[dims], "down_dims": list(dims), "ddim_steps": 10,
+                    "candidates_parameters": {str(list(k)): v for k, v in counts.items()}}
+
+        def batch(n):
+            b = {"observation.state": torch.randn(n, 2, 4), "observation.environment_state": torch.randn(n, 2, 17),
+                 "action": torch.randn(n, 16, 4), "action_is_pad": torch.zeros(n, 16, dtype=torch.bool)}
+            if image_size:
+                b["observation.images.corner"] = torch.rand(n, 2, 3, image_size, image_size)
+            return {k: v.to(dev) for k, v in b.items()}
+
+        self.batch = batch(self.B)
+        self.infer = {}
+        for nb in (1, 32):
+            ib = batch(nb)
+            if image_size:  # what DiffusionPolicy.forward/select_action stack before the model
+                ib["observation.images"] = torch.stack([ib["observation.images.corner"]], dim=-4)
+            self.infer[nb] = ib
+        self.opt = torch.optim.AdamW(self.policy.parameters(), lr=1e-4, fused=True)
+
+    def train_step(self):
+        self.policy.train()
+        loss, _ = self.policy.forward(dict(self.batch))
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        opt.step()
+        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 10.0)
+        self.opt.step()
 
-    ts = timeit(step, dev, bc["train_iters"], bc["warmup"])
-    return {"parameters": sum(p.numel() for p in policy.parameters()), "train_samples_per_s": B / float(np.median(ts))}
+    @torch.no_grad()
+    def chunk(self, nb: int, use_cache: bool = True):
+        self.policy.eval()
+        return self.policy.diffusion.generate_actions(self.infer[nb])
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
@@ -239,19 +285,22 @@ def main(cfg: DictConfig) -> None:
         for cname in bc["configs"]:
             pol = "aed_diffusion_image" if cname == "image" else "aed_diffusion"
             size = int(cfg.obs.image_size)
+            img = size if cname == "image" else None
             pair = bench_pair({"aed": load_policy_cfg(pol, size),
-                               "no_aed": load_policy_cfg(pol, size, {"aed": {"enabled": False}})}, dev, bc)
+                               "no_aed": load_policy_cfg(pol, size, {"aed": {"enabled": False}})}, dev, bc,
+                              extra={"lerobot_diffusion": lambda n, img=img: LeRobotSetup(dev, bc, img, n)})
             r = pair["aed"]
             r["baseline_no_aed"] = pair["no_aed"]
             r["ratio_train_samples_per_s_vs_no_aed"] = r["train_samples_per_s"] / pair["no_aed"]["train_samples_per_s"]
-            try:
-                lr_res = bench_lerobot(dev, bc, size if cname == "image" else None)
-                r["lerobot_diffusion"] = lr_res
+            r["lerobot_diffusion"] = lr_res = pair["lerobot_diffusion"]
+            if isinstance(lr_res, dict):
                 r["ratio_train_samples_per_s_vs_lerobot"] = r["train_samples_per_s"] / lr_res["train_samples_per_s"]
-            except ImportError as e:
-                r["lerobot_diffusion"] = f"not run: {e}"
+                for nb in (1, 32):
+                    r[f"ratio_chunk_latency_vs_lerobot_b{nb}"] = (r[f"chunk_latency_ms_b{nb}"]
+                                                                  / lr_res[f"chunk_latency_ms_b{nb}"])
             out["results"][f"{dname}/{cname}"] = r
             print(json.dumps({f"{dname}/{cname}": r}), flush=True)
+    out["load_average_1_5_15"] = list(os.getloadavg())  # other processes' load during the run (noisy machines)
     path = Path(cfg.output_dir) / "bench_policy.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
