@@ -9,7 +9,11 @@ export WANDB_MODE ?= offline
 export RAY_AUTH_MODE ?= disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install run test test-fast sim-check clean
+LEROBOT_VENV ?= .venv-lerobot
+LBIN := $(LEROBOT_VENV)/bin
+LSTAMP := $(LEROBOT_VENV)/.fleetmind-installed
+
+.PHONY: install install-lerobot run test test-fast test-lerobot sim-check clean
 
 install: $(STAMP)
 
@@ -21,11 +25,28 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
+# The LeRobot environment (its own venv; LeRobot 0.4.4 pins torch<2.11, so it is installed with --no-deps beside
+# torch 2.14.1 + torchvision 0.29.1, then its other runtime dependencies from requirements-lerobot.txt).
+install-lerobot: $(LSTAMP)
+
+$(LSTAMP): pyproject.toml requirements-lerobot.txt
+	test -x $(LBIN)/python || $(PY) -m venv $(LEROBOT_VENV)
+	$(LBIN)/python -m pip install -q --upgrade pip
+	$(LBIN)/python -c "import torchvision" 2>/dev/null || $(LBIN)/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
+	$(LBIN)/python -m pip install -q -e ".[dev]"
+	$(LBIN)/python -m pip install -q --no-deps "lerobot==0.4.4"
+	$(LBIN)/python -m pip install -q -r requirements-lerobot.txt
+	$(LBIN)/python -c "import lerobot, diffusers, torchvision; from lerobot.datasets.lerobot_dataset import LeRobotDataset"
+	touch $@
+
 run: $(STAMP)
 	$(BIN)/python scripts/run.py $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests $(ARGS)
+
+test-lerobot: $(LSTAMP)
+	$(LBIN)/python -m pytest tests/lerobot -m lerobot $(ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not slow" $(ARGS)
@@ -34,4 +55,4 @@ sim-check: $(STAMP)
 	$(BIN)/python scripts/sim_check.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) outputs multirun wandb
+	rm -rf $(VENV) $(LEROBOT_VENV) outputs multirun wandb
