@@ -186,7 +186,7 @@ def test_index_refreshes_incrementally(tmp_path):
 def test_fert_batches_have_the_replay_mix(world):
     url, _ = world
     reader = ExperienceStore.open(url)
-    fert = FertData(reader, {**FERT_CFG, "replay_all": False}, stats=reader.stats(list(STATE_KEYS)),
+    fert = FertData(reader, {**FERT_CFG, "replay_all": False, "segment_steps": 1}, stats=reader.stats(list(STATE_KEYS)),
                     exclude_units=[HELDOUT])
     fert.update()
     ret = fert.retrieve()
