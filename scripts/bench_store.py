@@ -85,7 +85,7 @@ def synthetic_frames(steps: int, size: int) -> tuple[dict, list[dict], np.ndarra
 
 
 def bench_write(cfg: dict, root: Path, spec: dict, obs: list[dict], actions: np.ndarray, scfg: dict) -> tuple[dict, str]:
-    """One write run: every episode through ``EpisodeWriter`` and, right after, through ``numpy.save``.
+    r"""One write run: every episode through ``EpisodeWriter`` and, right after, through ``numpy.save``.
 
     Both sides start from the same per-step observation dicts, write to the same disk in the same process and
     are timed alternately episode by episode (so load from other jobs hits both alike): the store side is

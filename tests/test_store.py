@@ -18,14 +18,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from experience_dict.stats import IMAGE_STRIDE
 from experience_dict.store import (
+    LOWDIM,
+    SCHEMA_VERSION,
+    EpisodeMeta,
     ExperienceStore,
     SchemaVersionError,
     SpecMismatchError,
     StoreError,
     WriterBusyError,
 )
-from experience_dict.stats import IMAGE_STRIDE
 from experience_dict.store.__main__ import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,9 +77,9 @@ def expected_episode(writer: int, ep: int) -> dict[str, np.ndarray]:
 
 def assert_episode_equal(got: dict, want: dict):
     assert set(got) == set(want)
-    for k in want:
-        assert got[k].dtype == want[k].dtype, k
-        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype, k
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
 def new_store(url, **kw) -> ExperienceStore:
@@ -90,6 +93,9 @@ def run_child(code: str, *args, wait=True):
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
+
+SHAPES = {"observation.state": (4,), "observation.environment_state": (7,), "action": (4,), "reward": (),
+          "progress.near_object": (), "progress.obj_to_target": ()}
 
 CHILD_PRELUDE = f"""
 import sys
@@ -233,13 +239,26 @@ def test_sigkill_leaves_committed_episodes_intact(tmp_path, where):
     reader = ExperienceStore.open(str(url))
     assert [e.episode_id for e in reader.episodes()] == [f"unit-3-{i:06d}" for i in range(4)]
     assert reader.verify()["ok"]
-    committed = sum(ep_len(3, e) for e in range(4))
+    committed = 0
+    for e, meta in enumerate(reader.episodes()):  # episodes start on 5-row image chunks (padding between)
+        committed = -(-committed // 5) * 5
+        assert meta.start == committed
+        committed += ep_len(3, e)
+    image_dir = url / "shards/unit-3/observation.images.corner"
+
+    def chunk_files():  # indices of the image chunk files on disk
+        return sorted(int(p.name.split(".")[1]) for p in image_dir.glob("c.*") if not p.name.endswith(".partial"))
+
+    first_free = -(-committed // 5)  # first image chunk without committed rows
     if where == "mid_commit":  # the uncommitted rows really were written before the kill
         assert reader.array("unit-3", "action", reopen=True).shape[0] >= committed + ep_len(3, 4)
+        assert chunk_files()[-1] >= first_free
     # reopening the writer recovers the shard and keeps appending after the committed rows
     w = new_store(url).writer("unit-3")
     assert w.committed_rows == committed
-    assert reader.array("unit-3", "observation.images.corner", reopen=True).shape[0] == committed
+    # chunks past the commits are deleted (the capacity, rows never read, stays)
+    assert reader.array("unit-3", "observation.images.corner", reopen=True).shape[0] >= committed
+    assert chunk_files() == list(range(first_free)) and not list(url.rglob("*.partial"))
     assert write_episode(w, 3, 4) == "unit-3-000004"
     reader.refresh()
     for e in range(5):
@@ -275,16 +294,61 @@ def test_sigkill_at_random_times_during_commits(tmp_path):
                                  expected_episode(5, int(meta.episode_id.rsplit("-", 1)[1])))
 
 
-def test_abort_discards_open_episode(tmp_path):
+@pytest.mark.parametrize("steps", [1, 23])
+def test_abort_discards_open_episode(tmp_path, steps):
     store = new_store(tmp_path / "s")
     w = store.writer("u0")
     write_episode(w, 0, 0)
     w.begin_episode(unit_id=0, embodiment="sawyer", task="push-v3", policy_version=0, seed=1)
-    w.add_step(*make_step(0, 1, 0))
+    for t in range(steps):  # 23 steps fill (and write) several 5-row image chunks before the abort
+        w.add_step(*make_step(0, 99, t))
     w.abort()
     assert write_episode(w, 0, 1) == "u0-000001"
     r = ExperienceStore.open(str(tmp_path / "s"))
-    assert_episode_equal(r.load_episode("u0-000001"), expected_episode(0, 1))
+    assert [e.episode_id for e in r.episodes()] == ["u0-000000", "u0-000001"] and r.verify()["ok"]
+    for e in range(2):
+        assert_episode_equal(r.load_episode(f"u0-{e:06d}"), expected_episode(0, e))
+
+
+def test_failed_chunk_write_keeps_episode_open_and_commit_can_be_retried(tmp_path):
+    url = tmp_path / "s"
+    w = new_store(url).writer("u0")
+    write_episode(w, 0, 0)
+    real, failed = w._write_chunk, []
+
+    def write_chunk(col, path, block, atomic, rows=None):  # the first image chunk write of episode 1 fails
+        if "observation.images" in path and not failed:
+            failed.append(path)
+            raise OSError(28, "No space left on device (test)")
+        return real(col, path, block, atomic, rows)
+
+    w._write_chunk = write_chunk
+    w.begin_episode(unit_id=0, embodiment="sawyer", task="push-v3", policy_version=1, seed=1)
+    for t in range(ep_len(0, 1)):
+        w.add_step(*make_step(0, 1, t))
+    with pytest.raises(OSError, match="No space left"):
+        w.commit(success=True)
+    assert failed and w.open_steps == ep_len(0, 1)  # nothing visible, the episode still open
+    reader = ExperienceStore.open(str(url))
+    assert [e.episode_id for e in reader.episodes()] == ["u0-000000"]
+    assert w.commit(success=True) == "u0-000001"  # every chunk of the episode is written again
+    assert write_episode(w, 0, 2) == "u0-000002"
+    assert reader.refresh() == 2 and reader.verify()["ok"]
+    for e in range(3):
+        assert_episode_equal(reader.load_episode(f"u0-{e:06d}"), expected_episode(0, e))
+
+
+def test_long_episodes_grow_the_step_buffers(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ep_len", lambda w, e: [7, 700, 3, 260][e])
+    url = tmp_path / "s"
+    w = new_store(url).writer("u0")
+    ids = [write_episode(w, 0, e) for e in range(4)]
+    reader = ExperienceStore.open(str(url))
+    # each episode starts on a chunk boundary of the image array (16x16x3 uint8 in 4096 bytes: 5 rows)
+    assert reader.array("u0", "observation.images.corner").chunks[0] == 5
+    assert [reader.episode(i).start for i in ids] == [0, 10, 710, 715] and reader.verify()["ok"]
+    for e, ep_id in enumerate(ids):
+        assert_episode_equal(reader.load_episode(ep_id), expected_episode(0, e))
 
 
 # ------------------------------------------------------------------------------------------ readers
@@ -353,11 +417,10 @@ def test_missing_chunk_is_reported(tmp_path):
     url = tmp_path / "s"
     w = new_store(url).writer("u0")
     write_episode(w, 0, 0)
-    arr = ExperienceStore.open(str(url)).array("u0", "action")
-    (url / "shards/u0/action" / arr.metadata.encode_chunk_key((0, 0))).unlink()
+    (url / "shards/u0" / LOWDIM / "c.0.0").unlink()  # action, state, reward, progress live in lowdim
     report = ExperienceStore.open(str(url)).verify()
     assert not report["ok"] and report["corrupt_episodes"] == ["u0-000000"]
-    assert "missing" in report["problems"][0]["error"]
+    assert "missing" in report["problems"][0]["error"] and report["problems"][0]["key"] == LOWDIM
 
 
 def test_cli_info_and_stats(tmp_path, capsys):
@@ -429,13 +492,182 @@ def test_bad_spec_and_schema_version(tmp_path):
     meta = json.loads(meta_path.read_text())
     meta["attributes"]["fleetmind"]["schema_version"] = 99
     meta_path.write_text(json.dumps(meta))
-    with pytest.raises(SchemaVersionError, match=r"schema_version=99.*schema_version=1"):
+    with pytest.raises(SchemaVersionError, match=r"schema_version=99.*reads schema_version in \[1, 2\]"):
         ExperienceStore.open(str(url))
     with pytest.raises(FileNotFoundError, match="no experience store"):
         ExperienceStore.open(str(tmp_path / "nothing"))
     with pytest.raises(StoreError, match="read-only"):
-        meta["attributes"]["fleetmind"]["schema_version"] = 1
+        meta["attributes"]["fleetmind"]["schema_version"] = SCHEMA_VERSION
         meta_path.write_text(json.dumps(meta))
         ExperienceStore.open(str(url)).writer("u1")
     with pytest.raises(ValueError, match="writer_id"):
         new_store(url).writer("bad/id")
+
+
+# ------------------------------------------------------------------------------------------ schema
+
+
+def test_lowdim_features_are_one_array_read_as_feature_keys(tmp_path):
+    url = tmp_path / "s"
+    w = new_store(url).writer("u0")
+    ids = [write_episode(w, 0, e) for e in range(3)]
+    assert sorted(p.name for p in (url / "shards/u0").iterdir() if p.is_dir()) == ["lowdim", "observation.images.corner"]
+    reader = ExperienceStore.open(str(url))
+    info = reader.info()
+    packed = ["observation.state", "observation.environment_state", "action", "reward", *[f"progress.{k}" for k in PROGRESS]]
+    assert info["schema_version"] == SCHEMA_VERSION == 2
+    assert info["arrays"][LOWDIM] == {"shape": [4 + 7 + 4 + 1 + len(PROGRESS)], "dtype": "<f4", "keys": packed}
+    want = [expected_episode(0, e) for e in range(3)]
+    metas = [reader.episode(i) for i in ids]
+    assert [m.start for m in metas] == [0, 5, 15]  # episodes start on 5-row image chunks: padding in between
+    import zarr
+
+    low = zarr.open_array(str(url / "shards/u0" / LOWDIM), mode="r")
+    for key in ["observation.environment_state", "action", "reward", "progress.obj_to_target"]:
+        view = reader.array("u0", key)  # behaves like an array of the key's own
+        assert view.shape == (low.shape[0], *SHAPES[key]) and view.shape[0] >= metas[-1].start + metas[-1].length
+        assert view.chunks[0] == low.chunks[0]
+        for meta, x in zip(metas, want):
+            rows = view[meta.start:meta.start + meta.length]
+            np.testing.assert_array_equal(rows, x[key])
+            assert rows.flags.c_contiguous and rows.dtype == np.float32
+        assert not view[metas[1].start + metas[1].length:metas[2].start].any()
+    # statistics come from one packed sketch of the lowdim array, split per key
+    st = reader.stats(["reward", "action", "progress.near_object"])
+    allr = np.concatenate([x["reward"] for x in want]).astype(np.float64)
+    np.testing.assert_allclose(st["reward"]["mean"], [allr.mean()], rtol=1e-9)
+    np.testing.assert_array_equal(st["reward"]["max"], [allr.max()])
+    alla = np.concatenate([x["action"] for x in want]).astype(np.float64)
+    np.testing.assert_allclose(st["action"]["std"], alla.std(0), rtol=1e-9)
+    assert st["progress.near_object"]["count"] == len(allr)
+    with pytest.raises(KeyError, match="nope"):
+        reader.array("u0", "nope")
+
+
+def test_image_sketch_equals_episode_sketch():
+    from experience_dict.stats import episode_sketch
+    from experience_dict.store.store import _image_pixels, _image_sketch, _pack_sketch, _unpack_sketch
+
+    rng = np.random.default_rng(0)
+    for shape in [(9, 16, 16, 3), (5, 17, 13, 3), (3, 10, 7, 1)]:
+        frames = rng.integers(0, 256, shape, dtype=np.uint8)
+        want = episode_sketch(frames, is_image=True)
+        assert _image_sketch(_image_pixels(frames)) == want
+        # the writer gathers pixels chunk by chunk: concatenated parts give the same sketch
+        parts = [_image_pixels(frames[a:b]) for a, b in [(0, 2), (2, 3), (3, shape[0])]]
+        assert _image_sketch(np.concatenate(parts)) == want
+        got = _unpack_sketch(_pack_sketch(want), "test")  # packed in commit records, exactly
+        assert got["n"] == want["n"] and got["q"].shape == (len(want["q"]), shape[-1])
+        for f in ("mean", "m2", "min", "max", "q"):
+            np.testing.assert_array_equal(got[f], np.asarray(want[f], np.float64))
+    with pytest.raises(StoreError, match="malformed statistics sketch in rec"):
+        _unpack_sketch({"n": 3, "d": 2, "f64": "AAAA"}, "rec")
+
+
+def write_schema1_store(url: Path, n_episodes: int) -> list[str]:
+    """A store in the schema 1 layout, as the previous writer wrote it: one array per feature key (reward and
+    every progress key too), statistics sketches as JSON lists in the commit records."""
+    import dataclasses
+
+    import zarr
+    from zarr.codecs import BloscCodec, Crc32cCodec
+
+    from experience_dict.stats import episode_sketch
+    from experience_dict.store.store import _parse_spec
+
+    parsed = _parse_spec(SPEC, None, PROGRESS)
+    meta = {"schema_version": 1, "created": 0.0, "chunk_bytes": 4096, "max_chunk_rows": 8192, "image_clevel": 1, **parsed}
+    zarr.create_group(str(url), attributes={"fleetmind": meta})
+    eps = [expected_episode(0, e) for e in range(n_episodes)]
+    for key, feat in parsed["features"].items():
+        zarr.create_array(str(url), name=f"shards/u0/{key}", data=np.concatenate([x[key] for x in eps]),
+                          chunks=(7, *feat["shape"]), compressors=[BloscCodec(cname="zstd", clevel=3), Crc32cCodec()],
+                          chunk_key_encoding={"name": "default", "separator": "."})
+    (url / "commits/u0").mkdir(parents=True)
+    ids, start = [], 0
+    for e, x in enumerate(eps):
+        meta = EpisodeMeta(episode_id=f"u0-{e:06d}", unit_id=0, embodiment="sawyer", task="push-v3", policy_version=0,
+                           seed=e, start_time=0.0, length=len(x["action"]), success=True, failure_onset=None,
+                           is_demo=False, shard="u0", start=start)
+        sketch = {k: episode_sketch(v, is_image=k.startswith("observation.images")) for k, v in x.items()}
+        (url / f"commits/u0/{meta.episode_id}.json").write_text(json.dumps({"episode": dataclasses.asdict(meta),
+                                                                            "sketch": sketch}))
+        ids.append(meta.episode_id)
+        start += meta.length
+    return ids
+
+
+def test_schema1_store_is_read_but_not_appended_to(tmp_path):
+    url = tmp_path / "old"
+    ids = write_schema1_store(url, 3)
+    reader = ExperienceStore.open(str(url))
+    assert reader.schema_version == 1 and reader.info()["arrays"]["reward"]["keys"] == ["reward"]
+    for e, ep_id in enumerate(ids):
+        assert_episode_equal(reader.load_episode(ep_id), expected_episode(0, e))
+    st = reader.stats(["reward", "observation.state"])
+    allr = np.concatenate([expected_episode(0, e)["reward"] for e in range(3)]).astype(np.float64)
+    np.testing.assert_allclose(st["reward"]["mean"], [allr.mean()], rtol=1e-9)
+    assert reader.verify()["ok"] and reader.array("u0", "reward").chunks == (7,)
+    with pytest.raises(SchemaVersionError, match=r"schema_version=1.*appends only to schema_version=2"):
+        new_store(url)
+    with pytest.raises(SchemaVersionError, match="schema_version=1"):
+        ExperienceStore(str(url), read_only=False).writer("u1")
+
+
+def test_two_cameras_with_different_chunk_rows(tmp_path):
+    """Episodes start on the chunks of the biggest camera (24x24x3: 2 rows per 4096-byte chunk); the other
+    camera's chunks (5 rows) then straddle episodes: its committed rows are carried over and rewritten."""
+    spec = {**SPEC, "observation.images.wrist": {"shape": [24, 24, 3], "dtype": "uint8"}}
+    url = tmp_path / "s"
+
+    def step(ep, t):
+        obs, act, rew, prog = make_step(0, ep, t)
+        wrist = np.random.default_rng([ep, t, 7]).integers(0, 256, (24, 24, 3), dtype=np.uint8)
+        return {**obs, "observation.images.wrist": wrist}, act, rew, prog
+
+    lengths = [7, 4, 11, 1, 6]
+    store = ExperienceStore.create_or_open(str(url), spec, progress_keys=PROGRESS, chunk_bytes=4096)
+    w = store.writer("u0")
+    for e, n in enumerate(lengths[:3]):
+        w.begin_episode(unit_id=0, embodiment="sawyer", task="push-v3", policy_version=0, seed=e)
+        for t in range(n):
+            w.add_step(*step(e, t))
+        w.commit(success=True)
+    w.close()
+    w = ExperienceStore.create_or_open(str(url), spec, progress_keys=PROGRESS).writer("u0")  # reads the tails back
+    for e, n in list(enumerate(lengths))[3:]:
+        w.begin_episode(unit_id=0, embodiment="sawyer", task="push-v3", policy_version=0, seed=e)
+        for t in range(n):
+            w.add_step(*step(e, t))
+        w.commit(success=True)
+    reader = ExperienceStore.open(str(url))
+    assert [reader.array("u0", k).chunks[0] for k in ("observation.images.wrist", "observation.images.corner")] == [2, 5]
+    assert [e.start for e in reader.episodes()] == [0, 8, 12, 24, 26] and reader.verify()["ok"]
+    wrist = []
+    for e, meta in enumerate(reader.episodes()):
+        got = reader.load_episode(meta.episode_id)
+        want = [step(e, t) for t in range(lengths[e])]
+        np.testing.assert_array_equal(got["observation.images.wrist"], np.stack([s[0]["observation.images.wrist"] for s in want]))
+        np.testing.assert_array_equal(got["observation.images.corner"], np.stack([s[0]["observation.images.corner"] for s in want]))
+        np.testing.assert_array_equal(got["action"], np.stack([s[1] for s in want]))
+        wrist.append(got["observation.images.wrist"])
+    px = np.concatenate(wrist)[:, ::IMAGE_STRIDE, ::IMAGE_STRIDE].reshape(-1, 3).astype(np.float64)
+    st = reader.stats(["observation.images.wrist"])["observation.images.wrist"]
+    np.testing.assert_allclose(st["mean"], px.mean(0), rtol=1e-9)
+    assert st["count"] == len(px)
+
+
+@pytest.mark.parametrize("progress_keys", [[], ["obj_to_target"]])
+def test_zero_or_one_progress_key(tmp_path, progress_keys):
+    store = ExperienceStore.create_or_open(str(tmp_path / "s"), SPEC, progress_keys=progress_keys, chunk_bytes=4096)
+    w = store.writer("u0")
+    w.begin_episode(unit_id=0, embodiment="sawyer", task="push-v3", policy_version=0, seed=0)
+    steps = [make_step(0, 0, t) for t in range(9)]
+    for obs, act, rew, prog in steps:
+        w.add_step(obs, act, rew, {k: prog[k] for k in progress_keys})
+    w.commit(success=True)
+    got = ExperienceStore.open(str(tmp_path / "s")).load_episode("u0-000000")
+    assert sorted(got) == sorted([*SPEC.keys() - {"control_hz"}, "reward", *[f"progress.{k}" for k in progress_keys]])
+    np.testing.assert_array_equal(got["reward"], np.array([s[2] for s in steps], np.float32))
+    for k in progress_keys:
+        np.testing.assert_array_equal(got[f"progress.{k}"], np.array([s[3][k] for s in steps], np.float32))

@@ -5,6 +5,8 @@ CLI: ``python -m experience_dict.store info|verify|stats URL``.
 
 from experience_dict.store.store import (
     DEFAULT_PROGRESS_KEYS,
+    LOWDIM,
+    READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
     EpisodeMeta,
     EpisodeWriter,
@@ -15,5 +17,6 @@ from experience_dict.store.store import (
     WriterBusyError,
 )
 
-__all__ = ["DEFAULT_PROGRESS_KEYS", "SCHEMA_VERSION", "EpisodeMeta", "EpisodeWriter", "ExperienceStore", "SchemaVersionError",
-           "SpecMismatchError", "StoreError", "WriterBusyError"]
+__all__ = ["DEFAULT_PROGRESS_KEYS", "LOWDIM", "READABLE_SCHEMA_VERSIONS", "SCHEMA_VERSION", "EpisodeMeta",
+           "EpisodeWriter", "ExperienceStore", "SchemaVersionError", "SpecMismatchError", "StoreError",
+           "WriterBusyError"]
