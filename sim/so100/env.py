@@ -14,6 +14,8 @@ Control (every step, ``CONTROL_HZ`` = 30 Hz, 16 physics steps of 1/480 s):
      commanded joint positions from their previous values toward the target (``IK_ITERATIONS`` solves);
   3. the five arm position actuators get the commanded joints; the jaw actuator gets the gripper command
      mapped linearly from [-1 (open), +1 (closed)] to [``JAW_OPEN``, ``JAW_CLOSED``] radians.
+Steps 1-2 are ``EEDeltaController`` (shared with the LeRobot bridge, ``fleet/lerobot_bridge.py``); step 3 is
+``SO100Env.step_joint_targets`` (which the LeRobot robot backed by the twin, ``fleet/so100_sim_robot``, drives).
 """
 
 from __future__ import annotations
@@ -127,6 +129,53 @@ class DiffIK:
         return self.cfg.q[arm_idx].copy()
 
 
+def gripper_to_jaw(command: float) -> float:
+    """Gripper command -1 (open) .. +1 (closed) -> jaw joint target, radians (``JAW_OPEN`` .. ``JAW_CLOSED``)."""
+    return JAW_OPEN + (command + 1.0) / 2.0 * (JAW_CLOSED - JAW_OPEN)
+
+
+class EEDeltaController:
+    """The twin's end-effector-delta controller: one (4,) action -> joint targets (steps 1-2 of the module doc,
+    and step 3's gripper mapping).
+
+    Used by ``SO100Env.step`` and by the LeRobot bridge (``fleet.lerobot_bridge``), which drives a real or
+    simulated SO-100 with joint targets: the same code maps a policy's EE actions to joints in both places.
+
+    Args:
+        model: the compiled tabletop ``mujoco.MjModel`` (``build_model()``), with the ``tcp`` site.
+        home_qpos: (nq,) full configuration the IK's posture task pulls towards (the ``home`` keyframe).
+        home_rot: (3, 3) tcp orientation the IK keeps softly ("pointing down" at home).
+        arm_idx: (5,) qpos addresses of ``ARM_JOINTS``.
+        scale: (3,) metres of tcp target motion per action unit (``ACTION_SCALE_M`` x the unit's gain).
+    """
+
+    def __init__(self, model, home_qpos: np.ndarray, home_rot: np.ndarray, arm_idx: np.ndarray,
+                 scale: np.ndarray | float = ACTION_SCALE_M) -> None:
+        self.ik = DiffIK(model, home_qpos, home_rot, 1.0 / CONTROL_HZ)
+        self.arm_idx = np.asarray(arm_idx)
+        self.scale = np.broadcast_to(np.asarray(scale, dtype=np.float64), (3,)).copy()
+        self.q_cmd = home_qpos[self.arm_idx].copy()
+        self.target = np.zeros(3)
+
+    def reset(self, q_arm: np.ndarray, tcp: np.ndarray) -> None:
+        """Start from commanded joints ``q_arm`` (5,) rad and a tcp target at ``tcp`` (3,) m (the current pose)."""
+        self.q_cmd = np.asarray(q_arm, dtype=np.float64).copy()
+        self.target = np.asarray(tcp, dtype=np.float64).copy()
+
+    def step(self, action: np.ndarray, tcp: np.ndarray) -> tuple[np.ndarray, float]:
+        """One control step: ``action`` (4,) [dx, dy, dz, gripper] in [-1, 1] (not clipped here), ``tcp`` (3,) the
+        measured tcp position (m) -> (arm joint targets (5,) rad, jaw target rad).
+
+        The tcp target moves by ``action[:3] * scale``, stays within ``TARGET_LEASH_M`` of ``tcp`` per axis and
+        inside ``WORKSPACE``; ``IK_ITERATIONS`` mink solves move the commanded joints from their previous values.
+        """
+        a = np.asarray(action, dtype=np.float64)
+        self.target = np.clip(self.target + a[:3] * self.scale, tcp - TARGET_LEASH_M, tcp + TARGET_LEASH_M)
+        self.target = np.clip(self.target, WORKSPACE[0], WORKSPACE[1])
+        self.q_cmd = self.ik.solve(self.q_cmd, self.arm_idx, self.target, IK_ITERATIONS)
+        return self.q_cmd.copy(), gripper_to_jaw(a[3])
+
+
 class SO100Env(gym.Env):
     """One SO-100 tabletop task on one robot unit (observation/action/info contract of ``sim.MetaWorldEnv``).
 
@@ -205,8 +254,9 @@ class SO100Env(gym.Env):
         mujoco.mj_resetDataKeyframe(m, self.data, 0)
         mujoco.mj_forward(m, self.data)
         self._home_qpos = self.data.qpos.copy()
-        self._ik = DiffIK(m, self._home_qpos, self.data.site_xmat[self._tcp].reshape(3, 3).copy(), 1.0 / CONTROL_HZ)
+        self._home_rot = self.data.site_xmat[self._tcp].reshape(3, 3).copy()
         self._apply_unit()
+        self._ctl = EEDeltaController(m, self._home_qpos, self._home_rot, self._arm_q, self._scale)
 
         obs_spaces = {"observation.state": spaces.Box(-np.inf, np.inf, (4,), np.float32),
                       "observation.environment_state": spaces.Box(-np.inf, np.inf, (17,), np.float32)}
@@ -265,8 +315,7 @@ class SO100Env(gym.Env):
         d.qpos[self._cube_q + 3:self._cube_q + 7] = [1, 0, 0, 0]
         d.mocap_pos[self._goal_mocap] = goal
         mujoco.mj_forward(self.model, d)
-        self._q_cmd = d.qpos[self._arm_q].copy()
-        self._target = d.site_xpos[self._tcp].copy()
+        self._ctl.reset(d.qpos[self._arm_q], d.site_xpos[self._tcp])
         self._cube_init = d.qpos[self._cube_q:self._cube_q + 3].copy()
         self._noise_rng = np.random.default_rng([int(rng.integers(2**63 - 1)), self.unit.unit_id])
         self._queue = deque([HOLD_ACTION.copy() for _ in range(self.latency_steps)])
@@ -281,8 +330,6 @@ class SO100Env(gym.Env):
             ValueError: action not of shape (4,) or not finite.
             RuntimeError: ``reset()`` not called since the last episode ended.
         """
-        import mujoco
-
         if self._done:
             raise RuntimeError(f"{self.task} unit {self.unit.unit_id}: call reset() before step()")
         a = np.asarray(action, dtype=np.float32)
@@ -292,13 +339,28 @@ class SO100Env(gym.Env):
             raise ValueError(f"action: expected finite values, given {a}")
         self._queue.append(np.clip(a, -1.0, 1.0))
         a = self._queue.popleft().astype(np.float64)
-        tcp = self.tcp
-        self._target = np.clip(self._target + a[:3] * self._scale, tcp - TARGET_LEASH_M, tcp + TARGET_LEASH_M)
-        self._target = np.clip(self._target, WORKSPACE[0], WORKSPACE[1])
-        self._q_cmd = self._ik.solve(self._q_cmd, self._arm_q, self._target, IK_ITERATIONS)
+        q_cmd, jaw = self._ctl.step(a, self.tcp)
+        return self.step_joint_targets(q_cmd, jaw)
+
+    def step_joint_targets(self, q_arm: np.ndarray, jaw: float):
+        """Apply joint position targets for one control step (``FRAME_SKIP`` physics steps) without the EE
+        controller: ``q_arm`` (5,) radians for ``ARM_JOINTS``, ``jaw`` radians (the LeRobot robot backed by the
+        twin drives it this way). -> ``(obs, reward, terminated, truncated, info)`` as ``step``.
+
+        Raises:
+            ValueError: ``q_arm`` not of shape (5,) or not finite, ``jaw`` not finite.
+            RuntimeError: ``reset()`` not called since the last episode ended.
+        """
+        import mujoco
+
+        if self._done:
+            raise RuntimeError(f"{self.task} unit {self.unit.unit_id}: call reset() before step()")
+        q = np.asarray(q_arm, dtype=np.float64)
+        if q.shape != (5,) or not np.all(np.isfinite(q)) or not np.isfinite(jaw):
+            raise ValueError(f"joint targets: expected finite q_arm of shape (5,) and a finite jaw, given {q}, {jaw}")
         d = self.data
-        d.ctrl[:5] = self._q_cmd
-        d.ctrl[5] = JAW_OPEN + (a[3] + 1.0) / 2.0 * (JAW_CLOSED - JAW_OPEN)
+        d.ctrl[:5] = q
+        d.ctrl[5] = jaw
         mujoco.mj_step(self.model, d, nstep=FRAME_SKIP)
         self._t += 1
         info = self._info()
@@ -329,6 +391,11 @@ class SO100Env(gym.Env):
     def tcp(self) -> np.ndarray:
         """True (noise-free) tcp position, metres (3,)."""
         return self.data.site_xpos[self._tcp].copy()
+
+    @property
+    def arm_joints(self) -> np.ndarray:
+        """Measured arm joint positions (``ARM_JOINTS`` order), radians (5,)."""
+        return self.data.qpos[self._arm_q].copy()
 
     @property
     def fingertips(self) -> np.ndarray:
@@ -387,6 +454,10 @@ class SO100Env(gym.Env):
             return float(np.linalg.norm(self.cube[:2] - self.goal[:2]))
         return float(np.linalg.norm(self.cube - self.goal))
 
+    def observation(self) -> dict[str, np.ndarray]:
+        """The current observation (as ``reset``/``step`` return it; draws observation noise on noisy units)."""
+        return self._observation()
+
     def _observation(self) -> dict[str, np.ndarray]:
         d = self.data
         state = np.array([*self.tcp, self.gripper_opening()], dtype=np.float32)
@@ -424,11 +495,16 @@ class SO100Env(gym.Env):
 
     def spec_dict(self) -> dict[str, Any]:
         """JSON-able feature spec (docs/INTERFACES.md), the same keys and shapes as the Meta-World envs."""
-        return feature_spec(STATE_NAMES, ENV_STATE_NAMES, ACTION_NAMES,
-                            state_unit="m (gripper: jaw opening 0 closed .. 1 open)",
-                            action_unit="1 = 1 cm tcp target displacement (x, y, z); gripper -1 open .. +1 closed",
-                            cameras=self.cameras if self.images else None, image_hw=self.image_hw,
-                            control_hz=CONTROL_HZ)
+        return so100_feature_spec(self.cameras if self.images else None, self.image_hw)
+
+
+def so100_feature_spec(cameras: list[str] | None, image_hw: tuple[int, int]) -> dict[str, Any]:
+    """The SO-100 twin's feature spec (``SO100Env.spec_dict``) for ``cameras`` at ``image_hw`` (height, width)
+    pixels; also the spec of episodes a deployed SO-100 (``scripts/deploy.py``) commits to a store."""
+    return feature_spec(STATE_NAMES, ENV_STATE_NAMES, ACTION_NAMES,
+                        state_unit="m (gripper: jaw opening 0 closed .. 1 open)",
+                        action_unit="1 = 1 cm tcp target displacement (x, y, z); gripper -1 open .. +1 closed",
+                        cameras=cameras, image_hw=image_hw, control_hz=CONTROL_HZ)
 
 
 def make_so100_env(task: str, unit_id: int = 0, robot_cfg: Any = None, obs_cfg: Any = None, task_cfg: Any = None,

@@ -1,0 +1,488 @@
+"""Run an exported policy on a LeRobot robot: the loop behind ``scripts/deploy.py`` (real arm or the SO-100 twin).
+
+Import order matters on CPU machines: this module imports LeRobot (and so torchvision / triton) before anything
+imports ``sim`` (see ``fleet/so100_sim_robot/__init__.py``: Mesa's EGL then triton segfaults).
+
+One control step (at the export's ``control_hz``, paced in real time unless ``realtime=False``)::
+
+    obs = robot.get_observation()                          # LeRobot features: <joint>.pos, cameras, (sim.*)
+    action = watchdog.call(runtime.select_action, bridge.policy_observation(obs))   # hold the arm on a miss
+    targets = bridge.propose(action, obs)                  # EE delta -> joint targets (the twin's mink IK)
+    sent, events = safety.filter(targets, joints(obs))     # NaN/limits/step/workspace; see fleet.safety
+    robot.send_action(bridge.robot_action(sent))
+
+An episode ends after ``max_steps``, ``steps_after_success`` steps after the first success (simulated robot),
+at a latched safety stop (NaN/inf, missed deadlines), or when the operator presses Ctrl-C. Then it is labelled
+(``label``: ``sim`` the twin's success, ``operator`` a y/n prompt, ``classifier`` a configured callable, ``none``)
+and, with a store, committed with embodiment ``"so100"`` and the export's policy version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import math
+import pkgutil
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import lerobot.robots  # noqa: F401 - before sim (EGL) is imported, see the module doc
+import numpy as np
+
+from fleet.lerobot_bridge import MOTOR_KEYS, JointMap, SO100Bridge
+from fleet.safety import EventLog, SafetyEvent, SafetyFilter, SafetyLimits, Watchdog
+
+log = logging.getLogger("fleetmind.deploy")
+EMBODIMENT = "so100"
+LABELS = ("sim", "operator", "classifier", "none")
+
+
+# ---------------------------------------------------------------------------------------------- robot types
+def register_robot_types() -> list[str]:
+    """Register every robot and camera config LeRobot ships (each ``lerobot.robots.<x>`` /
+    ``lerobot.cameras.<x>`` package that imports), third-party ``lerobot_robot_*`` plugins, and
+    ``fleetmind_so100_sim``; returns the known robot types, sorted."""
+    from lerobot import cameras as cams
+    from lerobot import robots
+    from lerobot.robots import RobotConfig
+
+    for pkg in (robots, cams):
+        for m in pkgutil.iter_modules(pkg.__path__):
+            if m.ispkg:
+                try:
+                    importlib.import_module(f"{pkg.__name__}.{m.name}")
+                except Exception as e:  # noqa: BLE001 - a robot whose SDK is missing stays unregistered
+                    log.debug("lerobot %s.%s not importable: %s", pkg.__name__, m.name, e)
+    try:
+        from lerobot.utils.import_utils import register_third_party_plugins
+
+        register_third_party_plugins()
+    except ImportError:
+        pass
+    import fleet.so100_sim_robot  # noqa: F401 - registers fleetmind_so100_sim
+
+    return sorted(RobotConfig.get_known_choices())
+
+
+def build_robot_config(robot: Mapping[str, Any]):
+    """``deploy.robot`` (``{"type": ..., other fields}``) -> a LeRobot ``RobotConfig`` (decoded by draccus, as
+    LeRobot's own CLI does). Keys whose value is None are left to the config class's defaults.
+
+    Raises:
+        ValueError: no ``type``, a type LeRobot does not know (the known ones are listed), or fields the
+            type rejects (draccus' message).
+    """
+    import draccus
+    from lerobot.robots import RobotConfig
+
+    fields = {k: v for k, v in dict(robot).items() if v is not None}
+    known = register_robot_types()
+    rtype = fields.get("type")
+    if not rtype:
+        raise ValueError(f"deploy.robot.type is not set; known robot types: {', '.join(known)}")
+    if rtype not in known:
+        raise ValueError(f"unknown robot type {rtype!r}; robot types LeRobot knows here: {', '.join(known)}")
+    try:
+        return draccus.decode(RobotConfig, fields)
+    except Exception as e:  # draccus.utils.DecodingError and friends
+        raise ValueError(f"deploy.robot: cannot build a {rtype!r} config from {fields}: {e}") from e
+
+
+def make_robot(robot_cfg):
+    """``lerobot.robots.make_robot_from_config`` (so third-party types resolve exactly as in LeRobot)."""
+    from lerobot.robots import make_robot_from_config
+
+    return make_robot_from_config(robot_cfg)
+
+
+def load_classifier(spec: str | None) -> Callable[[Any, Mapping[str, Any]], bool]:
+    """A success classifier: ``"sim"`` (the simulated robot's ``sim_info()["episode_success"]``) or
+    ``"package.module:function"`` called as ``function(robot, observation) -> bool`` on the final observation.
+
+    Raises:
+        ValueError: no spec or a malformed one; ImportError / AttributeError: the callable cannot be found.
+    """
+    if not spec:
+        raise ValueError("label=classifier needs deploy.run.success_classifier ('sim' or 'module:function')")
+    if spec == "sim":
+        return lambda robot, _obs: bool(robot.sim_info()["episode_success"])
+    mod, sep, fn = str(spec).partition(":")
+    if not sep or not mod or not fn:
+        raise ValueError(f"success_classifier {spec!r}: expected 'sim' or 'package.module:function'")
+    return getattr(importlib.import_module(mod), fn)
+
+
+# ---------------------------------------------------------------------------------------------- config
+@dataclasses.dataclass
+class RunConfig:
+    """``deploy.run``: how episodes run (see ``configs/deploy/default.yaml`` for every field's meaning).
+
+    Raises:
+        ValueError: an unknown label, non-positive steps/episodes, a label that needs what is missing.
+    """
+
+    episodes: int = 1
+    max_steps: int = 300
+    steps_after_success: int = 10
+    stop_on_success: bool = True
+    seed: int = 0
+    label: str = "operator"
+    success_classifier: str | None = None
+    realtime: bool = True
+    control_hz: float | None = None
+    wait_for_reset: bool = True
+    task: str | None = None
+    store_url: str | None = None
+    unit_id: int = 1000
+    writer_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.label not in LABELS:
+            raise ValueError(f"deploy.run.label: expected one of {LABELS}, given {self.label!r}")
+        if int(self.episodes) < 1 or int(self.max_steps) < 1 or int(self.steps_after_success) < 0:
+            raise ValueError(f"deploy.run: episodes >= 1, max_steps >= 1, steps_after_success >= 0 expected, "
+                             f"given {self.episodes}, {self.max_steps}, {self.steps_after_success}")
+
+
+def safety_limits(cfg: Mapping[str, Any], joint_map: JointMap) -> SafetyLimits:
+    """``deploy.safety`` -> ``SafetyLimits`` in LeRobot units (``MOTOR_KEYS`` order).
+
+    ``joint_limits_deg``: ``{joint: [low, high]}`` overrides (others: the SO-100 MJCF ranges through
+    ``joint_map``); ``max_step_deg`` (arm joints) and ``max_step_gripper`` (0..100 units) per control step;
+    ``workspace_m``; ``deadline_s``; ``max_misses``.
+
+    Raises:
+        ValueError: an unknown joint name, and everything ``SafetyLimits`` checks.
+    """
+    names = [k.removesuffix(".pos") for k in MOTOR_KEYS]
+    limits = joint_map.limits()
+    for j, rng in dict(cfg.get("joint_limits_deg") or {}).items():
+        if j not in names:
+            raise ValueError(f"deploy.safety.joint_limits_deg: unknown joint {j!r}; joints: {names}")
+        limits[names.index(j)] = [float(rng[0]), float(rng[1])]
+    step = [float(cfg.get("max_step_deg", math.inf) or math.inf)] * 5 + [
+        float(cfg.get("max_step_gripper", math.inf) or math.inf)]
+    ws = cfg.get("workspace_m")
+    return SafetyLimits(names, limits, step, workspace=None if ws is None else np.asarray(ws, dtype=np.float64),
+                        deadline_s=cfg.get("deadline_s"), max_misses=int(cfg.get("max_misses", 1)))
+
+
+# ---------------------------------------------------------------------------------------------- results
+@dataclasses.dataclass
+class EpisodeResult:
+    """One deployed episode. Arrays have one row per control step that sent an action (T, 6) in LeRobot units:
+    ``current`` (measured before the step), ``proposed`` (bridge output, NaN for a NaN action / a missed
+    deadline), ``sent`` (after the safety filter); ``held`` (T,) marks holds (sent = current by a stop or the
+    watchdog); ``policy_s`` / ``step_s`` (T,) seconds of the policy call and of the whole step."""
+
+    index: int
+    seed: int
+    steps: int = 0
+    stop_reason: str = "max_steps"
+    success: bool | None = None
+    label_source: str = "none"
+    episode_id: str | None = None
+    first_success_step: int | None = None
+    overruns: int = 0
+    events: list[SafetyEvent] = dataclasses.field(default_factory=list)
+    current: list = dataclasses.field(default_factory=list)
+    proposed: list = dataclasses.field(default_factory=list)
+    sent: list = dataclasses.field(default_factory=list)
+    held: list = dataclasses.field(default_factory=list)
+    policy_s: list = dataclasses.field(default_factory=list)
+    step_s: list = dataclasses.field(default_factory=list)
+    start_time: float = 0.0
+    store_steps: list = dataclasses.field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able summary for the deploy report (with per-step latency, not the joint arrays)."""
+        counts: dict[str, int] = {}
+        for e in self.events:
+            counts[e.kind] = counts.get(e.kind, 0) + 1
+        pct = (lambda a, q: float(np.percentile(a, q))) if self.policy_s else (lambda a, q: None)
+        return {"index": self.index, "seed": self.seed, "steps": self.steps, "actions_sent": len(self.sent),
+                "holds": int(np.sum(self.held)) if self.held else 0, "stop_reason": self.stop_reason,
+                "success": self.success, "label_source": self.label_source, "episode_id": self.episode_id,
+                "first_success_step": self.first_success_step, "overruns": self.overruns,
+                "safety_counts": counts, "safety_events": [e.to_dict() for e in self.events],
+                "policy_latency_s": {"mean": float(np.mean(self.policy_s)) if self.policy_s else None,
+                                     "p50": pct(self.policy_s, 50), "p95": pct(self.policy_s, 95),
+                                     "max": float(np.max(self.policy_s)) if self.policy_s else None},
+                "policy_s": [round(float(x), 6) for x in self.policy_s],
+                "step_s": [round(float(x), 6) for x in self.step_s]}
+
+
+# ---------------------------------------------------------------------------------------------- deployer
+class Deployer:
+    """Runs a ``PolicyRuntime``-like policy on a connected LeRobot robot under the safety filter and watchdog.
+
+    Args:
+        runtime: has ``select_action(obs) -> (4,)``, ``reset()``, ``input_shapes``, ``control_hz`` and ``meta``
+            (``export.json``); normally ``policies.runtime.PolicyRuntime``.
+        robot: a LeRobot ``Robot`` (connected by ``run``/``connect`` here if it is not yet).
+        run: ``RunConfig``; safety: ``SafetyLimits`` (None: ``safety_limits({}, joint_map)``);
+        joint_map / cameras: the bridge's convention (``deploy.bridge``).
+        export_dir: recorded in the report and the store.
+        input_fn: the operator prompt (``input``; tests pass a scripted one).
+        hang_s: ``Watchdog.hang_s``; robot_type: the type name for messages, the report and the store (default:
+            the config's; LeRobot's so100_follower and so101_follower share one config class).
+    Raises:
+        ValueError: an export the robot cannot serve (features, control rate), a label the robot cannot give.
+    """
+
+    def __init__(self, runtime, robot, run: RunConfig, safety: SafetyLimits | None = None,
+                 joint_map: JointMap | None = None, cameras: Mapping[str, str] | None = None,
+                 export_dir: str | None = None, input_fn: Callable[[str], str] = input, hang_s: float = 30.0,
+                 robot_type: str | None = None):
+        self.runtime, self.robot, self.run = runtime, robot, run
+        self.input_fn, self.export_dir = input_fn, export_dir
+        self.joint_map = joint_map or JointMap()
+        self.eventlog = EventLog()
+        meta = dict(getattr(runtime, "meta", {}) or {})
+        action_names = (meta.get("features", {}).get("action", {}) or {}).get("names") or ["dx", "dy", "dz", "gripper"]
+        self.bridge = SO100Bridge(runtime.input_shapes, action_names, self.joint_map, cameras, events=self.eventlog)
+        rtype = robot_type or getattr(getattr(robot, "config", None), "type", None) or getattr(robot, "name", "robot")
+        self.robot_type = rtype
+        self.bridge.check_robot(robot.observation_features, robot.action_features, rtype)
+        hz = run.control_hz if run.control_hz is not None else runtime.control_hz
+        if hz is None:
+            raise ValueError("the export has no control_hz (export.json) and deploy.run.control_hz is not set: the "
+                             "policy must run at the rate it was trained at")
+        robot_hz = getattr(robot, "control_hz", None)
+        if robot_hz is not None and abs(float(robot_hz) - float(hz)) > 1e-6:
+            raise ValueError(f"the policy runs at {hz} Hz but robot type {rtype!r} steps at {robot_hz} Hz")
+        self.control_hz = float(hz)
+        self.is_sim = hasattr(robot, "sim_info")
+        if run.label == "sim" and not self.is_sim:
+            raise ValueError(f"label=sim needs the simulated robot's success signal; robot type {rtype!r} has "
+                             "none (use label=operator or label=classifier)")
+        self.classifier = load_classifier(run.success_classifier) if run.label == "classifier" else None
+        self.limits = safety or safety_limits({}, self.joint_map)
+        self.safety = SafetyFilter(self.limits, fk=self.bridge.fk, events=self.eventlog)
+        self.watchdog = Watchdog(self.limits.deadline_s, hang_s=max(hang_s, self.limits.deadline_s or 0.0))
+        source = meta.get("source") or {}
+        self.policy_version = int(source["version"]) if source.get("version") is not None else -1
+        self.task = run.task or getattr(getattr(robot, "config", None), "task", None)
+        if run.store_url and not self.task:
+            raise ValueError("deploy.run.task must name the task of a real robot's episodes for the store "
+                             "(e.g. deploy.run.task=so100-pick-place)")
+        self.writer = self._open_store() if run.store_url else None
+
+    # ------------------------------------------------------------------ store
+    def store_spec(self) -> dict[str, Any]:
+        """The store spec of the policy's features (the twin's names and units, ``so100_feature_spec``)."""
+        from sim.so100.env import so100_feature_spec
+
+        shapes = self.runtime.input_shapes
+        cams = [k.split(".", 2)[2] for k in shapes if k.startswith("observation.images.")]
+        hw = tuple(shapes[f"observation.images.{cams[0]}"][:2]) if cams else (96, 96)
+        spec = so100_feature_spec(cams or None, hw)
+        for k in [k for k in spec if k.startswith("observation.") and k not in shapes]:
+            del spec[k]
+        for c in cams:
+            spec[f"observation.images.{c}"]["shape"] = list(shapes[f"observation.images.{c}"])
+        return spec
+
+    def _open_store(self):
+        from experience_dict.store import ExperienceStore
+
+        spec = self.store_spec()
+        store = ExperienceStore.create_or_open(str(self.run.store_url), spec=spec, control_hz=self.control_hz)
+        wid = self.run.writer_id or f"deploy-{self.robot_type}-unit-{int(self.run.unit_id)}"
+        self.progress_keys = list(store.progress_keys)
+        return store.writer(wid)
+
+    def _progress(self) -> tuple[float, dict[str, float]]:
+        keys = self.progress_keys if self.writer is not None else []
+        if self.is_sim:
+            info = self.robot.sim_info()
+            return float(info.get("reward", math.nan)), {k: float(info["progress"].get(k, math.nan)) for k in keys}
+        return math.nan, dict.fromkeys(keys, math.nan)  # a real arm has no reward or progress signal
+
+    # ------------------------------------------------------------------ episodes
+    def _reset_scene(self, seed: int) -> None:
+        if hasattr(self.robot, "reset_scene"):
+            self.robot.reset_scene(seed)
+        elif self.run.wait_for_reset:
+            self.input_fn(f"Reset the scene for episode (seed {seed}) and press Enter to start ")
+
+    def run_episode(self, index: int = 0) -> EpisodeResult:
+        """Run, label and (with a store) commit one episode; the arm is held at the end of a stopped one."""
+        run, robot, bridge = self.run, self.robot, self.bridge
+        seed = int(run.seed) + index
+        res = EpisodeResult(index=index, seed=seed)
+        n_events = len(self.eventlog.events)
+        self.runtime.reset()
+        self.safety.reset()
+        self.watchdog.misses = 0
+        self._reset_scene(seed)
+        obs = robot.get_observation()
+        bridge.reset(obs)
+        res.start_time = time.time()
+        period = 1.0 / self.control_hz
+        t_next = time.perf_counter()
+        try:
+            for step in range(int(run.max_steps)):
+                t0 = time.perf_counter()
+                current = bridge.joints(obs)
+                pobs = bridge.policy_observation(obs)
+                held_by_watchdog = []
+
+                def hold(current=current, held=held_by_watchdog):
+                    held.append(self.safety.hold(current))
+                    robot.send_action(bridge.robot_action(held[-1]))
+
+                call = self.watchdog.call(self.runtime.select_action, pobs, on_miss=hold)
+                res.policy_s.append(call.elapsed_s)
+                if call.missed:
+                    self.eventlog.add(SafetyEvent(step, "deadline", {
+                        "deadline_s": self.limits.deadline_s, "held_after_s": round(call.miss_handled_s, 4),
+                        "policy_s": round(call.elapsed_s, 4), "consecutive_misses": self.watchdog.misses}))
+                    bridge.sent(held_by_watchdog[-1])
+                    self._record(res, current, np.full(6, np.nan), held_by_watchdog[-1], True)
+                    if self.watchdog.misses >= self.limits.max_misses:
+                        self.safety.stop(step, "deadline", held_by_watchdog[-1])
+                        res.stop_reason = "deadline"
+                        break
+                else:
+                    action = np.asarray(call.value, dtype=np.float32).reshape(-1)
+                    proposed = bridge.propose(action, obs, step)
+                    sent, _ev = self.safety.filter(proposed, current, step, action)
+                    robot.send_action(bridge.robot_action(sent))
+                    bridge.sent(sent)
+                    self._record(res, current, proposed, sent, self.safety.stopped is not None)
+                    if self.safety.stopped is not None:
+                        res.stop_reason = self.safety.stopped
+                        break
+                    if self.writer is not None:
+                        reward, progress = self._progress()
+                        res.store_steps.append(({k: v.copy() for k, v in pobs.items()},  # camera buffers may be reused
+                                                action.astype(np.float32), reward, progress))
+                obs = robot.get_observation()
+                if self.is_sim and self.robot.sim_info()["success"] and res.first_success_step is None:
+                    res.first_success_step = res.steps
+                res.step_s.append(time.perf_counter() - t0)
+                if (run.stop_on_success and res.first_success_step is not None
+                        and res.steps - res.first_success_step >= run.steps_after_success):
+                    res.stop_reason = "success"
+                    break
+                if run.realtime:
+                    t_next += period
+                    wait = t_next - time.perf_counter()
+                    if wait > 0:
+                        time.sleep(wait)
+                    else:
+                        res.overruns += 1
+                        t_next = time.perf_counter()
+        except KeyboardInterrupt:
+            log.warning("operator stop (Ctrl-C) at step %d: holding the arm", res.steps)
+            res.stop_reason = "operator"
+            held = self.safety.stop(res.steps, "operator", bridge.joints(robot.get_observation()))
+            robot.send_action(bridge.robot_action(held))
+        res.events = self.eventlog.events[n_events:]
+        self._label(res, obs)
+        self._commit(res)
+        log.info("episode %d: %d steps, stop %s, success %s, safety %s", index, res.steps, res.stop_reason,
+                 res.success, {k: v for k, v in res.to_dict()["safety_counts"].items()})
+        return res
+
+    @staticmethod
+    def _record(res: EpisodeResult, current, proposed, sent, held: bool) -> None:
+        res.current.append(np.asarray(current, dtype=np.float64).copy())
+        res.proposed.append(np.asarray(proposed, dtype=np.float64).copy())
+        res.sent.append(np.asarray(sent, dtype=np.float64).copy())
+        res.held.append(bool(held))
+        res.steps += 1
+
+    def _label(self, res: EpisodeResult, obs: Mapping[str, Any]) -> None:
+        label = self.run.label
+        if label == "sim":
+            res.success, res.label_source = bool(self.robot.sim_info()["episode_success"]), "sim"
+        elif label == "classifier":
+            res.success, res.label_source = bool(self.classifier(self.robot, obs)), "classifier"
+        elif label == "operator":
+            while True:
+                ans = self.input_fn(f"Episode {res.index} ({res.steps} steps, stop: {res.stop_reason}): success? "
+                                    "[y/n, Enter = no label] ").strip().lower()
+                if ans in ("y", "yes", "n", "no", ""):
+                    break
+            if ans:
+                res.success, res.label_source = ans.startswith("y"), "operator"
+
+    def _commit(self, res: EpisodeResult) -> None:
+        w = self.writer
+        if w is None:
+            return
+        if res.success is None or not res.store_steps:
+            log.warning("episode %d not committed: %s", res.index,
+                        "no success label" if res.success is None else "no policy step to store")
+            return
+        w.begin_episode(unit_id=int(self.run.unit_id), embodiment=EMBODIMENT, task=self.task,
+                        policy_version=self.policy_version, seed=res.seed, is_demo=False, start_time=res.start_time,
+                        extra={"deploy": {"robot_type": self.robot_type, "export": self.export_dir,
+                                          "stop_reason": res.stop_reason, "label_source": res.label_source,
+                                          "safety_counts": res.to_dict()["safety_counts"],
+                                          "actions": "the policy's proposals, before the safety filter"}})
+        try:
+            for pobs, action, reward, progress in res.store_steps:
+                w.add_step(pobs, action, reward, progress)
+        except Exception:
+            w.abort()
+            raise
+        res.episode_id = w.commit(success=bool(res.success))
+        log.info("episode %d committed to %s as %s (success %s)", res.index, self.run.store_url, res.episode_id,
+                 res.success)
+
+    def warmup(self) -> float:
+        """One untimed policy call on a real observation (nothing is sent), so the first step of the first episode
+        does not pay for lazy initialisation; returns its seconds."""
+        t0 = time.perf_counter()
+        self.runtime.reset()
+        self.runtime.select_action(self.bridge.policy_observation(self.robot.get_observation()))
+        self.runtime.reset()
+        return time.perf_counter() - t0
+
+    def run_all(self) -> list[EpisodeResult]:
+        """Connect the robot if needed, run ``run.episodes`` episodes, then close the watchdog and the writer
+        (the robot stays connected: the caller disconnects it)."""
+        try:
+            if not self.robot.is_connected:
+                self.robot.connect()
+            self.warmup()
+            return [self.run_episode(i) for i in range(int(self.run.episodes))]
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.watchdog.close()
+        if self.writer is not None:
+            self.writer.close()
+
+    def report(self, results: list[EpisodeResult]) -> dict[str, Any]:
+        """The JSON report of a deployment (``scripts/deploy.py`` writes it into the Hydra run dir)."""
+        meta = dict(getattr(self.runtime, "meta", {}) or {})
+        return {"export_dir": self.export_dir, "policy_type": meta.get("policy_type"),
+                "policy_version": self.policy_version, "robot_type": self.robot_type, "task": self.task,
+                "control_hz": self.control_hz, "store_url": self.run.store_url,
+                "run": dataclasses.asdict(self.run), "safety": self.limits.to_dict(),
+                "joint_map": {"signs": self.joint_map.signs.tolist(),
+                              "offsets_deg": self.joint_map.offsets_deg.tolist(),
+                              "gripper_closed_pos": self.joint_map.gripper_closed_pos,
+                              "gripper_open_pos": self.joint_map.gripper_open_pos},
+                "cameras": self.bridge.cameras, "episodes": [r.to_dict() for r in results],
+                "successes": sum(bool(r.success) for r in results),
+                "committed": [r.episode_id for r in results if r.episode_id]}
+
+
+def export_path(path: str | Path | None) -> Path:
+    """Check an export folder exists and holds ``export.json``. Raises FileNotFoundError naming the fix."""
+    if not path:
+        raise FileNotFoundError("deploy.run.export_dir is not set: point it at a folder written by scripts/export.py")
+    p = Path(path)
+    if not (p / "export.json").is_file():
+        raise FileNotFoundError(f"export folder {str(p)!r} {'lacks export.json' if p.is_dir() else 'does not exist'}"
+                                " (write one with scripts/export.py)")
+    return p

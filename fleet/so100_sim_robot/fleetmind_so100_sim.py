@@ -1,0 +1,160 @@
+"""``FleetmindSO100Sim``: a LeRobot ``Robot`` whose arm is the SO-100 MuJoCo twin (``sim.so100.env.SO100Env``).
+
+Same observation and action features and units as LeRobot's ``so101_follower`` (``use_degrees=True``): joint
+positions ``<joint>.pos`` in degrees and ``gripper.pos`` in 0..100 (0 = the twin's ``JAW_CLOSED``, 100 =
+``JAW_OPEN``), plus one image per rendered camera and, sim-only, the object state ``sim.<name>``.
+
+Time: lock-step. Each ``send_action`` applies the joint targets for one control period of the twin
+(1/30 s: 16 physics steps of 1/480 s); the deploy loop paces the calls at the policy's control rate, so the
+simulated arm runs in real time under ``scripts/deploy.py`` and as fast as possible in tests.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+from lerobot.robots.robot import Robot
+from lerobot.utils.errors import DeviceAlreadyConnectedError, DeviceNotConnectedError
+
+from fleet.lerobot_bridge import MOTOR_KEYS, JointMap, sim_feature_names
+from fleet.so100_sim_robot.config_fleetmind_so100_sim import ROBOT_TYPE, FleetmindSO100SimConfig
+
+log = logging.getLogger(__name__)
+_NEVER = 2**31 - 1  # the deploy loop, not the twin, ends episodes
+
+
+class FleetmindSO100Sim(Robot):
+    """The SO-100 twin behind LeRobot's ``Robot`` API (``connect / get_observation / send_action / disconnect``).
+
+    Sim-only extras (the deploy loop uses them when present): ``reset_scene(seed)`` places a new cube/goal and
+    homes the arm, ``sim_info()`` returns the twin's ``info`` of the last step (``success``, ``episode_success``,
+    ``progress``, ``reward``) for the success classifier and the store, ``env`` is the ``SO100Env``.
+
+    Raises (from the methods): ``DeviceNotConnectedError`` / ``DeviceAlreadyConnectedError`` as LeRobot's robots;
+    ``ValueError`` for an action that lacks a joint or holds NaN/inf.
+    """
+
+    config_class = FleetmindSO100SimConfig
+    name = ROBOT_TYPE
+
+    def __init__(self, config: FleetmindSO100SimConfig):
+        super().__init__(config)
+        self.config = config
+        self.joint_map = JointMap(config.joint_signs, config.joint_offsets_deg)
+        self._limits = self.joint_map.limits()  # (6, 2) the MJCF ranges in LeRobot units
+        self.env = None
+        self._info: dict[str, Any] = {}
+        self._sim_names = sim_feature_names()
+
+    # ------------------------------------------------------------------ features
+    @cached_property
+    def observation_features(self) -> dict[str, type | tuple]:
+        s = int(self.config.image_size)
+        feats: dict[str, type | tuple] = dict.fromkeys(MOTOR_KEYS, float)
+        feats.update({c: (s, s, 3) for c in self.config.render_cameras})
+        if self.config.object_state:
+            feats.update(dict.fromkeys(self._sim_names, float))
+        return feats
+
+    @cached_property
+    def action_features(self) -> dict[str, type]:
+        return dict.fromkeys(MOTOR_KEYS, float)
+
+    @property
+    def control_hz(self) -> float:
+        """The twin's control rate (Hz): one ``send_action`` = one control period of physics."""
+        from sim.so100.env import CONTROL_HZ
+
+        return float(CONTROL_HZ)
+
+    # ------------------------------------------------------------------ connection
+    @property
+    def is_connected(self) -> bool:
+        return self.env is not None
+
+    def connect(self, calibrate: bool = True) -> None:
+        """Build the twin (model, renderer) and place the first scene (``config.seed``)."""
+        if self.is_connected:
+            raise DeviceAlreadyConnectedError(f"{self} is already connected.")
+        from sim.so100.env import make_so100_env
+
+        cams = list(self.config.render_cameras)
+        self.env = make_so100_env(self.config.task, unit_id=0, robot_cfg=None,
+                                  obs_cfg={"images": bool(cams), "cameras": cams or None,
+                                           "image_size": int(self.config.image_size)},
+                                  task_cfg={"max_episode_steps": _NEVER, "steps_after_success": _NEVER})
+        self.reset_scene(self.config.seed)
+        log.info("%s connected (task %s)", self, self.config.task)
+
+    @property
+    def is_calibrated(self) -> bool:
+        return True
+
+    def calibrate(self) -> None:
+        """Nothing to calibrate: the simulated calibration is ``joint_signs`` / ``joint_offsets_deg``."""
+
+    def configure(self) -> None:
+        """Nothing to configure."""
+
+    def _check(self) -> None:
+        if not self.is_connected:
+            raise DeviceNotConnectedError(f"{self.__class__.__name__} is not connected. Run `.connect()` first.")
+
+    def reset_scene(self, seed: int | None = None) -> None:
+        """Sim-only: home the arm and place a new cube and goal (``seed``: the twin's placement seed)."""
+        self._check()
+        _obs, info = self.env.reset(seed=None if seed is None else int(seed))
+        self._info = {**info, "reward": 0.0}
+
+    def sim_info(self) -> dict[str, Any]:
+        """Sim-only: the twin's ``info`` of the last step plus ``reward`` (see ``SO100Env.step``)."""
+        self._check()
+        return dict(self._info)
+
+    # ------------------------------------------------------------------ I/O
+    def joint_positions(self) -> np.ndarray:
+        """(6,) measured joints in LeRobot units (``MOTOR_KEYS`` order)."""
+        arm = self.joint_map.arm_to_robot(self.env.arm_joints)
+        return np.array([*arm, self.joint_map.pos_from_opening(self.env.gripper_opening())])
+
+    def get_observation(self) -> dict[str, Any]:
+        """``{"<joint>.pos": float, <camera>: (H, W, 3) uint8, "sim.<name>": float}`` of the twin now."""
+        self._check()
+        obs: dict[str, Any] = dict(zip(MOTOR_KEYS, (float(v) for v in self.joint_positions())))
+        twin = self.env.observation()
+        for c in self.config.render_cameras:
+            obs[c] = twin[f"observation.images.{c}"]
+        if self.config.object_state:
+            obs.update(zip(self._sim_names, (float(v) for v in twin["observation.environment_state"])))
+        return obs
+
+    def send_action(self, action: dict[str, Any]) -> dict[str, Any]:
+        """Joint targets ``{"<joint>.pos": float}`` (degrees; gripper 0..100) for one control period.
+
+        Targets are clipped to the MJCF joint ranges and the gripper to 0..100, as a servo's own limits would;
+        the clipped action is returned (LeRobot's contract: "the action actually sent").
+        """
+        self._check()
+        missing = [k for k in MOTOR_KEYS if k not in action]
+        if missing:
+            raise ValueError(f"{self}: action lacks {missing} (expected keys {list(MOTOR_KEYS)})")
+        t = np.array([float(action[k]) for k in MOTOR_KEYS])
+        if not np.all(np.isfinite(t)):
+            raise ValueError(f"{self}: non-finite joint targets {dict(zip(MOTOR_KEYS, t.tolist()))}")
+        t = np.clip(t, self._limits[:, 0], self._limits[:, 1])
+        from sim.so100.env import JAW_CLOSED, JAW_OPEN
+
+        jaw = JAW_CLOSED + self.joint_map.opening_from_pos(t[5]) * (JAW_OPEN - JAW_CLOSED)
+        _obs, reward, _term, _trunc, info = self.env.step_joint_targets(self.joint_map.arm_to_mjcf(t[:5]), jaw)
+        self._info = {**info, "reward": float(reward)}
+        return dict(zip(MOTOR_KEYS, (float(v) for v in t)))
+
+    def disconnect(self) -> None:
+        """Free the renderer and the twin."""
+        self._check()
+        self.env.close()
+        self.env = None
+        log.info("%s disconnected", self)

@@ -1,0 +1,102 @@
+"""Run an exported policy on a LeRobot robot, under safety limits, and commit its episodes to the store.
+
+    # the SO-100 twin behind LeRobot's Robot API (robot type fleetmind_so100_sim), labelled by the twin
+    python scripts/deploy.py deploy.run.export_dir=exports/so100 deploy.run.label=sim deploy.run.episodes=5 \\
+        deploy.robot.task=so100-reach deploy.run.store_url=outputs/so100_store
+    # a real SO-101 arm (LeRobot's so101_follower), the operator labels each episode at the keyboard
+    python scripts/deploy.py deploy.run.export_dir=exports/so100 deploy.robot.type=so101_follower \\
+        deploy.robot.port=/dev/ttyACM0 deploy.robot.id=arm0 deploy.run.store_url=outputs/so100_store
+
+Runs at the export's ``control_hz``; maps LeRobot features to the policy's and the policy's end-effector actions to
+joint targets through the twin's IK (``fleet/lerobot_bridge.py``); checks every action (``fleet/safety.py``);
+writes ``deploy_report.json`` (steps, actions sent, safety events, latency per step, success) into the Hydra run
+dir. Needs the LeRobot environment (``make install-lerobot``: ``.venv-lerobot``). See ``fleet/deploy.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+try:  # LeRobot first: it must load triton before sim initialises EGL (see fleet/so100_sim_robot/__init__.py)
+    import lerobot.robots  # noqa: F401
+except ImportError as e:  # pragma: no cover - the core environment
+    raise SystemExit(f"scripts/deploy.py needs LeRobot ({e}); install it with `make install-lerobot` and run "
+                     "with .venv-lerobot/bin/python") from e
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from fleet.deploy import Deployer, RunConfig, build_robot_config, export_path, make_robot, safety_limits
+from fleet.lerobot_bridge import JointMap
+
+log = logging.getLogger("deploy")
+SIM_TYPE = "fleetmind_so100_sim"
+
+
+def sim_robot_defaults(fields: dict, input_shapes: dict, meta: dict) -> dict:
+    """Fill the simulated robot's null fields from the export: the cameras it reads at their size, and the
+    task it was trained on when that is a single SO-100 task."""
+    fields = dict(fields)
+    cams = [k.split(".", 2)[2] for k in input_shapes if k.startswith("observation.images.")]
+    if fields.get("render_cameras") is None:
+        fields["render_cameras"] = cams
+    if fields.get("image_size") is None and cams:
+        fields["image_size"] = int(input_shapes[f"observation.images.{cams[0]}"][0])
+    if fields.get("task") is None:
+        tasks = [t for t in (meta.get("training", {}) or {}).get("tasks") or [] if str(t).startswith("so100-")]
+        if len(tasks) == 1:
+            fields["task"] = tasks[0]
+    return fields
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    d = cfg.deploy
+    run_fields = OmegaConf.to_container(d.run, resolve=True)
+    try:
+        export = export_path(run_fields.pop("export_dir"))
+        from policies.runtime import PolicyRuntime
+
+        rt = PolicyRuntime.load(export, device=run_fields.pop("device"),
+                                num_inference_steps=run_fields.pop("num_inference_steps"),
+                                num_threads=run_fields.pop("num_threads"))
+        report_path = Path(run_fields.pop("report") or Path(cfg.output_dir) / "deploy_report.json")
+        robot_fields = OmegaConf.to_container(d.robot, resolve=True)
+        if robot_fields.get("type") == SIM_TYPE:
+            robot_fields = sim_robot_defaults(robot_fields, rt.input_shapes, rt.meta)
+        robot = make_robot(build_robot_config(robot_fields))
+        run = RunConfig(**run_fields)
+        b = d.bridge
+        joint_map = JointMap(list(b.joint_signs), list(b.joint_offsets_deg), float(b.gripper_closed_pos),
+                             float(b.gripper_open_pos))
+        safety = OmegaConf.to_container(d.safety, resolve=True)
+        deployer = Deployer(rt, robot, run, safety_limits(safety, joint_map), joint_map,
+                            cameras=dict(b.cameras or {}), export_dir=str(export), hang_s=float(safety["hang_s"]),
+                            robot_type=robot_fields["type"])
+    except (FileNotFoundError, ValueError, TypeError) as e:
+        raise SystemExit(f"deploy: {e}") from e
+    log.info("deploying %s (policy version %s) on %s at %.1f Hz, label=%s", export, deployer.policy_version,
+             deployer.robot_type, deployer.control_hz, run.label)
+    try:
+        results = deployer.run_all()
+    finally:
+        if robot.is_connected:
+            robot.disconnect()
+    report = deployer.report(results)
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    report_path.write_text(json.dumps(report, indent=1))
+    summary = {"report": str(report_path), "robot_type": report["robot_type"], "task": report["task"],
+               "episodes": [{k: e[k] for k in ("steps", "actions_sent", "holds", "stop_reason", "success",
+                                                 "episode_id", "safety_counts", "policy_latency_s")}
+                            for e in report["episodes"]],
+               "successes": report["successes"], "committed": report["committed"]}
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

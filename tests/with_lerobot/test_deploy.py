@@ -1,0 +1,364 @@
+"""Deployment through LeRobot's Robot API on the SO-100 twin (robot type fleetmind_so100_sim): the same loop as on
+a real arm (fleet/deploy.py), a real exported policy, real safety limits, a real experience store.
+
+Run with the LeRobot environment: ``.venv-lerobot/bin/python -m pytest -q tests/with_lerobot/test_deploy.py``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.lerobot
+# "lerobot.robots", not "lerobot": with tests/ on sys.path this folder is a namespace package named lerobot
+pytest.importorskip("lerobot.robots")
+
+# LeRobot (torchvision -> triton) before anything imports sim: see fleet/so100_sim_robot/__init__.py
+import torch
+from lerobot.robots import make_robot_from_config
+
+from fleet.deploy import Deployer, RunConfig, build_robot_config, export_path, safety_limits
+from fleet.lerobot_bridge import JointMap
+from fleet.so100_sim_robot import FleetmindSO100Sim, FleetmindSO100SimConfig
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[2]
+TINY = {"input_shapes": {"observation.state": [4], "observation.environment_state": [17],
+                         "observation.images.corner": [32, 32, 3]},
+        "dim": 32, "n_layers": 2, "n_heads": 2, "state_hidden": 32, "horizon": 8, "n_action_steps": 4,
+        "num_inference_steps": 4, "image_channels": [8, 16],
+        "aed": {"history_actions": 8, "group_size": 4, "memory_queries": 2, "tokenizer_vocab_size": 256},
+        "mt_loss": {"weight": 0.01}}
+WORKSPACE = [[-0.05, 0.39, 0.005], [0.29, 0.81, 0.28]]
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory) -> Path:
+    """A tiny real AED diffusion policy (random weights) exported by policies.export at 30 Hz."""
+    from experience_dict.tokenizer import ActionTokenizer
+    from policies.aed_diffusion import AEDDiffusionConfig, AEDDiffusionPolicy
+    from policies.export import export_checkpoint
+
+    root = tmp_path_factory.mktemp("deploy_export")
+    cfg = AEDDiffusionConfig.from_dict(json.loads(json.dumps(TINY)))
+    rng = np.random.default_rng(0)
+    eps = [np.clip(np.cumsum(rng.normal(0, 0.2, (60, 4)), 0), -1, 1).astype(np.float32) for _ in range(6)]
+    tok = ActionTokenizer.fit(eps, r=4, relative_dims=[0, 1, 2], absolute_dims=[3], scale=10.0, vocab_size=256)
+    stats = {"observation.state": {"min": [-0.1, 0.4, 0.0, 0.0], "max": [0.3, 0.8, 0.3, 1.0]},
+             "observation.environment_state": {"min": [-1.0] * 17, "max": [1.0] * 17},
+             "action": {"min": [-1.0] * 4, "max": [1.0] * 4}}
+    torch.manual_seed(0)
+    policy = AEDDiffusionPolicy(cfg, stats, tok)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    policy.save_pretrained(root / "ckpt")
+    return export_checkpoint(root / "ckpt", root / "export", control_hz=30.0)
+
+
+def _robot(tmp_path, **kw) -> FleetmindSO100Sim:
+    cfg = FleetmindSO100SimConfig(calibration_dir=tmp_path / "calib", **{"render_cameras": ["corner"],
+                                                                          "image_size": 32, **kw})
+    robot = make_robot_from_config(cfg)  # LeRobot's own factory resolves the registered type
+    assert type(robot) is FleetmindSO100Sim
+    return robot
+
+
+def _runtime(export):
+    from policies.runtime import PolicyRuntime
+
+    return PolicyRuntime.load(export)
+
+
+class Injected:
+    """The exported runtime with faults injected at given control steps of every episode: ``{step: "nan" | "slow"
+    | action array}`` ("slow" sleeps ``slow_s`` before answering)."""
+
+    def __init__(self, runtime, faults: dict, slow_s: float = 0.6):
+        self.rt, self.faults, self.slow_s = runtime, faults, slow_s
+        self.input_shapes, self.control_hz, self.meta = runtime.input_shapes, runtime.control_hz, runtime.meta
+        self.step, self.returned_at = -1, {}
+
+    def reset(self):
+        self.rt.reset()
+        self.step = -1
+
+    def select_action(self, obs):
+        self.step += 1
+        a = self.rt.select_action(obs)
+        fault = self.faults.get(self.step)
+        if isinstance(fault, str) and fault == "slow":
+            time.sleep(self.slow_s)
+        elif isinstance(fault, str) and fault == "nan":
+            a = a.copy()
+            a[1] = np.nan
+        elif fault is not None:
+            a = np.asarray(fault, dtype=np.float32)
+        self.returned_at[self.step] = time.perf_counter()
+        return a
+
+
+def _spy_sends(robot):
+    """Record every action the robot receives (with its time) while still sending it."""
+    sent, real = [], robot.send_action
+
+    def send(action):
+        sent.append((time.perf_counter(), dict(action)))
+        return real(action)
+
+    robot.send_action = send
+    return sent
+
+
+def test_deploy_sends_paced_actions_within_limits_and_commits(export_dir, tmp_path):
+    from experience_dict.store import ExperienceStore
+
+    robot = _robot(tmp_path)
+    sends = _spy_sends(robot)
+    run = RunConfig(max_steps=45, label="sim", stop_on_success=False, realtime=True, store_url=str(tmp_path / "s"),
+                    seed=3)
+    limits = safety_limits({"max_step_deg": 15, "max_step_gripper": 50, "workspace_m": WORKSPACE,
+                            "deadline_s": 5.0}, JointMap())
+    dep = Deployer(_runtime(export_dir), robot, run, limits, export_dir=str(export_dir))
+    robot.connect()
+    start_q = robot.joint_positions()
+    t0 = time.perf_counter()
+    [res] = dep.run_all()
+    wall = time.perf_counter() - t0
+    end_q = robot.joint_positions()
+    robot.disconnect()
+    assert res.steps == 45 and len(sends) == 45 and res.stop_reason == "max_steps"
+    assert wall >= 44 / 30.0                                        # paced at the export's 30 Hz
+    assert np.abs(end_q - start_q)[:5].max() > 2.0                  # the arm moved (degrees)
+    sent, cur = np.array(res.sent), np.array(res.current)
+    assert np.all(np.abs(sent - cur) <= np.array([15] * 5 + [50]) + 1e-9)
+    lim = limits.joint_limits
+    assert np.all((sent >= lim[:, 0] - 1e-9) & (sent <= lim[:, 1] + 1e-9))
+    np.testing.assert_allclose([list(a.values()) for _, a in sends], sent)   # what the robot got = the filter's
+    # the episode is in the store, labelled by the twin, with the policy's own observations and actions
+    store = ExperienceStore.open(str(tmp_path / "s"))
+    [meta] = store.episodes()
+    ep = meta.episode_id
+    assert ep == res.episode_id and meta.embodiment == "so100" and meta.task == "so100-reach"
+    assert meta.length == 45 and meta.policy_version == -1 and meta.unit_id == 1000 and not meta.is_demo
+    assert meta.success is False and meta.extra["deploy"]["robot_type"] == "fleetmind_so100_sim"
+    data = store.load_episode(ep)
+    assert data["observation.images.corner"].shape == (45, 32, 32, 3) and data["observation.images.corner"].std() > 1
+    assert np.isfinite(data["action"]).all() and np.isfinite(data["progress.obj_to_target"]).all()
+    np.testing.assert_allclose(data["observation.state"][0, :3], dep.bridge.fk(cur[0]), atol=1e-6)
+    report = dep.report([res])
+    assert report["committed"] == [ep] and len(report["episodes"][0]["policy_s"]) == 45
+    json.dumps(report)
+
+
+def test_nan_out_of_limit_and_missed_deadline_hold_the_arm(export_dir, tmp_path):
+    rt = _runtime(export_dir)
+    robot = _robot(tmp_path, render_cameras=["corner"])
+    sends = _spy_sends(robot)
+    store = str(tmp_path / "s")
+    limits = safety_limits({"max_step_deg": 15, "max_step_gripper": 50, "workspace_m": WORKSPACE,
+                            "deadline_s": 5.0, "max_misses": 1}, JointMap())   # no miss on a loaded CI machine
+    robot.connect()
+
+    # 1. NaN at step 6: held at the measured position, stop latched, nothing sent afterwards; committed (6 steps)
+    inj = Injected(rt, {6: "nan"})
+    dep = Deployer(inj, robot, RunConfig(max_steps=40, label="sim", realtime=False, store_url=store), limits)
+    res = dep.run_episode(0)
+    dep.close()  # the store writer (its shard lock) and the watchdog thread
+    assert res.stop_reason == "non_finite" and res.steps == 7 and res.held == [False] * 6 + [True]
+    np.testing.assert_array_equal(res.sent[-1], res.current[-1])
+    assert [e.kind for e in res.events if e.kind == "non_finite"] == ["non_finite"]
+    assert len(sends) == 7 and res.episode_id is not None
+    assert np.array(sends[-1][1]["shoulder_pan.pos"]) == res.current[-1][0]
+
+    # 2. a missed deadline at step 4: the hold goes out at the deadline, before the slow call returns; stop
+    n0 = len(sends)
+    inj = Injected(rt, {4: "slow"}, slow_s=1.5)
+    short = safety_limits({"max_step_deg": 15, "max_step_gripper": 50, "workspace_m": WORKSPACE,
+                           "deadline_s": 0.5, "max_misses": 1}, JointMap())
+    dep = Deployer(inj, robot, RunConfig(max_steps=40, label="sim", realtime=False), short)
+    res = dep.run_episode(1)
+    dep.close()
+    assert res.stop_reason == "deadline" and res.steps == 5 and res.held[-1] and not any(res.held[:-1])
+    np.testing.assert_array_equal(res.sent[-1], res.current[-1])
+    hold_t, hold = sends[-1]
+    assert len(sends) - n0 == 5 and hold_t < inj.returned_at[4] - 0.5   # held well before the late answer
+    np.testing.assert_allclose(list(hold.values()), res.current[-1])
+    [ev] = [e for e in res.events if e.kind == "deadline"]
+    assert ev.step == 4 and 0.49 <= ev.detail["held_after_s"] < 1.2
+
+    # 3. out-of-range actions into a tight pan limit and a low workspace ceiling: clipped, capped and held there
+    tight = safety_limits({"max_step_deg": 15, "max_step_gripper": 50, "deadline_s": 5.0,
+                           "joint_limits_deg": {"shoulder_pan": [-4.0, 4.0]},
+                           "workspace_m": [WORKSPACE[0], [0.29, 0.81, 0.11]]}, JointMap())
+    side = np.array([0.0, 6.0, 0.0, -1.0], dtype=np.float32)           # +y (turns the pan), far outside [-1, 1]
+    up = np.array([0.0, 0.0, 6.0, -1.0], dtype=np.float32)             # then +z, into the ceiling
+    inj = Injected(rt, {**dict.fromkeys(range(30), side), **dict.fromkeys(range(30, 60), up)})
+    dep = Deployer(inj, robot, RunConfig(max_steps=60, label="sim", realtime=False, store_url=store), tight)
+    res = dep.run_episode(2)
+    dep.close()
+    counts = res.to_dict()["safety_counts"]
+    assert res.steps == 60 and counts["action_range"] == 60 and counts["joint_limit"] > 0 and counts["workspace"] > 0
+    sent = np.array(res.sent)
+    assert sent[:, 0].min() >= -4.0 - 1e-9 and sent[:30, 0].min() == -4.0      # pushed against the pan limit
+    ee = np.array([dep.bridge.fk(s) for s in sent])
+    ws_steps = [e.step for e in res.events if e.kind == "workspace"]
+    assert ws_steps and ws_steps[0] > 0
+    np.testing.assert_array_equal(sent[ws_steps], sent[np.array(ws_steps) - 1])  # the command is rejected
+    assert ee[:, 2].max() <= 0.11 + 0.01                                     # the ceiling holds (servo lag aside)
+    assert 0.10 < robot.env.tcp[2] <= 0.12 and robot.joint_positions()[0] >= -4.5
+    robot.disconnect()
+
+    from experience_dict.store import ExperienceStore
+
+    eps = ExperienceStore.open(store).episodes()
+    # the NaN episode (6 policy steps) and the out-of-range one; the deadline episode ran without a store
+    assert sorted(e.length for e in eps) == [6, 60]
+
+
+class ExpertRuntime:
+    """The SO-100 scripted expert behind the runtime interface (it reads the twin's true state)."""
+
+    control_hz = 30.0
+
+    def __init__(self, robot):
+        self.robot, self.expert = robot, None
+        self.input_shapes = {"observation.state": [4], "observation.environment_state": [17]}
+        self.meta = {}
+
+    def reset(self):
+        self.expert = None
+
+    def select_action(self, obs):
+        import sim
+
+        if self.expert is None:
+            self.expert = sim.make_expert(self.robot.env, seed=0)
+        return self.expert.act(obs)
+
+
+def test_expert_through_the_bridge_succeeds_and_matches_the_twin(tmp_path):
+    """EE deltas -> the bridge's IK -> joint targets -> the LeRobot sim robot: the twin's own trajectory, and
+    so100-reach solved, for a non-trivial calibration shared by the robot and the bridge."""
+    import sim
+
+    signs, offsets = [1, -1, 1, -1, 1], [3.0, 95.0, -88.0, -2.5, 10.0]
+    robot = _robot(tmp_path, render_cameras=[], joint_signs=signs, joint_offsets_deg=offsets)
+    jm = JointMap(signs, offsets)
+    free = safety_limits({"max_step_deg": 1e6, "max_step_gripper": 1e6, "workspace_m": WORKSPACE,
+                          "deadline_s": None}, jm)
+    rt = ExpertRuntime(robot)
+    dep = Deployer(rt, robot, RunConfig(episodes=3, max_steps=150, label="sim", realtime=False, seed=10), free, jm)
+    robot.connect()
+    tcps = []
+    real_step = robot.env.step_joint_targets
+
+    def step_and_record(q, jaw):
+        out = real_step(q, jaw)
+        tcps.append(robot.env.tcp)
+        return out
+
+    robot.env.step_joint_targets = step_and_record
+    results = dep.run_all()
+    robot.disconnect()
+    assert [r.success for r in results] == [True, True, True]
+    assert all(r.stop_reason == "success" and not r.events for r in results)
+    # the same seed and expert on the plain twin (env.step: its own EE controller) gives the same tcp path
+    env = sim.make_env("so100-reach")
+    env.reset(seed=10)
+    expert = sim.make_expert(env, seed=0)
+    ref = []
+    for _ in range(results[0].steps):
+        env.step(expert.act(None))
+        ref.append(env.tcp)
+    np.testing.assert_allclose(np.array(tcps[:results[0].steps]), np.array(ref), atol=1e-6)
+
+
+def far_from_home(robot, observation) -> bool:
+    """A success classifier for the test below (label=classifier): the arm left its home pose (degrees)."""
+    return bool(abs(observation["shoulder_lift.pos"] + 90.0) > 1.0 or abs(observation["elbow_flex.pos"] - 90.0) > 1.0)
+
+
+def test_operator_and_classifier_labels_decide_what_is_committed(tmp_path):
+    from experience_dict.store import ExperienceStore
+
+    robot = _robot(tmp_path, render_cameras=[])
+    answers = iter(["maybe", "y", "", "n"])
+    prompts = []
+
+    def operator(prompt):
+        prompts.append(prompt)
+        return next(answers)
+
+    store = str(tmp_path / "s")
+    run = RunConfig(episodes=3, max_steps=8, label="operator", realtime=False, store_url=store)
+    dep = Deployer(ExpertRuntime(robot), robot, run, input_fn=operator)
+    results = dep.run_all()
+    assert [r.success for r in results] == [True, None, False] and len(prompts) == 4
+    assert "success? [y/n" in prompts[0] and [r.label_source for r in results] == ["operator", "none", "operator"]
+    assert results[1].episode_id is None                   # no label, not committed
+    metas = ExperienceStore.open(store).episodes()
+    assert sorted((m.seed, m.success) for m in metas) == [(0, True), (2, False)]
+    run = RunConfig(episodes=1, max_steps=8, label="classifier", success_classifier="test_deploy:far_from_home",
+                    realtime=False, store_url=store)
+    [res] = Deployer(ExpertRuntime(robot), robot, run).run_all()
+    assert res.success is True and res.label_source == "classifier" and res.episode_id is not None
+    robot.disconnect()
+    with pytest.raises(ValueError, match="label=classifier needs"):
+        Deployer(ExpertRuntime(robot), robot, RunConfig(label="classifier"))
+
+
+def test_clear_errors_for_bad_exports_and_robots(export_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        export_path(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="unknown robot type 'so999_follower'.*fleetmind_so100_sim.*so101_follower"):
+        build_robot_config({"type": "so999_follower"})
+    with pytest.raises(ValueError, match="fields `bogus` are not valid"):
+        build_robot_config({"type": "so101_follower", "port": "/dev/null", "bogus": 1})
+    real = make_robot_from_config(build_robot_config({"type": "so101_follower", "port": "/dev/null",
+                                                      "calibration_dir": str(tmp_path / "c"), "id": "arm0"}))
+    with pytest.raises(ValueError, match="observation.environment_state.*'so101_follower' does not provide"):
+        Deployer(_runtime(export_dir), real, RunConfig(label="operator"), robot_type="so101_follower")
+    robot = _robot(tmp_path, render_cameras=[])
+    with pytest.raises(ValueError, match=r"robot camera 'corner'.*its cameras: \[\]"):
+        Deployer(_runtime(export_dir), robot, RunConfig(label="sim"))
+    with pytest.raises(ValueError, match="label=sim needs the simulated robot"):
+        Deployer(_StateOnly(_runtime(export_dir)), real, RunConfig(label="sim"))
+    with pytest.raises(ValueError, match="policy runs at 80.0 Hz"):
+        Deployer(_StateOnly(_runtime(export_dir)), robot, RunConfig(label="sim", control_hz=80.0))
+
+
+class _StateOnly:
+    """The runtime seen as a policy reading the state only (feature checks, no acting)."""
+
+    def __init__(self, rt):
+        self.rt, self.control_hz, self.meta = rt, rt.control_hz, rt.meta
+        self.input_shapes = {"observation.state": [4]}
+
+
+@pytest.mark.slow
+def test_deploy_script_runs_an_export_on_the_simulated_robot(export_dir, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
+           "WANDB_MODE": "offline", "HF_LEROBOT_CALIBRATION": str(tmp_path / "calib")}
+    cmd = [sys.executable, "scripts/deploy.py", f"deploy.run.export_dir={export_dir}", "deploy.run.label=sim",
+           "deploy.run.episodes=2", "deploy.run.max_steps=20", "deploy.run.realtime=false",
+           "deploy.safety.deadline_s=5",
+           f"deploy.run.store_url={tmp_path / 'store'}", f"hydra.run.dir={tmp_path / 'run'}"]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "deploy_report.json").read_text())
+    assert report["robot_type"] == "fleetmind_so100_sim" and report["control_hz"] == 30.0
+    assert [e["actions_sent"] for e in report["episodes"]] == [20, 20] and len(report["committed"]) == 2
+    assert report["safety"]["max_step"] == [15.0] * 5 + [50.0]
+    bad = subprocess.run(cmd[:3] + ["deploy.robot.type=so999_follower", f"hydra.run.dir={tmp_path / 'run2'}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert bad.returncode != 0 and "unknown robot type 'so999_follower'" in bad.stderr
+    assert "so101_follower" in bad.stderr
+    bad = subprocess.run(cmd[:2] + [f"hydra.run.dir={tmp_path / 'run3'}"], cwd=REPO, capture_output=True, text=True,
+                         timeout=600, env=env, check=False)
+    assert bad.returncode != 0 and "deploy.run.export_dir is not set" in bad.stderr
