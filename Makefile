@@ -46,7 +46,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest tests $(ARGS)
 
 test-lerobot: $(LSTAMP)
-	$(LBIN)/python -m pytest tests/lerobot -m lerobot $(ARGS)
+	$(LBIN)/python -m pytest tests/with_lerobot -m lerobot $(ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not slow" $(ARGS)
