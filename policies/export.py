@@ -38,7 +38,8 @@ def training_provenance(checkpoint_dir: Path) -> dict[str, Any]:
     """What the checkpoint was trained on, read from the training run around a ``.../checkpoints/<step>/
     pretrained_model`` directory (all optional): ``step`` (``training_state/state.json``), ``run_dir``,
     ``train_summary`` (``train_summary.json``: episodes, parameters, last metrics), ``tasks`` and ``store``
-    (Hydra's ``.hydra/config.yaml`` of the run)."""
+    (Hydra's ``.hydra/config.yaml`` of the run, else ``train_summary.json``), ``control_hz`` (Hz, the training
+    store's control rate as ``scripts/train.py`` records it in ``train_summary.json``)."""
     out: dict[str, Any] = {}
     ckpt = checkpoint_dir.parent
     state = ckpt / "training_state" / "state.json"
@@ -51,13 +52,16 @@ def training_provenance(checkpoint_dir: Path) -> dict[str, Any]:
         if summary.is_file():
             s = json.loads(summary.read_text())
             out["train_summary"] = {k: s.get(k) for k in ("step", "episodes", "parameters", "last_metrics")}
+            for k in ("tasks", "store", "control_hz"):
+                if s.get(k) is not None:
+                    out[k] = s[k]
         hydra_cfg = run / ".hydra" / "config.yaml"
         if hydra_cfg.is_file():
             from omegaconf import OmegaConf  # only when the run was a Hydra app
 
             c = OmegaConf.to_container(OmegaConf.load(hydra_cfg), resolve=False)
-            out["tasks"] = list((c.get("task") or {}).get("tasks") or [])
-            out["store"] = (c.get("store") or {}).get("url")
+            out.setdefault("tasks", list((c.get("task") or {}).get("tasks") or []))
+            out.setdefault("store", (c.get("store") or {}).get("url"))
     return out
 
 

@@ -39,8 +39,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def store_control_hz(ckpt: Path) -> float | None:
-    """The control rate of the store the checkpoint was trained on (Hydra run config), or None."""
-    store = training_provenance(ckpt).get("store")
+    """The control rate of the store the checkpoint was trained on (``train_summary.json``, else the store named
+    by the run's Hydra config), or None."""
+    prov = training_provenance(ckpt)
+    if prov.get("control_hz") is not None:
+        return float(prov["control_hz"])
+    store = prov.get("store")
     if not store:
         return None
     try:

@@ -64,6 +64,7 @@ def main(cfg: DictConfig) -> None:
     tok = res["policy"].tokenizer
     summary = {"checkpoint": str(res["checkpoint"]), "step": res["step"], "wall_s": round(time.time() - t0, 1),
                "episodes": len(episodes), "parameters": res["policy"].num_parameters(),
+               "store": str(cfg.store.url), "tasks": list(cfg.task.tasks), "control_hz": reader.control_hz,
                "last_metrics": res["metrics"], "tokenizer_fit": tok.fit_report if tok is not None else None}
     (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))

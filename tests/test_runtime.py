@@ -171,3 +171,23 @@ def test_export_script_from_a_registry_version(exported, tmp_path):
     assert meta["source"]["metadata"] == {"run_id": "t", "round": 1}
     assert f"version {v}" in (tmp_path / "out" / "README.md").read_text()
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+
+
+def test_export_takes_the_control_rate_recorded_by_training(exported, tmp_path):
+    """A training run outside its Hydra dir still tells the export its rate (train_summary.json)."""
+    import json
+    import shutil
+
+    from policies.export import training_provenance
+    from scripts.export import store_control_hz
+
+    policy, _ = exported
+    ckpt = tmp_path / "run" / "checkpoints" / "0000010" / "pretrained_model"
+    policy.save_pretrained(ckpt)
+    assert store_control_hz(ckpt) is None                      # nothing recorded: unknown, not a guess
+    (tmp_path / "run" / "train_summary.json").write_text(json.dumps(
+        {"step": 10, "episodes": 3, "store": "outputs/so100_demos", "tasks": ["so100-reach"], "control_hz": 30.0}))
+    prov = training_provenance(ckpt)
+    assert prov["control_hz"] == 30.0 and prov["store"] == "outputs/so100_demos" and prov["tasks"] == ["so100-reach"]
+    assert store_control_hz(ckpt) == 30.0
+    shutil.rmtree(tmp_path / "run")
