@@ -16,7 +16,7 @@ import numpy as np
 from gymnasium import spaces
 
 from sim.gl import CameraRenderer
-from sim.units import CAMERAS, ModelVariation, RobotUnit, as_dict, feature_spec, unit_lists
+from sim.units import CAMERAS, ModelVariation, RobotUnit, as_dict, check_unit, feature_spec
 
 PROGRESS_KEYS = ("near_object", "grasp_success", "grasp_reward", "in_place_reward", "obj_to_target",
                  "unscaled_reward")
@@ -77,12 +77,7 @@ class MetaWorldEnv(gym.Env):
         from metaworld.env_dict import ALL_V3_ENVIRONMENTS
 
         check_task(task)
-        if robot_cfg is not None:
-            train, heldout = unit_lists(robot_cfg)
-            valid = train + heldout
-            if unit_id not in valid:
-                raise ValueError(f"unknown unit id {unit_id!r}; the robot config names train_units {train} "
-                                 f"and heldout_units {heldout}")
+        check_unit(unit_id, robot_cfg)
         self.unit = RobotUnit.draw(unit_id, robot_cfg)
         self.task = task
 

@@ -77,6 +77,17 @@ def unit_lists(robot_cfg: Any) -> tuple[list[int], list[int]]:
     return train, heldout
 
 
+def check_unit(unit_id: int, robot_cfg: Any) -> None:
+    """Raise ValueError unless ``unit_id`` is one of the robot config's training or held-out units (no check
+    without a config)."""
+    if robot_cfg is None:
+        return
+    train, heldout = unit_lists(robot_cfg)
+    if unit_id not in train + heldout:
+        raise ValueError(f"unknown unit id {unit_id!r}; the robot config names train_units {train} "
+                         f"and heldout_units {heldout}")
+
+
 def _variation_ranges(robot_cfg: Any) -> dict[str, float]:
     var = as_dict(robot_cfg).get("variation", {}) or {}
     unknown = sorted(set(var) - set(VARIATION_KEYS))

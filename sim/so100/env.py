@@ -30,7 +30,7 @@ import numpy as np
 from gymnasium import spaces
 
 from sim.gl import CameraRenderer
-from sim.units import RobotUnit, as_dict, feature_spec, unit_lists
+from sim.units import RobotUnit, as_dict, check_unit, feature_spec
 
 PROGRESS_KEYS = ("near_object", "grasp_success", "grasp_reward", "in_place_reward", "obj_to_target",
                  "unscaled_reward")  # == sim.metaworld_env.PROGRESS_KEYS (kept equal by a test)
@@ -211,11 +211,7 @@ class SO100Env(gym.Env):
         import mujoco
 
         check_task(task)
-        if robot_cfg is not None:
-            train, heldout = unit_lists(robot_cfg)
-            if unit_id not in train + heldout:
-                raise ValueError(f"unknown unit id {unit_id!r}; the robot config names train_units {train} "
-                                 f"and heldout_units {heldout}")
+        check_unit(unit_id, robot_cfg)
         self.unit = dataclasses.replace(RobotUnit.draw(unit_id, robot_cfg), embodiment=EMBODIMENT)
         self.task, self.task_spec = task, TASKS[task]
         ocfg = as_dict(obs_cfg)
