@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -294,12 +294,15 @@ class Fleet:
     def run(self, episodes_per_unit: int | None = None, wall_time_s: float | None = None,
             episodes_per_task: int | None = None, progress: bool = True,
             should_stop: Callable[[], bool] | None = None,
-            on_episode: Callable[[dict], None] | None = None, policy: Any = None) -> FleetResult:
+            on_episode: Callable[[dict], None] | None = None, policy: Any = None,
+            plan: Sequence[Mapping] | None = None) -> FleetResult:
         """Run episodes until the budget is spent; returns a ``FleetResult``.
 
         Budgets (at least one): ``episodes_per_unit`` (each unit runs that many, its tasks round-robin),
         ``episodes_per_task`` (that many per task in total, handed to whichever unit runs the task and is
-        free), ``wall_time_s`` (no new episode starts after it; running ones finish). With none given,
+        free), ``plan`` (exactly these trials: ``[{"task", "unit_id", "seed"}, ...]``, each unit running its own
+        in order; a trial whose episode fails is run again; see ``fleet.evaluation.evaluation_plan``),
+        ``wall_time_s`` (no new episode starts after it; running ones finish). With none given,
         ``fleet.episodes_per_unit`` / ``fleet.wall_time_s`` from the config are used.
         ``policy`` (see ``policy_spec``) switches the acting policy for this run and later ones (held-out
         evaluation of several arms on one set of workers); it is handed to the workers with every episode.
@@ -314,7 +317,8 @@ class Fleet:
         Raises:
             fleet.registry.RegistryError / experience_dict.store.StoreError (not WriterBusyError): a missing
                 or tampered checkpoint, or data that does not fit the store; restarting cannot fix those.
-            ValueError: no budget given or configured.
+            ValueError: no budget given or configured; a plan trial names a unit this fleet does not run or a
+                task that unit does not run.
         """
         import ray
         from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
@@ -326,7 +330,16 @@ class Fleet:
             self.start()
         if policy is not None:
             self.policy = policy_spec(self.cfg, policy)
-        if episodes_per_unit is None and wall_time_s is None and episodes_per_task is None:
+        queues: dict[int, deque] | None = None  # plan mode: unit -> its trials still to run
+        if plan is not None:
+            queues = {u: deque() for u in self.units}
+            for trial in plan:
+                u, t = int(trial["unit_id"]), str(trial["task"])
+                if u not in queues or t not in self.unit_tasks[u]:
+                    raise ValueError(f"Fleet.run plan: trial {dict(trial)} names unit {u} / task {t!r}, but this fleet "
+                                     f"runs units {self.units} with tasks {self.unit_tasks.get(u, [])}")
+                queues[u].append({"task": t, "unit_id": u, "seed": int(trial["seed"])})
+        elif episodes_per_unit is None and wall_time_s is None and episodes_per_task is None:
             episodes_per_unit = self.fcfg.get("episodes_per_unit")
             wall_time_s = self.fcfg.get("wall_time_s")
             if episodes_per_unit is None and wall_time_s is None:
@@ -335,7 +348,9 @@ class Fleet:
         per_unit = {u: (int(episodes_per_unit) if episodes_per_unit is not None else None) for u in self.units}
         per_task = {t: int(episodes_per_task) for t in self.tasks} if episodes_per_task is not None else None
         reserved: Counter = Counter()  # task -> episodes in flight (episodes_per_task mode)
-        if per_task is not None:
+        if queues is not None:
+            total = sum(len(q) for q in queues.values())
+        elif per_task is not None:
             total = sum(per_task.values())
         elif episodes_per_unit is not None:
             total = int(episodes_per_unit) * len(self.units)
@@ -346,6 +361,7 @@ class Fleet:
         deadline = t_start + float(wall_time_s) if wall_time_s is not None else None
         result = FleetResult(restarts={u: 0 for u in self.units})
         inflight: dict[Any, tuple[int, str, str | None, float]] = {}  # ref -> (unit, "episode"|"ping", task, t0)
+        trial_of: dict[Any, dict] = {}  # plan mode: episode ref -> its trial (put back in front when it fails)
         ping_at: dict[int, float] = {}  # recovering unit -> when to ask again whether it is back
         recovering_since: dict[int, float] = {}
         active = set(self.units)
@@ -354,6 +370,8 @@ class Fleet:
         def next_task(unit: int) -> tuple[bool, str | None]:
             if stopping or (deadline is not None and time.monotonic() >= deadline):
                 return False, None
+            if queues is not None:
+                return (True, None) if queues[unit] else (False, None)
             if per_task is not None:
                 open_tasks = [t for t in self.unit_tasks[unit] if per_task[t] - reserved[t] > 0]
                 if not open_tasks:
@@ -367,7 +385,14 @@ class Fleet:
 
         def submit(unit: int) -> None:
             ok, task = next_task(unit)
-            if ok:
+            if not ok:
+                return
+            if queues is not None:
+                trial = queues[unit].popleft()
+                ref = self.actors[unit].run_episodes.remote(1, trial["task"], self.policy, trial["seed"])
+                trial_of[ref] = trial
+                inflight[ref] = (unit, "episode", trial["task"], time.monotonic())
+            else:
                 inflight[self.actors[unit].run_episodes.remote(1, task, self.policy)] = (unit, "episode", task, time.monotonic())
 
         def recover(unit: int, err: BaseException | None, kill: bool) -> None:
@@ -382,6 +407,10 @@ class Fleet:
                 ray.kill(self.actors[unit], no_restart=False)
             ping_at[unit] = time.monotonic()
             recovering_since[unit] = time.monotonic()
+
+        def requeue(unit: int, trial: dict | None) -> None:
+            if trial is not None:  # the failed trial is run again, first, by the restarted worker
+                queues[unit].appendleft(trial)
 
         pbar = None
         if progress:
@@ -421,17 +450,21 @@ class Fleet:
                         continue
                     if per_task is not None:
                         reserved[task] -= 1
+                    trial = trial_of.pop(ref, None)
                     try:
                         summaries = ray.get(ref)
                     except (RegistryError, StoreError) as err:
                         if not isinstance(err, WriterBusyError):
                             raise  # a missing or tampered checkpoint, bad data: restarting cannot help
+                        requeue(unit, trial)
                         recover(unit, err, kill=True)
                         continue
                     except RayActorError as err:  # the process died or was killed (Ray restarts it)
+                        requeue(unit, trial)
                         recover(unit, err, kill=False)
                         continue
                     except RayTaskError as err:  # an exception inside the episode (e.g. in the env)
+                        requeue(unit, trial)
                         recover(unit, err, kill=True)
                         continue
                     for s in summaries:
@@ -472,6 +505,9 @@ class Fleet:
             if pbar is not None:
                 pbar.close()
         result.wall_s = time.monotonic() - t_start
+        for u, q in (queues or {}).items():
+            if q and not result.interrupted:
+                result.failures.append(f"unit {u}: {len(q)} planned trials not run (unit given up)")
         return result
 
     @staticmethod

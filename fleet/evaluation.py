@@ -18,24 +18,58 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
+def evaluation_plan(tasks: list[str], units: list[int], trials_per_task: int, seed: int = 1000) -> list[dict]:
+    """The held-out trials every arm runs: the same ``(task, unit, reset seed)`` list for every policy.
+
+    Giving each arm the same initial states (common random numbers) removes the initial-state variance from
+    the differences between arms, so they can be compared trial by trial (:func:`fleet.report.paired_differences`).
+    The ``g``-th trial overall (tasks in order, ``trials_per_task`` each) runs on ``units[g % len(units)]``, so units
+    get equal shares; a unit's ``k``-th trial resets with ``fleet.worker.episode_seed(seed, unit, k)``.
+
+    Args:
+        tasks: task names; units: unit ids (>= 1); trials_per_task: >= 1; seed: the seed stream of the plan
+            (``eval.seed``), apart from the training fleet's ``seed``.
+
+    Returns:
+        ``[{"task": str, "unit_id": int, "seed": int, "trial": int}, ...]``, ``len(tasks) * trials_per_task`` trials.
+
+    Raises:
+        ValueError: no tasks, no units or ``trials_per_task < 1``.
+    """
+    from fleet.worker import episode_seed
+
+    if not tasks or not units or int(trials_per_task) < 1:
+        raise ValueError(f"evaluation_plan: expected tasks, units and trials_per_task >= 1, given tasks={tasks}, "
+                         f"units={units}, trials_per_task={trials_per_task}")
+    count = {int(u): 0 for u in units}
+    plan = []
+    for i, task in enumerate(tasks):
+        for j in range(int(trials_per_task)):
+            u = int(units[(i * int(trials_per_task) + j) % len(units)])
+            plan.append({"task": str(task), "unit_id": u, "seed": episode_seed(int(seed), u, count[u]), "trial": j})
+            count[u] += 1
+    return plan
+
+
 def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_per_task: int,
-                  units: list[int] | None = None, progress: bool = True) -> dict[str, list[dict]]:
+                  units: list[int] | None = None, progress: bool = True,
+                  tasks: list[str] | None = None) -> dict[str, list[dict]]:
     """Evaluate each arm's checkpoint on held-out units, one arm after the other on one set of workers.
 
     Args:
-        cfg: plain config dict (``robot``, ``obs``, ``task``, ``store``, ``fleet``, ``seed``).
+        cfg: plain config dict (``robot``, ``obs``, ``task``, ``store``, ``fleet``, ``seed``; ``eval.seed``).
         arms: ``{arm name: pretrained_model directory}``.
         out_dir: the evaluation episodes are committed to ``<out_dir>/eval_store`` (never the training
             store); each arm's episode summaries go to ``<out_dir>/episodes/<arm>.json`` (an arm whose file
             exists is not run again, so an interrupted evaluation resumes).
         trials_per_task: episodes per task per arm, spread over ``units``.
         units: default ``cfg["robot"]["heldout_units"]``.
+        tasks: default ``cfg["task"]["tasks"]``.
 
     Returns:
-        ``{arm: [{"task", "unit_id", "success", "length", "policy_version", "episode_id", ...}, ...]}``.
-        Every arm meets the same units; the reset seeds continue across arms (episode ``i`` of a unit uses
-        seed ``episode_seed(seed, unit, i)``), so arms see different but identically distributed initial
-        states.
+        ``{arm: [{"task", "unit_id", "seed", "success", "length", "policy_version", "episode_id", ...}, ...]}``.
+        Every arm runs the same :func:`evaluation_plan` (same units, tasks and reset seeds; the denoising noise
+        follows the seed too), so arms are compared on identical initial states.
     """
     from fleet.coordinator import Fleet
 
@@ -51,12 +85,17 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
     if not todo:
         return results
     c = {**cfg, "fleet": {**cfg["fleet"], "tasks_per_unit": None}}
-    units = list(units if units is not None else c["robot"]["heldout_units"])
+    units = [int(u) for u in (units if units is not None else c["robot"]["heldout_units"])]
+    tasks = list(tasks or c["task"]["tasks"])
+    plan = evaluation_plan(tasks, units, int(trials_per_task), int((c.get("eval") or {}).get("seed", 1000)))
     first = next(iter(todo.values()))
-    with Fleet(c, policy=str(first), units=units, store_url=str(out / "eval_store"), is_demo=False) as fleet:
+    with Fleet(c, policy=str(first), units=units, tasks=tasks, store_url=str(out / "eval_store"),
+               is_demo=False) as fleet:
         for arm, ckpt in todo.items():
             log.info("evaluating arm %s (%s) on units %s", arm, ckpt, units)
-            res = fleet.run(episodes_per_task=int(trials_per_task), progress=progress, policy=str(ckpt))
+            res = fleet.run(plan=plan, progress=progress, policy=str(ckpt))
+            if res.failures:
+                log.warning("arm %s: %d failed calls: %s", arm, len(res.failures), "; ".join(res.failures[-3:]))
             eps = [{k: _jsonable(v) for k, v in e.items()} | {"arm": arm} for e in res.episodes]
             cache = out / "episodes" / f"{arm}.json"
             cache.parent.mkdir(parents=True, exist_ok=True)

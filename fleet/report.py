@@ -47,6 +47,99 @@ def success_table(results: Mapping[str, Iterable[Mapping]]) -> dict:
     return table
 
 
+def paired_differences(results: Mapping[str, Iterable[Mapping]], pairs: Sequence[tuple[str, str]],
+                       n_boot: int = 10_000, seed: int = 0) -> dict:
+    """Trial-by-trial success differences between arms that ran the same evaluation plan.
+
+    Episodes are matched on ``(task, unit_id, seed)`` (:func:`fleet.evaluation.evaluation_plan` gives every arm
+    the same trials), so the initial-state variance cancels out of the difference. For each pair
+    ``(arm, baseline)`` and each task (and pooled over tasks): the mean difference ``success(arm) -
+    success(baseline)`` over matched trials, its 95% interval from a paired bootstrap (trials resampled with
+    replacement, within each task for the pooled value; percentile interval, Efron & Tibshirani 1993), the
+    discordant counts (``wins``: arm succeeded and baseline failed, ``losses``: the reverse) and the exact
+    McNemar p-value (two-sided binomial test on the discordant pairs; ``scipy.stats.binomtest``).
+
+    Args:
+        results: ``{arm: [episode result with task, unit_id, seed, success]}``.
+        pairs: ``[(arm, baseline), ...]``; pairs naming an arm not in ``results`` are skipped.
+        n_boot: bootstrap resamples; seed: bootstrap RNG seed.
+
+    Returns:
+        ``{"pairs": [{"arm", "baseline", "tasks": {task: cell}, "average": cell}], "tasks": [...]}`` with cells
+        ``{"pairs": n, "diff": float, "ci95": [lo, hi], "wins": int, "losses": int, "p_mcnemar": float}``
+        (``diff`` in success-rate units, -1..1).
+
+    Raises:
+        ValueError: an arm has two episodes with the same ``(task, unit_id, seed)``.
+    """
+    import numpy as np
+    from scipy.stats import binomtest
+
+    def keyed(arm: str) -> dict:
+        out = {}
+        for ep in results[arm]:
+            k = (str(ep["task"]), int(ep["unit_id"]), int(ep["seed"]))
+            if k in out:
+                raise ValueError(f"paired_differences: arm {arm!r} has two episodes of task {k[0]}, unit {k[1]}, "
+                                 f"seed {k[2]}")
+            out[k] = int(bool(ep["success"]))
+        return out
+
+    rng = np.random.default_rng(seed)
+    out: dict = {"pairs": [], "tasks": []}
+    tasks_all: set[str] = set()
+    for arm, base in pairs:
+        if arm not in results or base not in results:
+            continue
+        a, b = keyed(arm), keyed(base)
+        common = sorted(set(a) & set(b))
+        by_task: dict[str, np.ndarray] = {}
+        for task in sorted({k[0] for k in common}):
+            by_task[task] = np.array([a[k] - b[k] for k in common if k[0] == task], np.float64)
+        tasks_all.update(by_task)
+        row = {"arm": arm, "baseline": base, "tasks": {}, "average": None}
+        boots = []
+        for task, d in by_task.items():
+            idx = rng.integers(0, len(d), size=(n_boot, len(d)))
+            boots.append(d[idx].sum(1))
+            row["tasks"][task] = _paired_cell(d, d[idx].mean(1), binomtest)
+        d_all = np.concatenate(list(by_task.values())) if by_task else np.zeros(0)
+        row["average"] = _paired_cell(d_all, (np.sum(boots, 0) / max(len(d_all), 1)) if boots else np.zeros(0),
+                                      binomtest)
+        out["pairs"].append(row)
+    out["tasks"] = sorted(tasks_all)
+    return out
+
+
+def _paired_cell(d, boot, binomtest) -> dict:
+    import numpy as np
+
+    wins, losses = int((d > 0).sum()), int((d < 0).sum())
+    p = float(binomtest(min(wins, losses), wins + losses, 0.5).pvalue) if wins + losses else 1.0
+    lo, hi = (np.percentile(boot, [2.5, 97.5]).tolist() if len(boot) else [float("nan")] * 2)
+    return {"pairs": len(d), "diff": float(d.mean()) if len(d) else float("nan"), "ci95": [lo, hi],
+            "wins": wins, "losses": losses, "p_mcnemar": p}
+
+
+def paired_markdown(paired: Mapping) -> str:
+    """Render :func:`paired_differences` output as Markdown: one row per ``arm − baseline`` pair, cells
+    ``+x.x [lo, hi] pts (wins/losses, p)`` in percentage points."""
+    tasks = list(paired["tasks"])
+    lines = ["| arm − baseline | " + " | ".join(tasks) + " | average |", "|---|" + "---|" * (len(tasks) + 1)]
+    for row in paired["pairs"]:
+        cells = [_fmt_paired(row["tasks"].get(t)) for t in tasks] + [_fmt_paired(row["average"])]
+        lines.append(f"| {row['arm']} − {row['baseline']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt_paired(cell: Mapping | None) -> str:
+    if not cell or not cell["pairs"]:
+        return "–"
+    lo, hi = cell["ci95"]
+    return (f"{100 * cell['diff']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] pts "
+            f"({cell['wins']}/{cell['losses']}, p={cell['p_mcnemar']:.2g})")
+
+
 def _cell(s: int, n: int) -> dict:
     lo, hi = wilson_interval(s, n)
     return {"successes": s, "trials": n, "rate": (s / n) if n else float("nan"), "ci95": [lo, hi]}
@@ -81,6 +174,16 @@ def write_table(table: Mapping, out_dir: str | Path, name: str = "results") -> t
     md, js = out / f"{name}.md", out / f"{name}.json"
     md.write_text(table_markdown(table))
     js.write_text(json.dumps(table, indent=2))
+    return md, js
+
+
+def write_paired(paired: Mapping, out_dir: str | Path, name: str = "paired") -> tuple[Path, Path]:
+    """Write :func:`paired_differences` output as ``<name>.md`` and ``<name>.json`` into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    md, js = out / f"{name}.md", out / f"{name}.json"
+    md.write_text(paired_markdown(paired))
+    js.write_text(json.dumps(paired, indent=2))
     return md, js
 
 

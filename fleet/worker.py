@@ -145,6 +145,11 @@ class RobotWorker:
         if kind != "checkpoint":
             raise ValueError(f"policy kind {kind!r} unknown; expected 'expert', 'random' or 'checkpoint'")
         self._refresh_checkpoint()
+        # the denoising noise follows the episode seed: one policy on one seed acts the same every time
+        # (local inference; a policy server draws its own noise)
+        import torch
+
+        torch.manual_seed(int(seed))
         return self.policy
 
     def _wanted_version(self) -> int | None:
@@ -210,14 +215,18 @@ class RobotWorker:
         if f["kind"] == "sleep":  # a slow step: lets a test act mid-episode (e.g. SIGKILL from outside)
             time.sleep(float(f.get("seconds", 5.0)))
 
-    def run_episode(self, task: str | None = None) -> dict[str, Any]:
+    def run_episode(self, task: str | None = None, seed: int | None = None) -> dict[str, Any]:
         """Run and commit one episode; returns its summary ``{"episode_id", "unit_id", "task", "seed",
         "success", "length", "policy_version", "is_demo", "episode_index", "wall_s", "return"}``.
 
+        ``seed`` (the env reset seed) defaults to ``episode_seed(seed, unit, episode_index)``; an explicit one
+        lets an evaluation give every policy arm the same initial states (common random numbers).
         An exception inside the episode aborts the open episode (nothing is committed) and is re-raised.
         """
         task = task or self.tasks[self.episode_index % len(self.tasks)]
-        seed = episode_seed(self.cfg.get("seed", 0), self.unit_id, self.episode_index)
+        if seed is None:
+            seed = episode_seed(self.cfg.get("seed", 0), self.unit_id, self.episode_index)
+        seed = int(seed)
         env = self._env(task)
         policy = self._acting_policy(task, seed)
         version = int(policy.version)
@@ -254,8 +263,10 @@ class RobotWorker:
         self.progress_state.update(episode_index=self.episode_index, in_episode=False)
         return summary
 
-    def run_episodes(self, n: int = 1, task: str | None = None, policy: dict | None = None) -> list[dict[str, Any]]:
+    def run_episodes(self, n: int = 1, task: str | None = None, policy: dict | None = None,
+                     seed: int | None = None) -> list[dict[str, Any]]:
         """Run ``n`` episodes (of ``task``, or the unit's tasks round-robin); list of ``run_episode`` summaries.
+        ``seed``: the reset seed of an ``n == 1`` call (default: the unit's own seed sequence).
 
         Raises:
             fleet.registry.RegistryError, experience_dict.store.StoreError: as raised (not retryable).
@@ -266,16 +277,18 @@ class RobotWorker:
             # a new acting policy for this and later calls (the coordinator passes it with every call, so a
             # worker restarted by Ray picks it up again)
             self.policy_cfg, self.policy, self.policy_version = dict(policy), None, None
-        return self._sim_thread.submit(self._run_episodes, int(n), task).result()
+        if seed is not None and int(n) != 1:
+            raise ValueError(f"run_episodes: an explicit seed is for one episode, given n={n}")
+        return self._sim_thread.submit(self._run_episodes, int(n), task, seed).result()
 
-    def _run_episodes(self, n: int, task: str | None) -> list[dict[str, Any]]:
+    def _run_episodes(self, n: int, task: str | None, seed: int | None = None) -> list[dict[str, Any]]:
         from experience_dict.store import StoreError
         from fleet.registry import RegistryError
 
         out = []
         for _ in range(n):
             try:
-                out.append(self.run_episode(task))
+                out.append(self.run_episode(task, seed))
             except (RegistryError, StoreError):
                 raise
             except Exception as e:  # noqa: BLE001 - re-raised as text

@@ -47,6 +47,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 log = logging.getLogger("run")
 
+# (arm, baseline) pairs compared trial by trial on the same held-out trials -> paired.md / paired.json
+PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "fert_no_aed"), ("filtered_bc", "base"),
+         ("fert_no_aed", "base")]
+
 
 class JobState:
     """Which stages of a run are finished, with their outputs (``job_state.json``, written atomically)."""
@@ -170,7 +174,15 @@ def main(cfg: DictConfig) -> None:
     from fleet.evaluation import evaluate_arms, record_rollouts
     from fleet.learner import FertLearner
     from fleet.registry import CheckpointRegistry
-    from fleet.report import plot_success_per_round, success_table, table_markdown, write_table
+    from fleet.report import (
+        paired_differences,
+        paired_markdown,
+        plot_success_per_round,
+        success_table,
+        table_markdown,
+        write_paired,
+        write_table,
+    )
     from sim import unit_lists
 
     t_start = time.perf_counter()
@@ -256,6 +268,8 @@ def main(cfg: DictConfig) -> None:
                      "demos_per_task": int(job["demos_per_task"]), "eval_wall_s": time.perf_counter() - t0,
                      "total_wall_s": time.perf_counter() - t_start}
     write_table(table, out, "results")
+    paired = paired_differences(results, [(a, b) for a, b in PAIRS if a in arms and b in arms])
+    write_paired(paired, out, "paired")
 
     # plots: training-fleet success per policy version (v1 = base = round -1, v2 = round 0, ...) beside the
     # held-out arms (placed at the last round)
@@ -271,6 +285,7 @@ def main(cfg: DictConfig) -> None:
     if sizes:
         sweep = fleet_size_sweep(c, out, state, sizes, base_ckpt, train_units, heldout)
         write_table(sweep["table"], out, "fleet_size")
+        write_paired(sweep["paired"], out, "fleet_size_paired")
         plot_success_per_round(sweep["history"], out / "success_vs_fleet_size.png", x="fleet_size",
                                title="held-out success of FERT against fleet size")
         print("\nheld-out success against fleet size:\n" + table_markdown(sweep["table"]), flush=True)
@@ -284,7 +299,9 @@ def main(cfg: DictConfig) -> None:
         state.mark("videos", vids)
     _log_wandb(c, out, table)
     print("\nheld-out success (Wilson 95% interval):\n" + table_markdown(table), flush=True)
-    print(f"outputs in {out}: results.md, results.json, success_per_round.png, videos/, "
+    print("\ntrial-by-trial differences on the same held-out trials (paired bootstrap 95% interval; "
+          "wins/losses; McNemar p):\n" + paired_markdown(paired), flush=True)
+    print(f"outputs in {out}: results.md/json, paired.md/json, success_per_round.png, videos/, "
           f"learner_fert/audits/ ({time.perf_counter() - t_start:.0f} s)", flush=True)
 
 
@@ -309,12 +326,12 @@ def fleet_size_sweep(c: dict, out: Path, state: JobState, sizes: list[int], base
 
     Returns:
         ``{"table": success_table of arms "fert_n<n>", "history": {"FERT (held-out)": [{"fleet_size",
-        "successes", "trials"}]}}``.
+        "successes", "trials"}]}, "paired": paired_differences of every size against the smallest}``.
     """
     from fleet.evaluation import evaluate_arms
     from fleet.learner import FertLearner
     from fleet.registry import CheckpointRegistry
-    from fleet.report import success_table
+    from fleet.report import paired_differences, success_table
 
     per_unit = int(c["job"].get("sweep_episodes_per_unit", 15))
     arms = {}
@@ -342,7 +359,9 @@ def fleet_size_sweep(c: dict, out: Path, state: JobState, sizes: list[int], base
                      "trials_per_task": int(c["job"]["trials_per_task"]), "checkpoints": arms}
     history = {"FERT (held-out)": [{"fleet_size": n, "successes": table["arms"][f"fert_n{n}"]["average"]["successes"],
                                     "trials": table["arms"][f"fert_n{n}"]["average"]["trials"]} for n in sizes]}
-    return {"table": table, "history": history}
+    smallest = f"fert_n{min(sizes)}"
+    paired = paired_differences(results, [(a, smallest) for a in arms if a != smallest])
+    return {"table": table, "history": history, "paired": paired}
 
 
 def _per_version(episodes: list[dict]) -> dict[str, list[int]]:

@@ -22,7 +22,7 @@ import ray
 from hydra import compose, initialize_config_dir
 
 from experience_dict.store import ExperienceStore
-from fleet.coordinator import Fleet, collect, ensure_ray
+from fleet.coordinator import Fleet, _plain, collect, ensure_ray
 from fleet.registry import CheckpointRegistry, ChecksumMismatchError
 
 CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
@@ -44,8 +44,10 @@ def make_cfg(tmp_path, *overrides):
                                             f"fleet.cache_dir={tmp_path}/cache", *overrides])
 
 
-def tiny_aed_checkpoint(path, seed=0):
-    """A small real AED diffusion policy (untrained weights, real tokenizer), saved with save_pretrained."""
+def tiny_aed_checkpoint(path, seed=0, perturb=0.0):
+    """A small real AED diffusion policy (untrained weights, real tokenizer), saved with save_pretrained.
+    ``perturb``: std of Gaussian noise added to every weight (the zero-initialised output layer of an untrained
+    denoiser predicts no noise, so untrained policies otherwise act alike whatever their seed)."""
     from experience_dict.tokenizer import ActionTokenizer
     from policies.aed_diffusion import AEDConfig, AEDDiffusionConfig, AEDDiffusionPolicy, MTLossConfig
 
@@ -59,7 +61,11 @@ def tiny_aed_checkpoint(path, seed=0):
     cfg = AEDDiffusionConfig(dim=32, n_layers=1, n_heads=2, state_hidden=32, horizon=8, n_action_steps=4,
                              num_inference_steps=3, aed=AEDConfig(history_actions=8, group_size=4, memory_queries=2),
                              mt_loss=MTLossConfig(weight=0.0))
-    return AEDDiffusionPolicy(cfg, stats, tok).save_pretrained(path)
+    policy = AEDDiffusionPolicy(cfg, stats, tok)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(perturb * torch.randn_like(p))
+    return policy.save_pretrained(path)
 
 
 def run_in_thread(fleet, **kw):
@@ -191,3 +197,37 @@ def test_policy_server_batches_and_survives_sigkill(tmp_path):
     assert {s["policy_version"] for s in result.episodes} == {0}  # a plain checkpoint dir is UNVERSIONED
     assert stats["requests"] > 0 and stats["max_batch"] >= 1 and stats["latency_ms_p50"] > 0
     assert ExperienceStore.open(str(tmp_path / "store")).verify()["ok"]
+
+
+def test_evaluation_plan_gives_every_arm_the_same_trials_and_reruns_a_failed_one(tmp_path):
+    """Common random numbers: every arm runs the same (task, unit, seed) trials; the same checkpoint on the same
+    plan acts identically (env and denoising noise follow the seed); a trial whose episode raised is run
+    again with its own seed."""
+    from fleet.evaluation import evaluate_arms, evaluation_plan
+
+    ckpt_a, ckpt_b = tiny_aed_checkpoint(tmp_path / "a", seed=0), tiny_aed_checkpoint(tmp_path / "b", seed=1, perturb=0.5)
+    cfg = make_cfg(tmp_path, "task.tasks=[reach-v3,push-v3]", "task.max_episode_steps=25", "eval.seed=7")
+    c = _plain(cfg)
+    plan = evaluation_plan(["reach-v3", "push-v3"], [100, 101], 3, seed=7)
+    assert [(t["task"], t["unit_id"]) for t in plan] == [("reach-v3", 100), ("reach-v3", 101), ("reach-v3", 100),
+                                                         ("push-v3", 101), ("push-v3", 100), ("push-v3", 101)]
+    assert len({t["seed"] for t in plan}) == 6
+    with pytest.raises(ValueError, match="trials_per_task"):
+        evaluation_plan(["reach-v3"], [100], 0)
+    results = evaluate_arms(c, {"a": str(ckpt_a), "a_again": str(ckpt_a), "b": str(ckpt_b)}, tmp_path / "eval", 3,
+                            units=[100, 101], progress=False)
+    key = lambda e: (e["task"], e["unit_id"], e["seed"])
+    want = sorted(key(t) for t in plan)
+    assert all(sorted(key(e) for e in eps) == want for eps in results.values())
+    by_key = {arm: {key(e): (e["success"], e["length"], round(e["return"], 6)) for e in eps}
+              for arm, eps in results.items()}
+    assert by_key["a"] == by_key["a_again"]            # same policy, same trials: same outcome, trial by trial
+    assert by_key["a"] != by_key["b"]                  # a different policy acts differently on them
+    # a trial whose episode raises is run again (same task, unit and seed); a foreign unit is refused
+    faults = {100: {"kind": "raise", "episode": 0, "step": 3, "once_file": str(tmp_path / "once")}}
+    with Fleet(c, policy=str(ckpt_a), units=[100, 101], store_url=str(tmp_path / "s2"), faults=faults) as fleet:
+        res = fleet.run(plan=plan, progress=False)
+        with pytest.raises(ValueError, match="names unit 5"):
+            fleet.run(plan=[{"task": "reach-v3", "unit_id": 5, "seed": 1}], progress=False)
+    assert res.restarts[100] == 1 and sorted(key(e) for e in res.episodes) == want
+    assert {key(e): (e["success"], e["length"], round(e["return"], 6)) for e in res.episodes} == by_key["a"]

@@ -49,6 +49,14 @@ def test_main_job_tiny_end_to_end(tmp_path):
     assert {m.unit_id for m in eval_eps} <= {100, 101} and len(eval_eps) == 8
     assert list((out / "videos").rglob("*.mp4"))
     assert "held-out success" in proc.stdout
+    # every arm ran the same held-out trials (task, unit, reset seed): compared trial by trial in paired.json
+    eps = {arm: json.loads((out / "episodes" / f"{arm}.json").read_text()) for arm in table["arms"]}
+    trials = {arm: sorted((e["task"], e["unit_id"], e["seed"]) for e in v) for arm, v in eps.items()}
+    assert len({tuple(t) for t in trials.values()}) == 1 and len(trials["fert"]) == 2
+    paired = json.loads((out / "paired.json").read_text())
+    assert [(r["arm"], r["baseline"]) for r in paired["pairs"]][:2] == [("fert", "base"), ("fert", "filtered_bc")]
+    assert all(r["average"]["pairs"] == 2 for r in paired["pairs"])
+    assert "fert − base" in (out / "paired.md").read_text() and "trial-by-trial" in proc.stdout
     # the fleet-size sweep: FERT per size from the demonstrations-only store, each on the held-out units
     sweep = json.loads((out / "fleet_size.json").read_text())
     assert set(sweep["arms"]) == {"fert_n1", "fert_n2"}
@@ -58,3 +66,22 @@ def test_main_job_tiny_end_to_end(tmp_path):
     assert n1 and {m.unit_id for m in n1} == {0}
     assert not ExperienceStore.open(str(out / "sweep" / "demo_store")).episodes(is_demo=False)
     assert state["sweep_n2"]["per_version"] and (out / "sweep" / "n2" / "registry").is_dir()
+
+    # scripts/eval.py: any checkpoints on any units and tasks, same table, paired against a baseline, videos
+    ev = tmp_path / "eval"
+    ckpts = {"base": state["base"]["checkpoint"],
+             "fert": str(Path(table["meta"]["checkpoints"]["fert"]).parent)}   # a step dir is resolved too
+    arg = "eval.checkpoints={" + ", ".join(f"{k}: '{v}'" for k, v in ckpts.items()) + "}"
+    proc = subprocess.run([sys.executable, "scripts/eval.py", f"hydra.run.dir={ev}", arg, "eval.baseline=base",
+                           "eval.trials_per_task=3", "eval.units=[101]", "task.tasks=[reach-v3]",
+                           "task.max_episode_steps=80", "fleet.num_cpus=2", "eval.videos=1", "eval.video_episodes=1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    et = json.loads((ev / "results.json").read_text())
+    assert set(et["arms"]) == {"base", "fert"} and et["meta"]["units"] == [101]
+    assert all(row["tasks"]["reach-v3"]["trials"] == 3 for row in et["arms"].values())
+    assert json.loads((ev / "paired.json").read_text())["pairs"][0]["average"]["pairs"] == 3
+    assert list((ev / "videos" / "fert").glob("*.mp4")) and "| fert |" in (ev / "results.md").read_text()
+    bad = subprocess.run([sys.executable, "scripts/eval.py", f"hydra.run.dir={tmp_path / 'bad'}",
+                          f"eval.checkpoint={tmp_path / 'nope'}"], cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    assert bad.returncode != 0 and "is not a checkpoint directory" in bad.stderr + bad.stdout

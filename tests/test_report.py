@@ -31,3 +31,29 @@ def test_success_table_and_files(tmp_path):
     png = plot_success_per_round({"fert": [{"round": 0, "successes": 3, "trials": 10},
                                            {"round": 1, "successes": 7, "trials": 10}]}, tmp_path / "p.png")
     assert png.stat().st_size > 1000
+
+
+def test_paired_differences_match_trials_and_count_discordant_pairs(tmp_path):
+    from fleet.report import paired_differences, paired_markdown, write_paired
+
+    def eps(successes, task="a"):
+        return [{"task": task, "unit_id": 100 + i % 2, "seed": i, "success": s} for i, s in enumerate(successes)]
+
+    base = eps([0] * 20 + [1] * 20) + eps([1] * 10, "b")
+    better = eps([1] * 15 + [0] * 5 + [1] * 20) + eps([1] * 10, "b")   # task a: 15 wins, 0 losses
+    shuffled = list(reversed(better))                                   # matching is by trial, not by order
+    p = paired_differences({"base": base, "fert": shuffled, "same": base}, [("fert", "base"), ("same", "base"),
+                                                                           ("missing", "base")], n_boot=2000)
+    assert [r["arm"] for r in p["pairs"]] == ["fert", "same"] and p["tasks"] == ["a", "b"]
+    a = p["pairs"][0]["tasks"]["a"]
+    assert (a["pairs"], a["wins"], a["losses"]) == (40, 15, 0) and a["diff"] == pytest.approx(15 / 40)
+    assert a["p_mcnemar"] == pytest.approx(2 * 0.5 ** 15) and 0.2 < a["ci95"][0] < a["diff"] < a["ci95"][1] < 0.55
+    avg = p["pairs"][0]["average"]
+    assert avg["pairs"] == 50 and avg["diff"] == pytest.approx(15 / 50) and avg["ci95"][0] > 0
+    same = p["pairs"][1]["average"]
+    assert same["diff"] == 0 and same["ci95"] == [0, 0] and same["p_mcnemar"] == 1.0
+    md = paired_markdown(p)
+    assert "| fert − base |" in md and "+37.5 [" in md and "(15/0," in md
+    assert write_paired(p, tmp_path)[1].is_file()
+    with pytest.raises(ValueError, match="two episodes of task a"):
+        paired_differences({"x": eps([1, 1]) * 2, "base": base}, [("x", "base")])

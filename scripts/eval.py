@@ -1,0 +1,121 @@
+"""Evaluate any policy checkpoints on any units and tasks: the main job's table format, paired differences, videos.
+
+    python scripts/eval.py eval.checkpoint=outputs/run/learner_fert/train/checkpoints/0000400/pretrained_model
+    python scripts/eval.py 'eval.checkpoints={base: outputs/run/base/checkpoints/0001500/pretrained_model,
+                                              fert: outputs/run/learner_fert/train/checkpoints/0000400/pretrained_model}' \\
+        eval.baseline=base eval.trials_per_task=100 'eval.units=[100,101]' 'eval.tasks=[reach-v3]'
+    python scripts/eval.py ... hydra.run.dir=outputs/eval_a     # a fixed dir: an interrupted evaluation resumes
+
+Every arm runs the same held-out trial plan (``fleet.evaluation.evaluation_plan``: the same task, unit and reset
+seed per trial), on the Ray fleet, committing its episodes to ``<run dir>/eval_store`` (never a training store).
+Writes into the run dir: ``results.md`` / ``results.json`` (success with Wilson 95% intervals per task and on
+average), ``paired.md`` / ``paired.json`` (every arm against ``eval.baseline`` trial by trial, when set),
+``episodes/<arm>.json`` and ``videos/<arm>/*.mp4`` (successes and failures).
+
+Raises SystemExit with a message naming the problem for a missing checkpoint directory or no checkpoint given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+log = logging.getLogger("eval")
+
+
+def resolve_arms(ecfg: dict) -> dict[str, str]:
+    """``{arm name: pretrained_model directory}`` from ``eval.checkpoint`` / ``eval.checkpoints``.
+
+    A directory holding a ``pretrained_model`` folder (a training checkpoint step) is resolved to it. The arm
+    of a lone ``eval.checkpoint`` is named after the run folder above ``checkpoints/`` (else the folder itself).
+
+    Raises:
+        SystemExit: no checkpoint given, or a path that is not a directory with a ``config.json``.
+    """
+    arms = {str(k): str(v) for k, v in (ecfg.get("checkpoints") or {}).items()}
+    if ecfg.get("checkpoint"):
+        p = Path(str(ecfg["checkpoint"]))
+        parts = p.resolve().parts
+        name = parts[parts.index("checkpoints") - 1] if "checkpoints" in parts[1:] else p.name
+        arms.setdefault(name, str(p))
+    if not arms:
+        raise SystemExit("scripts/eval.py: give eval.checkpoint=<pretrained_model dir> or "
+                         "'eval.checkpoints={name: dir, ...}'")
+    out = {}
+    for arm, path in arms.items():
+        p = Path(path)
+        if (p / "pretrained_model").is_dir():
+            p = p / "pretrained_model"
+        if not (p / "config.json").is_file():
+            raise SystemExit(f"eval: arm {arm!r}: {path} is not a checkpoint directory (no config.json"
+                             f"{' in it or in its pretrained_model/' if p.is_dir() else '; it does not exist'})")
+        out[arm] = str(p.resolve())
+    return out
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from fleet.evaluation import evaluate_arms, record_rollouts
+    from fleet.report import (
+        paired_differences,
+        paired_markdown,
+        success_table,
+        table_markdown,
+        write_paired,
+        write_table,
+    )
+    from sim import unit_lists
+    from sim.units import parse_units
+
+    t0 = time.perf_counter()
+    out = Path(cfg.output_dir).resolve()
+    c = OmegaConf.to_container(cfg, resolve=True)
+    ecfg = c["eval"]
+    arms = resolve_arms(ecfg)
+    _, heldout = unit_lists(c["robot"])
+    try:
+        units = parse_units(ecfg["units"], "units") if ecfg.get("units") is not None else heldout
+    except ValueError as e:
+        raise SystemExit(f"eval.units: {e}") from None
+    tasks = list(ecfg.get("tasks") or c["task"]["tasks"])
+    c["task"] = {**c["task"], "tasks": tasks}
+    c["store"] = {**c["store"], "url": str(out / "eval_store")}
+    c["fleet"] = {**c["fleet"], "cache_dir": str(out / "cache")}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(c, indent=1))
+    print(f"evaluating {list(arms)} on units {units}, tasks {tasks}, {ecfg['trials_per_task']} trials per task "
+          f"-> {out}", flush=True)
+    results = evaluate_arms(c, arms, out, int(ecfg["trials_per_task"]), units=units, tasks=tasks)
+    table = success_table(results)
+    table["meta"] = {"units": units, "trials_per_task": int(ecfg["trials_per_task"]), "checkpoints": arms,
+                     "eval_seed": int(ecfg.get("seed", 1000)), "wall_s": time.perf_counter() - t0}
+    write_table(table, out, "results")
+    print("\nsuccess (Wilson 95% interval):\n" + table_markdown(table), flush=True)
+    base = ecfg.get("baseline")
+    if base:
+        if base not in arms:
+            raise SystemExit(f"eval.baseline={base!r} is not one of the arms {list(arms)}")
+        paired = paired_differences(results, [(a, base) for a in arms if a != base])
+        write_paired(paired, out, "paired")
+        print("\ntrial-by-trial differences (paired bootstrap 95% interval; wins/losses; McNemar p):\n"
+              + paired_markdown(paired), flush=True)
+    for arm, ckpt in arms.items():
+        if int(ecfg.get("videos", 0)) > 0 and not (out / "videos" / arm).is_dir():
+            record_rollouts(c, ckpt, out / "videos" / arm, units, tasks, max_videos=int(ecfg["videos"]),
+                            max_episodes=int(ecfg.get("video_episodes", 8)))
+    print(f"outputs in {out} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
