@@ -23,9 +23,9 @@ Stages (each resumable; finished ones are recorded in ``<run dir>/job_state.json
    episodes per task; success with Wilson 95% intervals -> ``results.md`` / ``results.json``; plots, rollout
    videos, retrieval audits; wandb (offline) logs.
 6. fleet-size sweep (only with ``job.fleet_sizes=[1,2,4]``): FERT rerun from the demonstrations-only store with
-   each fleet size at a fixed collection per unit (``job.sweep_episodes_per_unit`` new episodes per unit per
-   round), each evaluated on the held-out units -> ``fleet_size.md`` / ``fleet_size.json`` and
-   ``success_vs_fleet_size.png``. Start it in a fresh run dir.
+   each fleet size at a fixed collection per unit (exactly ``job.sweep_episodes_per_unit`` episodes per unit per
+   round, then the round's update), each evaluated on the held-out units -> ``fleet_size.md`` / ``.json``,
+   ``fleet_size_paired.md`` / ``.json`` and ``success_vs_fleet_size.png``. Start it in a fresh run dir.
 """
 
 from __future__ import annotations
@@ -318,45 +318,71 @@ def fleet_size_sweep(c: dict, out: Path, state: JobState, sizes: list[int], base
     """FERT once per fleet size, each from the demonstrations-only store, evaluated on the held-out units.
 
     As in "Learning from Fleet Experience" (success against fleet size at a fixed collection time per robot),
-    collection per robot is fixed: a round starts after ``job.sweep_episodes_per_unit * n`` new fleet
-    episodes, so a fleet of ``n`` units feeds every round ``n`` times the experience of one unit. Everything
-    else (rounds, updates per round, base policy, evaluation trials and units) is the main run's. Each size
+    collection per robot is fixed, here exactly: every round, each of the ``n`` units runs
+    ``job.sweep_episodes_per_unit`` episodes with the current policy version, then the learner runs its FERT
+    round on the store and publishes the next version. So a fleet of ``n`` units feeds every round ``n`` times
+    the experience of one unit. (The main run's concurrent fleet cannot fix that: on a fixed number of CPU
+    cores, units share the cores, and the fleet's total episodes per round would not grow with ``n``.)
+    Everything else (rounds, updates per round, base policy, evaluation plan) is the main run's. Each size
     runs in ``<out>/sweep/n<n>/`` (own store copied from ``sweep/demo_store``, registry, learner) and is a
-    resumable stage ``sweep_n<n>`` of ``job_state.json``.
+    resumable stage ``sweep_n<n>`` of ``job_state.json``; a size interrupted mid-round resumes its learner from
+    its checkpoint and tops its units up to the round's episode count.
 
     Returns:
         ``{"table": success_table of arms "fert_n<n>", "history": {"FERT (held-out)": [{"fleet_size",
         "successes", "trials"}]}, "paired": paired_differences of every size against the smallest}``.
     """
+    from experience_dict.store import ExperienceStore
+    from fleet.coordinator import Fleet
     from fleet.evaluation import evaluate_arms
     from fleet.learner import FertLearner
     from fleet.registry import CheckpointRegistry
     from fleet.report import paired_differences, success_table
 
-    per_unit = int(c["job"].get("sweep_episodes_per_unit", 15))
+    per_unit = int(c["job"].get("sweep_episodes_per_unit", 20))
+    rounds = int(c["fert"]["rounds"])
     arms = {}
     for n in sizes:
         sub = out / "sweep" / f"n{n}"
         stage = f"sweep_n{n}"
+        units = train_units[:n]
         cs = {**c, "store": {**c["store"], "url": str(sub / "store")},
               "fleet": {**c["fleet"], "registry_url": str(sub / "registry"), "cache_dir": str(sub / "cache")},
-              "learner": {**c["learner"], "min_new_episodes": per_unit * n}}
+              # the fleet idles while the learner trains: give training every core
+              "learner": {**c["learner"], "min_new_episodes": 0, "max_wait_s": 0,
+                          "torch_threads": max(int(c["learner"].get("torch_threads") or 1), os.cpu_count() or 1)}}
         if not state.done(stage):
             if not (sub / "store").exists():
                 shutil.copytree(state.get("demo_snapshot"), sub / "store")
             reg = CheckpointRegistry(cs["fleet"]["registry_url"])
             if reg.latest_version() is None:
                 reg.publish(base_ckpt, metadata={"run_id": "base", "round": -1, "kind": "base"})
-            print(f"fleet-size sweep: FERT with {n} unit(s) ({per_unit * n} new episodes per round)", flush=True)
-            r = run_fleet_with_learner(cs, sub, base_ckpt, train_units[:n])
-            ckpt = FertLearner(cs, cs["store"]["url"], None, str(sub / "learner_fert"), base_ckpt).final_checkpoint()
-            state.mark(stage, {"checkpoint": ckpt, "fleet_episodes": len(r["episodes"]), "wall_s": r["wall_s"],
-                               "per_version": _per_version(r["episodes"])})
+            print(f"fleet-size sweep: FERT with {n} unit(s), {per_unit} episodes per unit per round", flush=True)
+            t0 = time.perf_counter()
+            learner = FertLearner(cs, cs["store"]["url"], cs["fleet"]["registry_url"], str(sub / "learner_fert"),
+                                  base_ckpt, run_id=f"fert_n{n}")
+            with Fleet(cs, policy="latest", units=units, store_url=cs["store"]["url"]) as fleet:
+                while learner.state["round"] < rounds:
+                    version = reg.latest_version()
+                    reader = ExperienceStore.open(cs["store"]["url"])
+                    done = min(sum(1 for m in reader.episodes(unit_id=u, is_demo=False)
+                                   if int(m.policy_version) == version) for u in units)
+                    if per_unit - done > 0:
+                        fleet.run(episodes_per_unit=per_unit - done)
+                    learner.run_round()
+            reader = ExperienceStore.open(cs["store"]["url"])
+            eps = [{"policy_version": m.policy_version, "success": m.success}
+                   for m in reader.episodes(is_demo=False)]
+            state.mark(stage, {"checkpoint": learner.final_checkpoint(), "fleet_episodes": len(eps),
+                               "wall_s": time.perf_counter() - t0, "per_version": _per_version(eps),
+                               "learner": learner.status()})
         arms[f"fert_n{n}"] = state.get(stage)["checkpoint"]
     results = evaluate_arms(c, arms, out / "sweep", int(c["job"]["trials_per_task"]), units=heldout)
     table = success_table(results)
-    table["meta"] = {"fleet_sizes": sizes, "episodes_per_unit_per_round": per_unit, "held_out_units": heldout,
-                     "trials_per_task": int(c["job"]["trials_per_task"]), "checkpoints": arms}
+    table["meta"] = {"fleet_sizes": sizes, "episodes_per_unit_per_round": per_unit, "rounds": rounds,
+                     "held_out_units": heldout, "trials_per_task": int(c["job"]["trials_per_task"]),
+                     "checkpoints": arms,
+                     "fleet_episodes": {f"fert_n{n}": state.get(f"sweep_n{n}")["fleet_episodes"] for n in sizes}}
     history = {"FERT (held-out)": [{"fleet_size": n, "successes": table["arms"][f"fert_n{n}"]["average"]["successes"],
                                     "trials": table["arms"][f"fert_n{n}"]["average"]["trials"]} for n in sizes]}
     smallest = f"fert_n{min(sizes)}"

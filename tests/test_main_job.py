@@ -63,7 +63,11 @@ def test_main_job_tiny_end_to_end(tmp_path):
     assert all(row["average"]["trials"] == 2 for row in sweep["arms"].values())
     assert (out / "success_vs_fleet_size.png").stat().st_size > 1000
     n1 = ExperienceStore.open(str(out / "sweep" / "n1" / "store")).episodes(is_demo=False)
-    assert n1 and {m.unit_id for m in n1} == {0}
+    n2 = ExperienceStore.open(str(out / "sweep" / "n2" / "store")).episodes(is_demo=False)
+    # exactly sweep_episodes_per_unit (1) episodes per unit per round (1 round), with the base version
+    assert [(m.unit_id, m.policy_version) for m in n1] == [(0, 1)]
+    assert sorted((m.unit_id, m.policy_version) for m in n2) == [(0, 1), (1, 1)]
+    assert json.loads((out / "fleet_size_paired.json").read_text())["pairs"][0]["arm"] == "fert_n2"
     assert not ExperienceStore.open(str(out / "sweep" / "demo_store")).episodes(is_demo=False)
     assert state["sweep_n2"]["per_version"] and (out / "sweep" / "n2" / "registry").is_dir()
 
