@@ -152,6 +152,18 @@ class RobotWorker:
         torch.manual_seed(int(seed))
         return self.policy
 
+    def _staleness(self, version: int) -> int | None:
+        """``latest published version - version`` when following ``"latest"`` (else None; None when the
+        registry cannot be read)."""
+        if self.policy_cfg.get("kind") != "checkpoint" or self.policy_cfg.get("path") or \
+                self.policy_cfg.get("version", "latest") not in (None, "latest"):
+            return None
+        try:
+            latest = self._wanted_version()
+        except Exception:  # noqa: BLE001 - the registry or server is unreachable: unknown, not fatal
+            return None
+        return None if latest is None else max(0, int(latest) - int(version))
+
     def _wanted_version(self) -> int | None:
         """The version to act with in the next episode (None: a plain checkpoint path)."""
         v = self.policy_cfg.get("version", "latest")
@@ -217,7 +229,13 @@ class RobotWorker:
 
     def run_episode(self, task: str | None = None, seed: int | None = None) -> dict[str, Any]:
         """Run and commit one episode; returns its summary ``{"episode_id", "unit_id", "task", "seed",
-        "success", "length", "policy_version", "is_demo", "episode_index", "wall_s", "return"}``.
+        "success", "length", "policy_version", "is_demo", "episode_index", "wall_s", "return", "staleness"}``.
+
+        ``staleness``: how many policy versions behind the newest published one the episode was when it was
+        committed (``latest - policy_version``; versions published while it ran), for a unit following
+        ``"latest"``; None for a fixed version, a checkpoint path, the expert or the random policy. A unit
+        switches to the newest version at every episode start, so it is bounded by the versions the learner
+        publishes during one episode.
 
         ``seed`` (the env reset seed) defaults to ``episode_seed(seed, unit, episode_index)``; an explicit one
         lets an evaluation give every policy arm the same initial states (common random numbers).
@@ -258,7 +276,8 @@ class RobotWorker:
             raise
         summary = {"episode_id": ep_id, "unit_id": self.unit_id, "task": task, "seed": seed, "success": success,
                    "length": length, "policy_version": version, "is_demo": self.is_demo,
-                   "episode_index": self.episode_index, "wall_s": time.perf_counter() - t0, "return": ret}
+                   "episode_index": self.episode_index, "wall_s": time.perf_counter() - t0, "return": ret,
+                   "staleness": self._staleness(version)}
         self.episode_index += 1
         self.progress_state.update(episode_index=self.episode_index, in_episode=False)
         return summary

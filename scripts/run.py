@@ -234,8 +234,10 @@ def main(cfg: DictConfig) -> None:
     if not state.done("fert"):
         units = train_units[: int(job["fleet_units"])]
         r = run_fleet_with_learner(c, out, base_ckpt, units)
+        stale = staleness_summary(r["episodes"])
+        print(f"fleet staleness (versions behind the newest at commit): {stale}", flush=True)
         state.mark("fert", {"learner": r["learner"], "fleet_episodes": len(r["episodes"]), "wall_s": r["wall_s"],
-                            "per_version": _per_version(r["episodes"])})
+                            "per_version": _per_version(r["episodes"]), "staleness": stale})
         (out / "fleet_episodes.json").write_text(json.dumps(r["episodes"], default=str))
     fert_state = state.get("fert")
     fert_ckpt = FertLearner(c, c["store"]["url"], None, str(out / "learner_fert"), base_ckpt).final_checkpoint()
@@ -266,6 +268,7 @@ def main(cfg: DictConfig) -> None:
                      "trials_per_task": int(job["trials_per_task"]), "checkpoints": arms,
                      "fert_rounds": int(c["fert"]["rounds"]), "updates_per_round": int(c["learner"]["updates_per_version"]),
                      "demos_per_task": int(job["demos_per_task"]), "eval_wall_s": time.perf_counter() - t0,
+                     "fleet_staleness": fert_state.get("staleness"),
                      "total_wall_s": time.perf_counter() - t_start}
     write_table(table, out, "results")
     paired = paired_differences(results, [(a, b) for a, b in PAIRS if a in arms and b in arms])
@@ -388,6 +391,17 @@ def fleet_size_sweep(c: dict, out: Path, state: JobState, sizes: list[int], base
     smallest = f"fert_n{min(sizes)}"
     paired = paired_differences(results, [(a, smallest) for a in arms if a != smallest])
     return {"table": table, "history": history, "paired": paired}
+
+
+def staleness_summary(episodes: list[dict]) -> dict:
+    """``{"episodes", "max", "mean", "counts": {versions behind: episodes}}`` over the fleet episodes that
+    report a staleness (units following the newest version; ``fleet.worker.RobotWorker.run_episode``)."""
+    vals = [int(e["staleness"]) for e in episodes if e.get("staleness") is not None]
+    counts: dict[str, int] = {}
+    for v in sorted(vals):
+        counts[str(v)] = counts.get(str(v), 0) + 1
+    return {"episodes": len(vals), "max": max(vals) if vals else None,
+            "mean": sum(vals) / len(vals) if vals else None, "counts": counts}
 
 
 def _per_version(episodes: list[dict]) -> dict[str, list[int]]:

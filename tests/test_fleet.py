@@ -163,6 +163,7 @@ def test_new_version_picked_up_between_episodes_and_tampered_refused(tmp_path):
         th.join(120)
         result = out["result"]
         assert [s["policy_version"] for s in result.episodes] == [1, 1, 1, 2, 2]  # switched at the next boundary
+        assert [s["staleness"] for s in result.episodes] == [0, 0, 1, 0, 0]  # episode 2 ended one version behind
         store = ExperienceStore.open(str(tmp_path / "store"))
         assert [e.policy_version for e in store.episodes()] == [1, 1, 1, 2, 2] and store.verify()["ok"]
         # version 3 is tampered with in the registry after publishing: the worker refuses it, the run stops

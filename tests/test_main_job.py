@@ -39,6 +39,9 @@ def test_main_job_tiny_end_to_end(tmp_path):
     assert list((out / "learner_fert" / "audits").glob("retrieval_audit_round_000.json"))
     state = json.loads((out / "job_state.json").read_text())
     assert state["fert"]["learner"]["published"] == [2]           # v1 = base, v2 = FERT round 0
+    stale = state["fert"]["staleness"]   # versions behind the newest at commit: reported, and bounded by 1 here
+    assert stale["episodes"] == state["fert"]["fleet_episodes"] and stale["max"] <= 1
+    assert sum(stale["counts"].values()) == stale["episodes"] and "fleet staleness" in proc.stdout
     # every fleet episode was committed with the version that acted; held-out units never reached training
     from experience_dict.store import ExperienceStore
 
