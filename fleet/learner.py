@@ -186,6 +186,10 @@ class FertLearner:
         """Run rounds until ``rounds`` are done (counting rounds finished before a restart); returns status."""
         while self.state["round"] < rounds and not (should_stop and should_stop()):
             self.run_round(should_stop)
+        import sys
+
+        if "wandb" in sys.modules:  # stop wandb's service now: killed with the actor later, it logs a traceback
+            sys.modules["wandb"].teardown()
         return self.status()
 
     def final_checkpoint(self) -> str | None:
