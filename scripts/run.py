@@ -49,7 +49,7 @@ log = logging.getLogger("run")
 
 # (arm, baseline) pairs compared trial by trial on the same held-out trials -> paired.md / paired.json
 PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "fert_no_aed"), ("filtered_bc", "base"),
-         ("fert_no_aed", "base")]
+         ("fert_no_aed", "base_no_aed"), ("base", "base_no_aed")]
 
 
 class JobState:
@@ -259,7 +259,10 @@ def main(cfg: DictConfig) -> None:
 
     # 5. held-out evaluation
     all_arms = {"base": base_ckpt, "filtered_bc": state.get("filtered_bc")["checkpoint"], "fert": fert_ckpt,
-                "fert_no_aed": state.get("fert_no_aed")["checkpoint"]}
+                "fert_no_aed": state.get("fert_no_aed")["checkpoint"], "base_no_aed": base_noaed_ckpt}
+    unknown = [a for a in job["arms"] if a not in all_arms]
+    if unknown:
+        raise ValueError(f"job.arms: unknown arms {unknown}; known: {sorted(all_arms)}")
     arms = {a: all_arms[a] for a in job["arms"]}
     t0 = time.perf_counter()
     results = evaluate_arms(c, arms, out, int(job["trials_per_task"]), units=heldout)

@@ -29,7 +29,7 @@ def test_main_job_tiny_end_to_end(tmp_path):
                           text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = json.loads((out / "results.json").read_text())
-    assert set(table["arms"]) == {"base", "filtered_bc", "fert", "fert_no_aed"}
+    assert set(table["arms"]) == {"base", "filtered_bc", "fert", "fert_no_aed", "base_no_aed"}
     for row in table["arms"].values():
         assert row["tasks"]["reach-v3"]["trials"] == 2
         lo, hi = row["average"]["ci95"]
@@ -49,7 +49,7 @@ def test_main_job_tiny_end_to_end(tmp_path):
     assert {m.unit_id for m in train_eps} <= {0, 1}
     assert {m.policy_version for m in train_eps if not m.is_demo} <= {1, 2}
     eval_eps = ExperienceStore.open(str(out / "eval_store")).episodes()
-    assert {m.unit_id for m in eval_eps} <= {100, 101} and len(eval_eps) == 8
+    assert {m.unit_id for m in eval_eps} <= {100, 101} and len(eval_eps) == 10
     assert list((out / "videos").rglob("*.mp4"))
     assert "held-out success" in proc.stdout
     # every arm ran the same held-out trials (task, unit, reset seed): compared trial by trial in paired.json
