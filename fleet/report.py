@@ -124,12 +124,9 @@ def _paired_cell(d, boot, binomtest) -> dict:
 def paired_markdown(paired: Mapping) -> str:
     """Render :func:`paired_differences` output as Markdown: one row per ``arm − baseline`` pair, cells
     ``+x.x [lo, hi] pts (wins/losses, p)`` in percentage points."""
-    tasks = list(paired["tasks"])
-    lines = ["| arm − baseline | " + " | ".join(tasks) + " | average |", "|---|" + "---|" * (len(tasks) + 1)]
-    for row in paired["pairs"]:
-        cells = [_fmt_paired(row["tasks"].get(t)) for t in tasks] + [_fmt_paired(row["average"])]
-        lines.append(f"| {row['arm']} − {row['baseline']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return _markdown("arm − baseline", paired["tasks"],
+                     [(f"{row['arm']} − {row['baseline']}", row["tasks"], row["average"]) for row in paired["pairs"]],
+                     _fmt_paired)
 
 
 def _fmt_paired(cell: Mapping | None) -> str:
@@ -150,13 +147,17 @@ def table_markdown(table: Mapping) -> str:
 
     Each cell reads ``rate [low, high] (n)`` in percent.
     """
-    tasks = list(table["tasks"])
-    header = "| arm | " + " | ".join(tasks) + " | average |"
-    sep = "|---|" + "---|" * (len(tasks) + 1)
-    lines = [header, sep]
-    for arm, row in table["arms"].items():
-        cells = [_fmt(row["tasks"].get(t)) for t in tasks] + [_fmt(row["average"])]
-        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return _markdown("arm", table["tasks"], [(arm, row["tasks"], row["average"]) for arm, row in table["arms"].items()],
+                     _fmt)
+
+
+def _markdown(first: str, tasks, rows, fmt) -> str:
+    """A Markdown table: column ``first``, one column per task, ``average``; ``rows`` are ``(label, {task:
+    cell}, average cell)``, each cell rendered by ``fmt``."""
+    tasks = list(tasks)
+    lines = [f"| {first} | " + " | ".join(tasks) + " | average |", "|---|" + "---|" * (len(tasks) + 1)]
+    for label, cells, avg in rows:
+        lines.append(f"| {label} | " + " | ".join([fmt(cells.get(t)) for t in tasks] + [fmt(avg)]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -169,22 +170,21 @@ def _fmt(cell: Mapping | None) -> str:
 
 def write_table(table: Mapping, out_dir: str | Path, name: str = "results") -> tuple[Path, Path]:
     """Write ``<name>.md`` and ``<name>.json`` into ``out_dir``; returns both paths."""
+    return _write(table_markdown(table), table, out_dir, name)
+
+
+def _write(markdown: str, obj: Mapping, out_dir: str | Path, name: str) -> tuple[Path, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / f"{name}.md", out / f"{name}.json"
-    md.write_text(table_markdown(table))
-    js.write_text(json.dumps(table, indent=2))
+    md.write_text(markdown)
+    js.write_text(json.dumps(obj, indent=2))
     return md, js
 
 
 def write_paired(paired: Mapping, out_dir: str | Path, name: str = "paired") -> tuple[Path, Path]:
     """Write :func:`paired_differences` output as ``<name>.md`` and ``<name>.json`` into ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    md, js = out / f"{name}.md", out / f"{name}.json"
-    md.write_text(paired_markdown(paired))
-    js.write_text(json.dumps(paired, indent=2))
-    return md, js
+    return _write(paired_markdown(paired), paired, out_dir, name)
 
 
 def plot_success_per_round(history: Mapping[str, Sequence[Mapping]], path: str | Path,
