@@ -199,3 +199,59 @@ def annotate_failures(reader, window: int, tolerance: float = 0.02,
         reader.set_failure_onset(meta.episode_id, onset)
         out[meta.episode_id] = (onset, method)
     return out
+
+
+# ----------------------------------------------------------------------------------------- progress gate
+def segment_gain(score: np.ndarray, starts: np.ndarray, horizon: int) -> np.ndarray:
+    """Progress gained over a segment: ``score[min(s + horizon, T - 1)] - score[s]`` per start ``s``.
+
+    Args:
+        score: (T,) progress score (:func:`progress_score`). starts: (N,) int steps in ``[0, T)``.
+        horizon: segment length in steps (>= 1).
+
+    Returns:
+        (N,) float64 gains (score units: fractions of the task's progress range).
+
+    Raises:
+        ValueError: ``horizon < 1`` or a start outside the episode.
+    """
+    p = np.asarray(score, np.float64)
+    s = np.asarray(starts, np.int64)
+    if int(horizon) < 1:
+        raise ValueError(f"horizon: expected >= 1, given {horizon}")
+    if s.size and (s.min() < 0 or s.max() >= len(p)):
+        raise ValueError(f"starts: expected steps in [0, {len(p)}), given [{s.min()}, {s.max()}]")
+    return p[np.minimum(s + int(horizon), len(p) - 1)] - p[s]
+
+
+def progress_advantage(success_gain: np.ndarray, failure_gain: float, min_gain: float = 0.02,
+                       beta: float = 0.05, max_weight: float = 20.0) -> tuple[np.ndarray, np.ndarray]:
+    """Progress gate and advantage weights of retrieved segments against the failure they supervise.
+
+    The advantage of a retrieved segment is how much more task progress it makes over ``horizon`` steps than
+    the failed episode made over the same horizon after its failure onset:
+    ``A = gain(segment) - gain(failure after onset)``. A segment passes the gate when it makes progress at all
+    and more than the failure did: ``gain > max(failure_gain, 0) + min_gain``. A segment that gains nothing
+    (one taken at the end of an episode teaches "stop here") never passes. Passing segments are weighted by
+    ``min(exp(A / beta), max_weight)``: advantage-weighted regression (Peng et al., "Advantage-Weighted
+    Regression", 2019, which clips the weights at 20), with the progress signals standing in for a learned
+    value; self-imitation learning (Oh et al., 2018) likewise imitates only what did better than expected.
+
+    Args:
+        success_gain: (N,) gains of the candidate segments (:func:`segment_gain`).
+        failure_gain: the failed episode's gain over the horizon after its onset.
+        min_gain: margin in score units (>= 0). beta: temperature (> 0). max_weight: clip (> 0).
+
+    Returns:
+        ``(passed, weight)``: (N,) bool and (N,) float64 (0 where the gate refuses).
+
+    Raises:
+        ValueError: ``beta <= 0``, ``max_weight <= 0`` or ``min_gain < 0``.
+    """
+    if beta <= 0 or max_weight <= 0 or min_gain < 0:
+        raise ValueError(f"expected beta > 0, max_weight > 0, min_gain >= 0; given {beta}, {max_weight}, {min_gain}")
+    g = np.asarray(success_gain, np.float64)
+    adv = g - float(failure_gain)
+    passed = g > max(float(failure_gain), 0.0) + float(min_gain)
+    w = np.where(passed, np.minimum(np.exp(np.clip(adv / beta, -50.0, 50.0)), max_weight), 0.0)
+    return passed, w

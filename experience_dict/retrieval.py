@@ -135,57 +135,146 @@ class ContextEmbedder:
         return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
 
 
+class RelativeEmbedder:
+    """Task-relative failure-cause key: where the hand, the object and the goal are relative to each other,
+    and how they move, in metres; searched by L2 distance.
+
+    Absolute coordinates under cosine similarity put the neighbours of a failing reach a median 6.0 cm from
+    its goal (the success radius is 5 cm): the key could not see why the policy failed. This key is built from
+    the quantities a failure is about, the way Behavior Retrieval (Du et al., 2023) and STRAP (Memmel et al.,
+    2025) retrieve sub-trajectories by what the robot and the objects do. Per window ending at step ``t``
+    (``frames`` steps, edge-padded at the episode start), with hand ``h`` (``observation.state[:3]``), gripper
+    opening ``g`` (``observation.state[3]``, 0..1), object ``o`` (``observation.environment_state[0:3]``) and
+    goal ``p`` (``observation.environment_state[14:17]``), all in metres (Meta-World layout,
+    ``sim.metaworld_env``)::
+
+        [h_t - o_t, h_t - p_t, o_t - p_t, h_t - h_{t-F+1}, o_t - o_{t-F+1}, g_t * gripper_scale]   (16,)
+
+    The two displacement terms are the hand's and the object's motion over the window (velocity x window).
+    The distance between two keys is in metres (the gripper term contributes at most ``gripper_scale``).
+    ``extra`` (optional) appends a further per-window embedding, e.g. the policy's pooled AED action-history
+    embedding, scaled by ``extra_scale`` so its norm is comparable to centimetres.
+
+    Args:
+        frames: window length in steps (>= 2 for the motion terms; 1 gives zero motion). stride: steps between
+            frames (>= 1). gripper_scale: metres per unit of gripper opening in the key (>= 0).
+        extra: optional ``f({key: (N, frames, ...)}) -> (N, E)``; extra_scale: its factor.
+
+    Raises:
+        ValueError: bad ``frames``/``stride``.
+    """
+
+    metric = "l2"
+    keys = STATE_KEYS
+
+    def __init__(self, frames: int = 8, stride: int = 1, gripper_scale: float = 0.05,
+                 extra: Encoder | None = None, extra_scale: float = 1.0, extra_keys: Sequence[str] = ()):
+        if frames < 1 or stride < 1:
+            raise ValueError(f"frames and stride: expected >= 1, given frames={frames}, stride={stride}")
+        self.frames, self.stride, self.gripper_scale = int(frames), int(stride), float(gripper_scale)
+        self.extra, self.extra_scale = extra, float(extra_scale)
+        self.keys = tuple(STATE_KEYS) + tuple(k for k in extra_keys if k not in STATE_KEYS)
+        self.offsets = -np.arange(frames - 1, -1, -1, dtype=np.int64) * stride
+
+    windows = ContextEmbedder.windows
+    embed_episode = ContextEmbedder.embed_episode
+
+    def embed(self, windows: Mapping[str, np.ndarray]) -> np.ndarray:
+        """(N, 16 [+ E]) float32 keys of ``{key: (N, frames, D)}`` windows (metres; see the class docstring)."""
+        st = np.asarray(windows["observation.state"], np.float32)               # (N, F, 4)
+        env = np.asarray(windows["observation.environment_state"], np.float32)  # (N, F, 17)
+        if st.shape[-1] < 4 or env.shape[-1] < 17:
+            raise ValueError(f"RelativeEmbedder: expected state (.., 4) and environment_state (.., 17), given "
+                             f"{st.shape} and {env.shape}")
+        h, g = st[..., :3], st[..., 3]
+        o, p = env[..., 0:3], env[..., 14:17]
+        parts = [h[:, -1] - o[:, -1], h[:, -1] - p[:, -1], o[:, -1] - p[:, -1], h[:, -1] - h[:, 0],
+                 o[:, -1] - o[:, 0], g[:, -1:] * self.gripper_scale]
+        if self.extra is not None:
+            parts.append(np.asarray(self.extra(dict(windows)), np.float32) * self.extra_scale)
+        return np.ascontiguousarray(np.concatenate(parts, axis=1).astype(np.float32))
+
+
 # ----------------------------------------------------------------------------------------- index
 @dataclass
 class _TaskIndex:
-    index: faiss.IndexFlatIP
+    index: faiss.Index
     episode: list[int] = field(default_factory=list)     # per window: position in SuccessIndex.episode_ids
     step: list[int] = field(default_factory=list)
+    gain: list[float] = field(default_factory=list)      # per window: progress gain of its segment (nan: unknown)
 
 
 @dataclass(frozen=True)
 class Neighbor:
-    """One retrieved successful window: its episode, anchor step (the window ends there) and cosine sim."""
+    """One retrieved successful window: its episode, anchor step (the window ends there), the similarity used
+    for ranking (cosine for the absolute key, ``-distance`` for the L2 key), the key distance (``1 - cos`` for
+    the absolute key; metres for the relative key), and the progress gain of its segment (nan: unknown)."""
     episode_id: str
     step: int
     similarity: float
+    distance: float = float("nan")
+    gain: float = float("nan")
+    own_retry: bool = False
 
 
 class SuccessIndex:
-    """Exact inner-product (cosine, embeddings are L2-normalised) faiss index over windows of successful
-    episodes, one ``faiss.IndexFlatIP`` per task, filled incrementally.
+    """faiss index over windows of successful episodes, one flat index per task, filled incrementally:
+    inner product (cosine: the absolute key is L2-normalised) or L2 distance, following ``embedder.metric``.
 
     Only episodes with ``success=True`` are ever added (checked again at insertion), so a query can never
     return a window of a failed episode. Episodes of ``exclude_units`` (the held-out units) are never added.
+    With ``gate_horizon``, each window also carries the progress its segment gains
+    (:func:`experience_dict.failure.segment_gain` over ``gate_horizon`` steps) and anchors in the last
+    ``tail_steps`` steps of an episode (after its first success, where Meta-World episodes run on for
+    ``task.steps_after_success`` steps) are not indexed. Successful retries (``extra.retry_of``) are listed in
+    ``retries_of`` so a failure's own successful retries can rank first.
 
     Args:
-        embedder: the :class:`ContextEmbedder` used for both windows and failure contexts.
+        embedder: the :class:`ContextEmbedder` or :class:`RelativeEmbedder` used for windows and contexts.
         stride: index every ``stride``-th step of an episode as a window anchor (>= 1).
         include_demos: also index the (successful) bootstrap demonstrations.
         exclude_units: unit ids never indexed.
         units: if given, only these unit ids are indexed.
+        include_retries: index successful failure retries (``extra.retry_of`` set).
+        gate_horizon: segment length in steps for the progress gains (None: no gains).
+        tail_steps: anchors in the last ``tail_steps`` steps are not indexed (>= 0).
+        signals: progress signals for the score (:data:`experience_dict.failure.DEFAULT_SIGNALS`).
     """
 
-    def __init__(self, embedder: ContextEmbedder, stride: int = 1, include_demos: bool = True,
-                 exclude_units: Iterable[int] = (), units: Iterable[int] | None = None):
-        if stride < 1:
-            raise ValueError(f"stride: expected >= 1, given {stride}")
+    def __init__(self, embedder, stride: int = 1, include_demos: bool = True,
+                 exclude_units: Iterable[int] = (), units: Iterable[int] | None = None,
+                 include_retries: bool = True, gate_horizon: int | None = None, tail_steps: int = 0,
+                 signals: Mapping | None = None):
+        if stride < 1 or tail_steps < 0:
+            raise ValueError(f"stride: expected >= 1 and tail_steps >= 0, given {stride}, {tail_steps}")
         self.embedder, self.stride, self.include_demos = embedder, stride, include_demos
+        self.metric = getattr(embedder, "metric", "ip")
         self.exclude_units = {int(u) for u in exclude_units}
         self.units = None if units is None else {int(u) for u in units}
+        self.include_retries, self.gate_horizon, self.tail_steps = include_retries, gate_horizon, int(tail_steps)
+        self.signals = DEFAULT_SIGNALS if signals is None else signals
         self.tasks: dict[str, _TaskIndex] = {}
         self.episode_ids: list[str] = []
         self.meta: dict[str, object] = {}          # episode_id -> EpisodeMeta of indexed episodes
+        self.retries_of: dict[str, list[str]] = {}  # failed episode id -> its indexed successful retries
+        self.windows_of: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # episode -> (steps, keys, gains)
         self._pos: dict[str, int] = {}
 
     def __contains__(self, episode_id: str) -> bool:
         return episode_id in self._pos
 
     def allowed(self, meta) -> bool:
-        """Whether an episode may be indexed (success, unit filters, demos)."""
+        """Whether an episode may be indexed (success, unit filters, demos, retries)."""
         return (bool(meta.success) and int(meta.unit_id) not in self.exclude_units
                 and (self.units is None or int(meta.unit_id) in self.units)
-                and (self.include_demos or not meta.is_demo))
+                and (self.include_demos or not meta.is_demo)
+                and (self.include_retries or not retry_of(meta)))
+
+    def _keys(self) -> list[str]:
+        keys = list(self.embedder.keys)
+        if self.gate_horizon:
+            keys += [k for k in self.signals if k not in keys]
+        return keys
 
     def add_episode(self, meta, data: Mapping[str, np.ndarray]) -> int:
         """Index one successful episode's windows; returns the number of windows added.
@@ -193,6 +282,8 @@ class SuccessIndex:
         Raises:
             ValueError: the episode is not successful / not allowed, or was already indexed.
         """
+        from experience_dict.failure import progress_score, segment_gain
+
         if not meta.success:
             raise ValueError(f"episode {meta.episode_id!r}: only successful episodes are indexed (success=False)")
         if not self.allowed(meta):
@@ -200,19 +291,30 @@ class SuccessIndex:
                              "excluded from the index")
         if meta.episode_id in self._pos:
             raise ValueError(f"episode {meta.episode_id!r}: already indexed")
-        anchors = np.arange(0, int(meta.length), self.stride, dtype=np.int64)
+        T = int(meta.length)
+        anchors = np.arange(0, max(T - self.tail_steps, 1), self.stride, dtype=np.int64)
         z = self.embedder.embed_episode(data, anchors)
+        gains = np.full(len(anchors), np.nan)
+        if self.gate_horizon:
+            score = progress_score({k: v for k, v in data.items() if k in self.signals}, self.signals)
+            if score is not None:
+                gains = segment_gain(score, anchors, int(self.gate_horizon))
         ti = self.tasks.get(meta.task)
         if ti is None:
-            ti = self.tasks[meta.task] = _TaskIndex(faiss.IndexFlatIP(z.shape[1]))
+            make = faiss.IndexFlatL2 if self.metric == "l2" else faiss.IndexFlatIP
+            ti = self.tasks[meta.task] = _TaskIndex(make(z.shape[1]))
         if z.shape[1] != ti.index.d:
             raise ValueError(f"embedding dim {z.shape[1]} != index dim {ti.index.d} for task {meta.task!r}")
         pos = self._pos[meta.episode_id] = len(self.episode_ids)
         self.episode_ids.append(meta.episode_id)
         self.meta[meta.episode_id] = meta
+        self.windows_of[meta.episode_id] = (anchors, z, gains)
+        if retry_of(meta):
+            self.retries_of.setdefault(retry_of(meta), []).append(meta.episode_id)
         ti.index.add(z)
         ti.episode.extend([pos] * len(anchors))
         ti.step.extend(anchors.tolist())
+        ti.gain.extend(gains.tolist())
         return len(anchors)
 
     def refresh(self, reader, tasks: Iterable[str] | None = None) -> int:
@@ -220,12 +322,13 @@ class SuccessIndex:
         newly committed ones). Returns the number of episodes added."""
         added = 0
         wanted = None if tasks is None else set(tasks)
+        keys = [k for k in self._keys() if k in set(reader.keys)]
         for meta in reader.episodes(success=True):
             if meta.episode_id in self._pos or not self.allowed(meta):
                 continue
             if wanted is not None and meta.task not in wanted:
                 continue
-            self.add_episode(meta, reader.load_episode(meta.episode_id, keys=list(self.embedder.keys)))
+            self.add_episode(meta, reader.load_episode(meta.episode_id, keys=keys))
             added += 1
         return added
 
@@ -234,12 +337,18 @@ class SuccessIndex:
         ti = self.tasks.get(task)
         return 0 if ti is None else ti.index.ntotal
 
+    def _neighbor(self, eid: str, step: int, raw: float, gain: float, own: bool = False) -> Neighbor:
+        if self.metric == "l2":
+            d = float(np.sqrt(max(raw, 0.0)))
+            return Neighbor(eid, int(step), -d, d, float(gain), own)
+        return Neighbor(eid, int(step), float(raw), 1.0 - float(raw), float(gain), own)
+
     def search(self, task: str, queries: np.ndarray, k: int) -> list[list[Neighbor]]:
         """Top-``k`` successful windows of ``task`` for each query.
 
         Args:
             task: task name; only windows of this task are searched.
-            queries: (N, E) float32 L2-normalised embeddings.
+            queries: (N, E) float32 embeddings (L2-normalised for the cosine key).
             k: neighbours per query (fewer when the task has fewer windows).
 
         Returns:
@@ -251,9 +360,27 @@ class SuccessIndex:
             return [[] for _ in range(len(queries))]
         if queries.shape[1] != ti.index.d:
             raise ValueError(f"queries: expected dim {ti.index.d}, given {queries.shape[1]}")
-        sims, labels = ti.index.search(queries, min(k, ti.index.ntotal))
-        return [[Neighbor(self.episode_ids[ti.episode[j]], int(ti.step[j]), float(s))
-                 for s, j in zip(srow, lrow) if j >= 0] for srow, lrow in zip(sims, labels)]
+        raw, labels = ti.index.search(queries, min(k, ti.index.ntotal))
+        return [[self._neighbor(self.episode_ids[ti.episode[j]], ti.step[j], r, ti.gain[j])
+                 for r, j in zip(rrow, lrow) if j >= 0] for rrow, lrow in zip(raw, labels)]
+
+    def own_retries(self, failed_episode_id: str, query: np.ndarray) -> list[Neighbor]:
+        """The nearest window of each indexed successful retry of ``failed_episode_id`` to ``query`` (E,),
+        flagged ``own_retry``; best first."""
+        out = []
+        q = np.asarray(query, np.float32).reshape(-1)
+        for eid in self.retries_of.get(failed_episode_id, []):
+            steps, z, gains = self.windows_of[eid]
+            raw = ((z - q) ** 2).sum(1) if self.metric == "l2" else z @ q
+            j = int(np.argmin(raw) if self.metric == "l2" else np.argmax(raw))
+            out.append(self._neighbor(eid, steps[j], float(raw[j]), gains[j], own=True))
+        return sorted(out, key=lambda n: -n.similarity)
+
+
+def retry_of(meta) -> str | None:
+    """The failed episode id a retry episode re-attempted (``meta.extra["retry_of"]``), else None."""
+    extra = getattr(meta, "extra", None) or {}
+    return extra.get("retry_of") if isinstance(extra, Mapping) else None
 
 
 # ----------------------------------------------------------------------------------------- contexts
@@ -265,6 +392,7 @@ class FailureContext:
     unit_id: int
     policy_version: int
     onset: int
+    gain: float = float("nan")    # progress the failed episode made over the gate horizon after its onset
 
 
 def failure_contexts(reader, exclude_units: Iterable[int] = (), units: Iterable[int] | None = None,
@@ -281,14 +409,15 @@ def failure_contexts(reader, exclude_units: Iterable[int] = (), units: Iterable[
         **filters: passed to ``reader.episodes``.
 
     Returns:
-        contexts, newest first within each task. Episodes without an onset are skipped.
+        contexts, newest first within each task. Episodes without an onset are skipped, and so are failed
+        exploration retries (``extra.retry_of``): they are failures of the exploration, not of the policy.
     """
     excl, keep = {int(u) for u in exclude_units}, None if units is None else {int(u) for u in units}
     onsets = onsets or {}
     by_task: dict[str, list[FailureContext]] = {}
     for m in reader.episodes(success=False, is_demo=False, **filters):
-        if int(m.unit_id) in excl or (keep is not None and int(m.unit_id) not in keep):
-            continue
+        if int(m.unit_id) in excl or (keep is not None and int(m.unit_id) not in keep) or retry_of(m):
+            continue  # a failed exploration retry is not a failure of the policy
         onset = onsets.get(m.episode_id, m.failure_onset)
         if isinstance(onset, (tuple, list)):
             onset = onset[0]
@@ -402,18 +531,29 @@ class Retrieval:
     source_unit: np.ndarray              # (N,) int64
     source_task: list[str]
     query: np.ndarray | None = None      # (C, E) context embeddings (for the audit)
+    distance: np.ndarray | None = None   # (N,) key distance (metres for the relative key; 1 - cos for the absolute)
+    gain: np.ndarray | None = None       # (N,) progress gain of the entry's segment (nan: unknown)
+    own_retry: np.ndarray | None = None  # (N,) bool: the entry comes from its context's own successful retry
 
     def __len__(self) -> int:
         return len(self.episode_id)
 
     def to_json(self) -> dict:
         """JSON-able record (without embeddings)."""
-        return {"contexts": [c.__dict__ for c in self.contexts],
+        n = len(self.episode_id)
+        dist = self.distance if self.distance is not None else np.full(n, np.nan)
+        gain = self.gain if self.gain is not None else np.full(n, np.nan)
+        own = self.own_retry if self.own_retry is not None else np.zeros(n, bool)
+        nan = lambda x: None if not np.isfinite(x) else float(x)  # noqa: E731
+        return {"contexts": [{k: (nan(v) if isinstance(v, float) else v) for k, v in c.__dict__.items()}
+                             for c in self.contexts],
                 "context_weight": self.context_weight.tolist(),
                 "entries": [{"context": int(c), "episode_id": e, "step": int(s), "similarity": float(q),
-                             "weight": float(w), "unit_id": int(u)}
-                            for c, e, s, q, w, u in zip(self.context, self.episode_id, self.step,
-                                                        self.similarity, self.weight, self.source_unit)]}
+                             "weight": float(w), "unit_id": int(u), "distance": nan(d), "gain": nan(g),
+                             "own_retry": bool(o)}
+                            for c, e, s, q, w, u, d, g, o in zip(self.context, self.episode_id, self.step,
+                                                                 self.similarity, self.weight, self.source_unit,
+                                                                 dist, gain, own)]}
 
 
 def softmax_weights(sims: np.ndarray, temperature: float) -> np.ndarray:
@@ -427,26 +567,38 @@ def softmax_weights(sims: np.ndarray, temperature: float) -> np.ndarray:
 
 def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[FailureContext],
              priority: TaskPriority | None = None, top_k: int = 8, temperature: float = 0.1,
-             min_similarity: float | None = None) -> Retrieval:
+             min_similarity: float | None = None, gate: Mapping | None = None,
+             own_retries_first: bool = True) -> Retrieval:
     """Top-k successful windows of the same task for every failure context, with sampling weights.
 
+    Candidates per context: the nearest window of each of its own successful retries first (same task, unit
+    and reset seed, re-attempted with exploration; ``own_retries_first``), then the nearest windows of the
+    task's index over the whole fleet. With ``gate`` (``{"min_gain", "beta", "max_weight"}``,
+    :func:`experience_dict.failure.progress_advantage`), a candidate whose segment does not make more progress
+    than the failure did after its onset is dropped, and the survivors are weighted by
+    ``exp(advantage / beta)``; without it, by ``softmax(similarity / temperature)``.
+
     Context weight: ``P(task) * P(context | task)`` with ``P(task)`` from ``priority`` (uniform without one)
-    over the tasks that have contexts and indexed windows, and ``P(context | task) ∝ 2 ** -(v_max - v)``
+    over the tasks that have contexts and retrieved windows, and ``P(context | task) ∝ 2 ** -(v_max - v)``
     (``v`` the context's policy version, ``v_max`` the newest of the task). Entry weight: context weight x
-    ``softmax(sims / temperature)`` over the context's neighbours.
+    the context's normalised candidate weights.
 
     Args:
         index: the success index; queries are searched only within their context's task.
         queries: (C, E) embeddings of ``contexts`` (:func:`embed_contexts`).
-        contexts: the C failure contexts.
+        contexts: the C failure contexts (``gain`` set when ``gate`` is used).
         priority: task priority; None = uniform over tasks.
-        top_k: neighbours per context (>= 1).
-        temperature: softmax temperature over cosine similarities (> 0).
-        min_similarity: drop neighbours below this cosine similarity.
+        top_k: neighbours kept per context (>= 1).
+        temperature: softmax temperature over similarities (> 0).
+        min_similarity: drop neighbours below this similarity (cosine; ``-metres`` for the L2 key).
+        gate: progress gate settings, or None for no gate.
+        own_retries_first: put the context's own successful retries first.
 
     Raises:
-        ValueError: ``len(queries) != len(contexts)`` or bad ``top_k``/``temperature``.
+        ValueError: ``len(queries) != len(contexts)`` or bad ``top_k``/``temperature``/gate values.
     """
+    from experience_dict.failure import progress_advantage
+
     if len(queries) != len(contexts):
         raise ValueError(f"queries: expected {len(contexts)} rows (one per context), given {len(queries)}")
     if top_k < 1:
@@ -457,9 +609,26 @@ def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[Failur
     for i, c in enumerate(contexts):
         by_task.setdefault(c.task, []).append(i)
     neigh: list[list[Neighbor]] = [[] for _ in contexts]
+    cand_w: list[np.ndarray] = [np.zeros(0) for _ in contexts]
+    oversample = 4 if gate is not None else 1
     for task, idx in by_task.items():
-        for i, nb in zip(idx, index.search(task, queries[idx], top_k)):
-            neigh[i] = [n for n in nb if min_similarity is None or n.similarity >= min_similarity]
+        for i, nb in zip(idx, index.search(task, queries[idx], top_k * oversample)):
+            own = index.own_retries(contexts[i].episode_id, queries[i]) if own_retries_first else []
+            seen = {(n.episode_id, n.step) for n in own}
+            cand = own + [n for n in nb if (n.episode_id, n.step) not in seen]
+            cand = [n for n in cand if min_similarity is None or n.similarity >= min_similarity]
+            if gate is not None:
+                gains = np.array([n.gain for n in cand], np.float64)
+                fail_gain = contexts[i].gain if np.isfinite(contexts[i].gain) else 0.0
+                passed, w = progress_advantage(np.nan_to_num(gains, nan=np.inf), fail_gain,
+                                               float(gate.get("min_gain", 0.02)), float(gate.get("beta", 0.05)),
+                                               float(gate.get("max_weight", 20.0)))
+                w = np.where(np.isnan(gains), 1.0, w)      # no progress signal: ungated, weight 1
+                keep = [j for j in range(len(cand)) if passed[j] or np.isnan(gains[j])][:top_k]
+                neigh[i], cand_w[i] = [cand[j] for j in keep], w[keep]
+            else:
+                neigh[i] = cand[:top_k]
+                cand_w[i] = softmax_weights([n.similarity for n in neigh[i]], temperature) if neigh[i] else np.zeros(0)
     tasks = sorted({contexts[i].task for i in range(len(contexts)) if neigh[i]})
     p_task = dict(zip(tasks, priority.probs(tasks) if priority is not None else np.full(len(tasks), 1 / max(len(tasks), 1))))
     cw = np.zeros(len(contexts), np.float64)
@@ -469,7 +638,7 @@ def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[Failur
         w = 2.0 ** -(v.max() - v)
         cw[idx] = p_task[task] * w / w.sum()
     rows = [(i, n, cw[i] * sw) for i in range(len(contexts)) if neigh[i]
-            for n, sw in zip(neigh[i], softmax_weights([n.similarity for n in neigh[i]], temperature))]
+            for n, sw in zip(neigh[i], cand_w[i] / cand_w[i].sum())]
     metas = index.meta
     return Retrieval(
         contexts=list(contexts), context_weight=cw,
@@ -480,7 +649,10 @@ def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[Failur
         weight=np.array([r[2] for r in rows], np.float64),
         source_unit=np.array([int(metas[r[1].episode_id].unit_id) for r in rows], np.int64),
         source_task=[metas[r[1].episode_id].task for r in rows],
-        query=np.asarray(queries, np.float32))
+        query=np.asarray(queries, np.float32),
+        distance=np.array([r[1].distance for r in rows], np.float32),
+        gain=np.array([r[1].gain for r in rows], np.float32),
+        own_retry=np.array([r[1].own_retry for r in rows], bool))
 
 
 # ----------------------------------------------------------------------------------------- batches
@@ -687,7 +859,7 @@ def policy_encoder(policy, pool: str = "mean") -> Encoder:
 
 # ----------------------------------------------------------------------------------------- one object
 # keys of configs/fert/default.yaml ("rounds" and "audit" are read by the learner / scripts/run.py)
-FERT_CONFIG_KEYS = {"rounds", "replay_all", "segment_steps", "window", "frame_stride", "embed_keys", "encoder", "pool", "index_stride",
+FERT_CONFIG_KEYS = {"key", "gate", "retry", "include_retries", "own_retries_first", "rounds", "replay_all", "segment_steps", "window", "frame_stride", "embed_keys", "encoder", "pool", "index_stride",
                     "include_demos", "top_k", "temperature", "min_similarity", "max_contexts_per_task",
                     "replay_ratio", "weighting", "onset", "priority", "audit"}
 
@@ -732,18 +904,34 @@ class FertData:
         self.reader, self.cfg = reader, cfg
         self.exclude_units = [int(u) for u in exclude_units]
         self.window = int(cfg["window"])
-        self.embedder = ContextEmbedder(stats, keys=list(cfg.get("embed_keys") or STATE_KEYS),
-                                        frames=self.window, stride=int(cfg.get("frame_stride", 1)),
-                                        pool=str(cfg.get("pool", "flatten")), encoder=encoder)
-        self.index = SuccessIndex(self.embedder, stride=int(cfg.get("index_stride", 1)),
-                                  include_demos=bool(cfg.get("include_demos", True)),
-                                  exclude_units=self.exclude_units)
-        pcfg = cfg.get("priority") or {}
-        self.priority = TaskPriority(str(pcfg.get("method", "learnability")), int(pcfg.get("window", 50)),
-                                     float(pcfg.get("floor", 0.02)), exclude_units=self.exclude_units)
+        key = str(cfg.get("key", "absolute"))
+        if key == "relative":
+            self.embedder = RelativeEmbedder(frames=self.window, stride=int(cfg.get("frame_stride", 1)))
+        elif key == "absolute":
+            self.embedder = ContextEmbedder(stats, keys=list(cfg.get("embed_keys") or STATE_KEYS),
+                                            frames=self.window, stride=int(cfg.get("frame_stride", 1)),
+                                            pool=str(cfg.get("pool", "flatten")), encoder=encoder)
+        else:
+            raise ValueError(f"fert.key: expected 'relative' or 'absolute', given {key!r}")
+        gcfg = dict(cfg.get("gate") or {})
+        unknown_gate = sorted(set(gcfg) - {"enabled", "min_gain", "beta", "max_weight", "tail_steps", "horizon"})
+        if unknown_gate:
+            raise ValueError(f"fert.gate: unknown keys {unknown_gate}")
+        self.gate = gcfg if gcfg.get("enabled", False) else None
+        self.horizon = int(gcfg.get("horizon") or cfg.get("segment_steps", 16))
         ocfg = cfg.get("onset") or {}
         sig = ocfg.get("signals")
         self.signals = DEFAULT_SIGNALS if sig is None else {str(k): (str(v[0]), float(v[1])) for k, v in sig.items()}
+        self.index = SuccessIndex(self.embedder, stride=int(cfg.get("index_stride", 1)),
+                                  include_demos=bool(cfg.get("include_demos", True)),
+                                  exclude_units=self.exclude_units,
+                                  include_retries=bool(cfg.get("include_retries", True)),
+                                  gate_horizon=self.horizon if self.gate is not None else None,
+                                  tail_steps=int(gcfg.get("tail_steps", 0)) if self.gate is not None else 0,
+                                  signals=self.signals)
+        pcfg = cfg.get("priority") or {}
+        self.priority = TaskPriority(str(pcfg.get("method", "learnability")), int(pcfg.get("window", 50)),
+                                     float(pcfg.get("floor", 0.02)), exclude_units=self.exclude_units)
         self.tolerance = float(ocfg.get("tolerance", 0.02))
         self.onsets: dict[str, tuple[int, str]] = {}
 
@@ -761,10 +949,24 @@ class FertData:
         """Failure contexts of the training units -> top-k successful windows of the same task."""
         contexts = failure_contexts(self.reader, exclude_units=self.exclude_units, onsets=self.onsets,
                                     max_per_task=self.cfg.get("max_contexts_per_task"))
+        if self.gate is not None:
+            contexts = [self._with_gain(c) for c in contexts]
         queries = embed_contexts(self.reader, self.embedder, contexts)
         return retrieve(self.index, queries, contexts, self.priority, top_k=int(self.cfg.get("top_k", 8)),
                         temperature=float(self.cfg.get("temperature", 0.1)),
-                        min_similarity=self.cfg.get("min_similarity"))
+                        min_similarity=self.cfg.get("min_similarity"), gate=self.gate,
+                        own_retries_first=bool(self.cfg.get("own_retries_first", True)))
+
+    def _with_gain(self, c: FailureContext) -> FailureContext:
+        """``c`` with ``gain``: the failed episode's progress over the gate horizon after its onset."""
+        import dataclasses
+
+        from experience_dict.failure import progress_score, segment_gain
+
+        keys = [k for k in self.signals if k in set(self.reader.keys)]
+        score = progress_score(self.reader.load_episode(c.episode_id, keys=keys), self.signals) if keys else None
+        gain = float(segment_gain(score, np.array([c.onset]), self.horizon)[0]) if score is not None else float("nan")
+        return dataclasses.replace(c, gain=gain)
 
     def dataset(self, retrieval: Retrieval, replay_episodes: Sequence, windows: Mapping,
                 seed: int = 0) -> FertDataset:

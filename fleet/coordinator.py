@@ -300,8 +300,9 @@ class Fleet:
 
         Budgets (at least one): ``episodes_per_unit`` (each unit runs that many, its tasks round-robin),
         ``episodes_per_task`` (that many per task in total, handed to whichever unit runs the task and is
-        free), ``plan`` (exactly these trials: ``[{"task", "unit_id", "seed"}, ...]``, each unit running its own
-        in order; a trial whose episode fails is run again; see ``fleet.evaluation.evaluation_plan``),
+        free), ``plan`` (exactly these trials: ``[{"task", "unit_id", "seed", "explore"?}, ...]``, each unit running
+        its own in order; a trial whose episode fails is run again; see ``fleet.evaluation.evaluation_plan``;
+        ``explore``: a failure retry's exploration, ``fleet.worker.Exploration``),
         ``wall_time_s`` (no new episode starts after it; running ones finish). With none given,
         ``fleet.episodes_per_unit`` / ``fleet.wall_time_s`` from the config are used.
         ``policy`` (see ``policy_spec``) switches the acting policy for this run and later ones (held-out
@@ -338,7 +339,8 @@ class Fleet:
                 if u not in queues or t not in self.unit_tasks[u]:
                     raise ValueError(f"Fleet.run plan: trial {dict(trial)} names unit {u} / task {t!r}, but this fleet "
                                      f"runs units {self.units} with tasks {self.unit_tasks.get(u, [])}")
-                queues[u].append({"task": t, "unit_id": u, "seed": int(trial["seed"])})
+                queues[u].append({"task": t, "unit_id": u, "seed": int(trial["seed"]),
+                                  "explore": dict(trial["explore"]) if trial.get("explore") else None})
         elif episodes_per_unit is None and wall_time_s is None and episodes_per_task is None:
             episodes_per_unit = self.fcfg.get("episodes_per_unit")
             wall_time_s = self.fcfg.get("wall_time_s")
@@ -389,7 +391,8 @@ class Fleet:
                 return
             if queues is not None:
                 trial = queues[unit].popleft()
-                ref = self.actors[unit].run_episodes.remote(1, trial["task"], self.policy, trial["seed"])
+                ref = self.actors[unit].run_episodes.remote(1, trial["task"], self.policy, trial["seed"],
+                                                            trial.get("explore"))
                 trial_of[ref] = trial
                 inflight[ref] = (unit, "episode", trial["task"], time.monotonic())
             else:

@@ -41,6 +41,7 @@ LEARNER_DEFAULTS: dict[str, Any] = {
     "batch_size": 64,
     "device": "auto",
     "torch_threads": 1,           # CPU threads for training (the fleet's workers use the other cores)
+    "seed": 0,                    # round r trains with seed 1000 * seed + r (data order, noise, timesteps)
 }
 
 
@@ -140,8 +141,9 @@ class FertLearner:
         retrieval = self._fert.retrieve()
         policy = AEDDiffusionPolicy.from_pretrained(self.init_checkpoint)
         demos = self._reader.episodes(is_demo=True)
-        dataset = self._fert.dataset(retrieval, demos, policy.window_spec(), seed=r)
-        tcfg = {**dict(self.cfg.get("train") or {}),
+        round_seed = 1000 * int(self.lcfg.get("seed") or 0) + r
+        dataset = self._fert.dataset(retrieval, demos, policy.window_spec(), seed=round_seed)
+        tcfg = {**dict(self.cfg.get("train") or {}), "seed": round_seed,
                 "steps": (r + 1) * int(self.lcfg["updates_per_version"]), "resume": True,
                 "lr": float(self.lcfg["lr"]), "warmup_steps": int(self.lcfg["warmup_steps"]),
                 "batch_size": int(self.lcfg["batch_size"]), "save_every": int(self.lcfg["updates_per_version"]),
@@ -161,8 +163,10 @@ class FertLearner:
         self.state["episodes_seen"] = n_eps
         self.state["history"].append(rec)
         _atomic_write_json(self.state_path, self.state)
-        log.info("learner %s round %d: %d contexts, %d retrieved, v%s", self.run_id, r, rec["contexts"],
-                 rec["retrieved"], version)
+        own = int(retrieval.own_retry.sum()) if retrieval.own_retry is not None else 0
+        rec["own_retry_entries"] = own
+        log.info("learner %s round %d: %d contexts, %d retrieved (%d from own retries), v%s", self.run_id, r,
+                 rec["contexts"], rec["retrieved"], own, version)
         return rec
 
     def _publish_once(self, checkpoint: str | Path, r: int, out: dict) -> int | None:

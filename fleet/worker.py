@@ -46,6 +46,60 @@ def episode_seed(base_seed: int, unit_id: int, episode_index: int) -> int:
     return int((int(base_seed) * 1_000_000_007 + int(unit_id) * 1_000_000 + int(episode_index)) % (2**31 - 1))
 
 
+class Exploration:
+    """Failure-guided exploration of one retry episode: temporally correlated action noise.
+
+    The end-effector dimensions (the first ``dims`` of the action) get Gaussian noise of std
+    ``action_noise_std`` (action units: 1 = 1 cm per step on Meta-World) that is redrawn every ``hold_steps``
+    control steps and held in between, so a retry moves the hand to a different place instead of jittering
+    around the policy's own path (a cheap stand-in for the modal-level exploration of SIME, "Enhancing Policy
+    Self-Improvement with Modal-level Exploration", 2025). The noise is a function of (reset seed, attempt,
+    step): a retry is reproducible. Actions are clipped to [-1, 1] after the noise.
+
+    Args:
+        action_noise_std: >= 0, action units. hold_steps: >= 1. retry_of: episode id re-attempted (or None).
+        attempt: 0-based attempt number of this retry. dims: leading action dimensions perturbed (>= 0).
+
+    Raises:
+        ValueError: a negative or non-finite std, ``hold_steps < 1`` or ``dims < 0``.
+    """
+
+    def __init__(self, action_noise_std: float = 0.3, hold_steps: int = 8, retry_of: str | None = None,
+                 attempt: int = 0, dims: int = 3):
+        if not np.isfinite(action_noise_std) or action_noise_std < 0:
+            raise ValueError(f"exploration action_noise_std: expected a finite value >= 0, given {action_noise_std}")
+        if int(hold_steps) < 1 or int(dims) < 0:
+            raise ValueError(f"exploration: expected hold_steps >= 1 and dims >= 0, given {hold_steps}, {dims}")
+        self.std, self.hold, self.retry_of = float(action_noise_std), int(hold_steps), retry_of
+        self.attempt, self.dims = int(attempt), int(dims)
+        self._noise: np.ndarray | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Exploration:
+        """From ``{"action_noise_std", "hold_steps", "retry_of", "attempt", "dims"}`` (missing keys default).
+
+        Raises ValueError on unknown keys."""
+        names = {"action_noise_std", "hold_steps", "retry_of", "attempt", "dims"}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"exploration: unknown keys {unknown}; expected {sorted(names)}")
+        return cls(**d)
+
+    def tags(self) -> dict[str, Any]:
+        """Store metadata of the retry: ``{"retry_of", "attempt", "exploration": {"action_noise_std", "hold_steps"}}``."""
+        return {"retry_of": self.retry_of, "attempt": self.attempt,
+                "exploration": {"action_noise_std": self.std, "hold_steps": self.hold}}
+
+    def perturb(self, action: np.ndarray, step: int, seed: int) -> np.ndarray:
+        """(A,) float32 action + the held noise of ``step`` on the first ``dims`` entries, clipped to [-1, 1]."""
+        a = np.asarray(action, np.float32).copy()
+        if step % self.hold == 0 or self._noise is None:
+            rng = np.random.default_rng([int(seed), self.attempt, int(step) // self.hold, 7919])
+            self._noise = rng.normal(0.0, self.std, size=min(self.dims, a.size)).astype(np.float32)
+        a[: self._noise.size] += self._noise
+        return np.clip(a, -1.0, 1.0)
+
+
 class RobotWorker:
     """One robot unit (wrap with ``ray.remote``; see ``fleet.coordinator``).
 
@@ -227,7 +281,8 @@ class RobotWorker:
         if f["kind"] == "sleep":  # a slow step: lets a test act mid-episode (e.g. SIGKILL from outside)
             time.sleep(float(f.get("seconds", 5.0)))
 
-    def run_episode(self, task: str | None = None, seed: int | None = None) -> dict[str, Any]:
+    def run_episode(self, task: str | None = None, seed: int | None = None,
+                    explore: dict | None = None) -> dict[str, Any]:
         """Run and commit one episode; returns its summary ``{"episode_id", "unit_id", "task", "seed",
         "success", "length", "policy_version", "is_demo", "episode_index", "wall_s", "return", "staleness"}``.
 
@@ -240,6 +295,12 @@ class RobotWorker:
         ``seed`` (the env reset seed) defaults to ``episode_seed(seed, unit, episode_index)``; an explicit one
         lets an evaluation give every policy arm the same initial states (common random numbers).
         An exception inside the episode aborts the open episode (nothing is committed) and is re-raised.
+
+        ``explore``: a failure-guided exploration trial (:class:`Exploration` keys ``action_noise_std``,
+        ``hold_steps``, ``retry_of``, ``attempt``): the policy's end-effector actions get temporally correlated
+        Gaussian noise, and the episode is tagged in the store's ``extra`` with ``retry_of`` (the failed
+        episode it re-attempts), ``attempt`` and ``exploration``. The stored action is the executed one (noise
+        included, clipped to [-1, 1]).
         """
         task = task or self.tasks[self.episode_index % len(self.tasks)]
         if seed is None:
@@ -247,19 +308,28 @@ class RobotWorker:
         seed = int(seed)
         env = self._env(task)
         policy = self._acting_policy(task, seed)
+        ex = Exploration.from_dict(explore) if explore else None
+        if ex is not None:
+            import torch
+
+            torch.manual_seed(int(seed) * 1009 + ex.attempt + 1)  # a retry draws fresh denoising noise too
         version = int(policy.version)
         t0 = time.perf_counter()
         obs, info = env.reset(seed=seed)
         policy.reset()
+        extra = {"unit": env.unit.to_dict()} if hasattr(env.unit, "to_dict") else {}
+        if ex is not None:
+            extra.update(ex.tags())
         self.writer.begin_episode(unit_id=self.unit_id, embodiment=str(env.unit.embodiment), task=task,
-                                  policy_version=version, seed=seed, is_demo=self.is_demo,
-                                  extra={"unit": env.unit.to_dict()} if hasattr(env.unit, "to_dict") else None)
+                                  policy_version=version, seed=seed, is_demo=self.is_demo, extra=extra or None)
         self.progress_state.update(task=task, step=0, in_episode=True)
         success, ret, length = False, 0.0, 0
         try:
             for t in range(self.max_steps):
                 self._maybe_fault(t)
                 action = policy.select_action(obs)
+                if ex is not None:
+                    action = ex.perturb(action, t, seed)
                 next_obs, reward, terminated, truncated, info = env.step(action)
                 self.writer.add_step(obs, action, float(reward), info["progress"])
                 success |= bool(info["success"])
@@ -278,14 +348,17 @@ class RobotWorker:
                    "length": length, "policy_version": version, "is_demo": self.is_demo,
                    "episode_index": self.episode_index, "wall_s": time.perf_counter() - t0, "return": ret,
                    "staleness": self._staleness(version)}
+        if ex is not None:
+            summary.update(ex.tags())
         self.episode_index += 1
         self.progress_state.update(episode_index=self.episode_index, in_episode=False)
         return summary
 
     def run_episodes(self, n: int = 1, task: str | None = None, policy: dict | None = None,
-                     seed: int | None = None) -> list[dict[str, Any]]:
+                     seed: int | None = None, explore: dict | None = None) -> list[dict[str, Any]]:
         """Run ``n`` episodes (of ``task``, or the unit's tasks round-robin); list of ``run_episode`` summaries.
-        ``seed``: the reset seed of an ``n == 1`` call (default: the unit's own seed sequence).
+        ``seed``: the reset seed of an ``n == 1`` call (default: the unit's own seed sequence); ``explore``:
+        see :meth:`run_episode`.
 
         Raises:
             fleet.registry.RegistryError, experience_dict.store.StoreError: as raised (not retryable).
@@ -298,16 +371,17 @@ class RobotWorker:
             self.policy_cfg, self.policy, self.policy_version = dict(policy), None, None
         if seed is not None and int(n) != 1:
             raise ValueError(f"run_episodes: an explicit seed is for one episode, given n={n}")
-        return self._sim_thread.submit(self._run_episodes, int(n), task, seed).result()
+        return self._sim_thread.submit(self._run_episodes, int(n), task, seed, explore).result()
 
-    def _run_episodes(self, n: int, task: str | None, seed: int | None = None) -> list[dict[str, Any]]:
+    def _run_episodes(self, n: int, task: str | None, seed: int | None = None,
+                      explore: dict | None = None) -> list[dict[str, Any]]:
         from experience_dict.store import StoreError
         from fleet.registry import RegistryError
 
         out = []
         for _ in range(n):
             try:
-                out.append(self.run_episode(task, seed))
+                out.append(self.run_episode(task, seed, explore))
             except (RegistryError, StoreError):
                 raise
             except Exception as e:  # noqa: BLE001 - re-raised as text

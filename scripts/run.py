@@ -1,31 +1,32 @@
-"""The main job: the whole fleet-learning loop on real Meta-World tasks, from a fresh machine.
+"""The main job: the whole fleet-learning experiment on real Meta-World tasks, from a fresh machine.
 
-    make run                                            # embedded default: mw_quick, state-only, CPU, ~20 min
+    make run                                            # embedded default: mw_quick, state-only, CPU, one seed
+    python scripts/run.py 'job.seeds=[0,1,2]'           # the protocol: every stage and arm per seed, intervals
+                                                        # bootstrapped over seeds, then trials
     python scripts/run.py hydra.run.dir=outputs/myrun   # a fixed run dir: re-running resumes finished stages
-    python scripts/run.py job.fleet_units=4 fert.rounds=4 eval.trials_per_task=100
-    python scripts/run.py experiment=mw10_vision        # full-size image run meant for a GPU
-    python scripts/run.py job.fleet_sizes=[1,2,4]       # + FERT per fleet size -> success_vs_fleet_size.png
+    python scripts/run.py 'job.arms=[base,filtered_bc,filtered_bc_retries,fert,fert_no_retries,fert_no_gate]'
+    python scripts/run.py robot=shifted                 # demos on near-nominal units, fleet + held-out wider
+    python scripts/run.py 'job.fleet_sizes=[1,2,4]'     # + FERT per fleet size -> success_vs_fleet_size.png
 
-Stages (each resumable; finished ones are recorded in ``<run dir>/job_state.json``):
+The protocol is fixed before any result (``fleet.protocol``): every trial's (task, unit, reset seed) comes
+from a plan that does not depend on scheduling. Per experiment seed ``s`` (``<run dir>/seed_<s>/``), stages
+(each resumable, recorded in ``seed_<s>/job_state.json``):
 
-1. demos: the scripted experts collect ``job.demos_per_task`` demonstrations per task on the training units
-   (the only expert data; on the Ray fleet, in parallel).
-2. base policies: the AED diffusion policy (tokenizer fitted on the demos) and the same policy without AED,
-   trained on the demonstrations only.
-3. fleet + FERT: the base policy is published as version 1 and deployed to ``job.fleet_units`` training
-   units; the asynchronous learner (a Ray actor, on the GPU when there is one) runs ``fert.rounds`` rounds of
-   failure-guided retrieval fine-tuning and publishes a version per round; units pick up new versions between
-   episodes. Collection never waits for training.
-4. comparison arms: filtered BC (the base policy fine-tuned on every successful fleet episode, no retrieval,
-   as many updates as FERT) and FERT without AED (the no-AED base fine-tuned by the same FERT rounds on the
-   same fleet store, offline).
-5. held-out evaluation: every arm on the held-out units (never used for training), ``eval.trials_per_task``
-   episodes per task; success with Wilson 95% intervals -> ``results.md`` / ``results.json``; plots, rollout
-   videos, retrieval audits; wandb (offline) logs.
-6. fleet-size sweep (only with ``job.fleet_sizes=[1,2,4]``): FERT rerun from the demonstrations-only store with
-   each fleet size at a fixed collection per unit (exactly ``job.sweep_episodes_per_unit`` episodes per unit per
-   round, then the round's update), each evaluated on the held-out units -> ``fleet_size.md`` / ``.json``,
-   ``fleet_size_paired.md`` / ``.json`` and ``success_vs_fleet_size.png``. Start it in a fresh run dir.
+1. demos: exactly ``job.demos_per_task`` successful scripted-expert demonstrations per task, from a fixed plan
+   on ``robot.demo_units`` (the training units by default; the only expert data).
+2. base policies: the AED diffusion policy and the same policy without AED, trained on the demonstrations.
+3. fleet rounds (``fert.rounds``): the training units run a fixed plan of ``job.fleet_episodes_per_unit``
+   episodes each with the newest published version (v1 = base); failed episodes are re-attempted with
+   exploration (``fert.retry``: same task, unit and reset seed, growing action noise, tagged ``retry_of``,
+   capped, never on held-out units); then the in-loop arms' learners (``fert``, ``fert_no_aed``) run their
+   FERT round on the store and ``fert`` publishes the next version.
+4. offline arms (filtered BC, filtered BC + retries, FERT ablations): fine-tuned from their base on the final
+   store with the same budget (``fleet.arms``).
+5. held-out evaluation: every arm on the held-out units, the same ``eval.trials_per_task`` trials per task.
+
+Then, over all seeds: ``results.md/json`` (success with Wilson intervals, pooled over seeds), ``paired.md/json``
+(paired differences, bootstrapped over seeds then trials), ``arms.png``; with ``job.fleet_sizes``, the
+fleet-size sweep on seed ``job.seeds[0]``. Ctrl-C stops cleanly; re-running with the same run dir resumes.
 """
 
 from __future__ import annotations
@@ -47,9 +48,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 log = logging.getLogger("run")
 
-# (arm, baseline) pairs compared trial by trial on the same held-out trials -> paired.md / paired.json
-PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "fert_no_aed"), ("filtered_bc", "base"),
-         ("fert_no_aed", "base_no_aed"), ("base", "base_no_aed")]
+RESULTS_CAPTION = ("Held-out success rate in % (successes/trials) with Wilson 95% intervals, pooled over the "
+                   "experiment seeds {seeds}; every arm ran the same held-out trials (task, unit, reset seed) on "
+                   "units {heldout}.\n\n")
+PAIRED_CAPTION = ("Trial-by-trial differences arm − baseline in percentage points on the same held-out trials, "
+                  "pooled over seeds {seeds}. [lo, hi]: 95% interval from a bootstrap that resamples the seeds, "
+                  "then the trials within each seed and task (it counts training noise as well as trial noise "
+                  "when there are several seeds). (w/l, p): trials only the arm solved / only the baseline "
+                  "solved, and the exact McNemar p-value of that split.\n\n")
 
 
 class JobState:
@@ -72,13 +78,30 @@ class JobState:
         os.replace(tmp, self.path)
 
 
+class Stages:
+    """Stage headers with an overall progress line: ``[stage k/n] name | elapsed | estimate left``."""
+
+    def __init__(self, total: int):
+        self.total, self.k, self.t0 = total, 0, time.perf_counter()
+
+    def start(self, name: str) -> None:
+        self.k += 1
+        el = time.perf_counter() - self.t0
+        eta = f", ~{el / (self.k - 1) * (self.total - self.k + 1) / 60:.0f} min left" if self.k > 1 else ""
+        print(f"\n=== [stage {self.k}/{self.total}] {name} ({el / 60:.1f} min elapsed{eta}) ===", flush=True)
+
+
 def plain_config(cfg: DictConfig, out: Path) -> dict:
     """Resolved plain dict of the composed config, with the run's store, registry and caches in ``out``."""
     c = OmegaConf.to_container(cfg, resolve=True)
-    c["store"]["url"] = str(out / "store")
-    c["fleet"]["registry_url"] = str(out / "registry")
-    c["fleet"]["cache_dir"] = str(out / "cache")
-    return c
+    return seed_config(c, out, int(c.get("seed", 0)))
+
+
+def seed_config(c: dict, sd: Path, seed: int) -> dict:
+    """``c`` for experiment seed ``seed``: store, registry and cache in ``sd``; ``seed`` set."""
+    return {**c, "seed": int(seed), "train": {**c["train"], "seed": int(seed)},
+            "store": {**c["store"], "url": str(sd / "store")},
+            "fleet": {**c["fleet"], "registry_url": str(sd / "registry"), "cache_dir": str(sd / "cache")}}
 
 
 def train_base(c: dict, reader, demos, out_dir: Path, aed: bool) -> str:
@@ -91,93 +114,193 @@ def train_base(c: dict, reader, demos, out_dir: Path, aed: bool) -> str:
     policy_cfg = policy_config_from_hydra(pcfg, reader)
     tcfg = {k: v for k, v in c["train"].items() if k not in ("out_dir", "init_from", "episodes")}
     tcfg["steps"] = int(c["job"]["base_steps"])
-    tcfg["wandb"] = {**tcfg.get("wandb", {}), "name": out_dir.name}
+    tcfg["desc"] = f"train {'base' if aed else 'base_no_aed'} (seed {c['seed']})"
+    tcfg["wandb"] = {**tcfg.get("wandb", {}), "name": f"{out_dir.name}-seed{c['seed']}"}
     res = train_policy(tcfg, out_dir, policy_cfg=policy_cfg, reader=reader, episodes=demos, device=c["device"])
     return str(res["checkpoint"])
 
 
-def run_fleet_with_learner(c: dict, out: Path, base_ckpt: str, units: list[int]) -> dict:
-    """Deploy the published base version to ``units`` and run the FERT learner beside them until its
-    rounds are done (plus a tail of episodes with the final version). Returns the learner status and the
-    fleet's episode summaries."""
-    import ray
-    from ray.exceptions import RayActorError
+def demo_config(c: dict) -> tuple[dict, list[int]]:
+    """Config and units of the demonstration stage: ``robot.demo_units`` (default: the training units), with
+    every variation range scaled by ``robot.demo_variation_scale`` (default 1; ``robot=shifted`` collects its
+    demonstrations on near-nominal units)."""
+    from sim import unit_lists
 
-    from fleet.coordinator import Fleet, ensure_ray
-    from fleet.learner import FertLearner
+    robot = dict(c["robot"])
+    train, heldout = unit_lists(robot)
+    units = [int(u) for u in (robot.get("demo_units") or train)]
+    bad = sorted(set(units) & set(heldout))
+    if bad:
+        raise ValueError(f"robot.demo_units: units {bad} are held-out units")
+    scale = float(robot.get("demo_variation_scale", 1.0))
+    if scale != 1.0:
+        robot["variation"] = {k: (v * scale if k != "action_latency_max" else int(round(v * scale)))
+                              for k, v in dict(robot["variation"]).items()}
+    return {**c, "robot": robot}, units
 
-    ensure_ray(c["fleet"])
-    gpus = ray.cluster_resources().get("GPU", 0)
-    total_cpus = ray.cluster_resources().get("CPU", 1.0)
-    learner_cpus = 1.0 if total_cpus > 1 else 0.5
-    c = {**c, "fleet": {**c["fleet"], "worker_cpus": max(0.1, (total_cpus - learner_cpus) / len(units))}}
-    rounds = int(c["fert"]["rounds"])
-    Learner = ray.remote(FertLearner).options(num_cpus=learner_cpus, num_gpus=1 if gpus else 0, max_restarts=2,
-                                              max_task_retries=0)
-    learner = Learner.remote(c, c["store"]["url"], c["fleet"]["registry_url"], str(out / "learner_fert"),
-                             base_ckpt, run_id="fert")
-    state = {"ref": learner.run.remote(rounds), "resubmits": 0, "status": None}
-    per_version: dict[int, list[int]] = {}
-    tail = int(c["job"].get("tail_episodes", 6))
 
-    def learner_finished() -> bool:
-        if state["status"] is None:
-            ready, _ = ray.wait([state["ref"]], timeout=0)
-            if not ready:
-                return False
-            try:
-                state["status"] = ray.get(state["ref"])
-            except RayActorError:  # the learner died: Ray restarts it, it resumes from its checkpoint
-                if state["resubmits"] >= 3:
-                    raise
-                state["resubmits"] += 1
-                log.warning("learner died; resubmitting its run (restart %d)", state["resubmits"])
-                state["ref"] = learner.run.remote(rounds)
-                return False
-        final = max(per_version) if per_version else None
-        return final is not None and final >= len(state["status"]["published"]) + 1 and \
-            len(per_version[final]) >= tail
+def round_trials(reader, plan: list[dict], version: int) -> list:
+    """The committed fleet episodes of a round's plan (no retries, acting version ``version``)."""
+    from experience_dict.retrieval import retry_of
 
-    def on_episode(ep: dict) -> None:
-        per_version.setdefault(int(ep["policy_version"]), []).append(int(bool(ep["success"])))
+    want = {(int(t["unit_id"]), int(t["seed"])) for t in plan}
+    return [m for m in reader.episodes(is_demo=False) if (int(m.unit_id), int(m.seed)) in want
+            and not retry_of(m) and int(m.policy_version) == int(version)]
 
+
+def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress: bool = True) -> dict:
+    """One fleet round: the fixed plan of fleet episodes with the newest version, then failure retries.
+
+    Resumable: trials already committed with that version are not run again. Returns the round's record
+    (success, failures, retries and how many failures they recovered)."""
+    from experience_dict.store import ExperienceStore
+    from fleet.coordinator import Fleet
+    from fleet.protocol import fleet_plan, run_retries
+    from fleet.registry import CheckpointRegistry
+
+    version = CheckpointRegistry(c["fleet"]["registry_url"]).latest_version()
+    plan = fleet_plan(list(c["task"]["tasks"]), units, int(c["job"]["fleet_episodes_per_unit"]), int(c["seed"]), r)
+    rcfg = dict(c["fert"].get("retry") or {})
     t0 = time.perf_counter()
     with Fleet(c, policy="latest", units=units, store_url=c["store"]["url"]) as fleet:
-        res = fleet.run(wall_time_s=float(c["job"].get("max_fleet_s", 7200)), should_stop=learner_finished,
-                        on_episode=on_episode)
-    if state["status"] is None:  # the fleet's time budget ran out first: wait for the learner
-        state["status"] = ray.get(state["ref"])
-    return {"learner": state["status"], "episodes": res.episodes, "wall_s": time.perf_counter() - t0,
-            "restarts": dict(res.restarts) if hasattr(res, "restarts") else {}}
+        reader = ExperienceStore.open(c["store"]["url"])
+        done = {(int(m.unit_id), int(m.seed)) for m in round_trials(reader, plan, version)}
+        todo = [t for t in plan if (t["unit_id"], t["seed"]) not in done]
+        if todo:
+            fleet.run(plan=todo, progress=progress)
+        reader.refresh()
+        eps = round_trials(reader, plan, version)
+        fails = [{"episode_id": m.episode_id, "task": m.task, "unit_id": int(m.unit_id), "seed": int(m.seed)}
+                 for m in eps if not m.success]
+        retries = {"failures": len(fails), "recovered": 0, "recovered_share": None, "retries": 0, "per_attempt": []}
+        if rcfg.get("enabled", True) and fails:
+            retries = run_retries(fleet, fails, {k: v for k, v in rcfg.items()}, heldout, len(plan), progress)
+            retries.pop("episodes", None)
+    succ = sum(bool(m.success) for m in eps)
+    per_task = {}
+    for m in eps:
+        per_task.setdefault(m.task, [0, 0])
+        per_task[m.task][0] += int(bool(m.success))
+        per_task[m.task][1] += 1
+    print(f"round {r}: fleet v{version} {succ}/{len(eps)} successes on units {units}; "
+          f"{retries['failures']} failures, {retries['retries']} retries recovered {retries['recovered']} "
+          f"({_pct(retries['recovered_share'])}) {retries['per_attempt']}", flush=True)
+    return {"version": version, "successes": succ, "episodes": len(eps), "per_task": per_task, "retries": retries,
+            "wall_s": time.perf_counter() - t0}
 
 
-def train_filtered_bc(c: dict, reader, base_ckpt: str, out_dir: Path, updates: int, heldout: list[int]) -> str:
-    """Filtered BC: the base policy fine-tuned on every successful training-unit episode (+ the demos)."""
-    from policies.aed_diffusion import AEDDiffusionPolicy
-    from policies.aed_diffusion.training import train_policy
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
 
-    reader.refresh()
-    eps = [m for m in reader.episodes(success=True) if int(m.unit_id) not in heldout]
-    tcfg = {k: v for k, v in c["train"].items() if k not in ("out_dir", "init_from", "episodes")}
-    tcfg.update(steps=int(updates), lr=float(c["learner"]["lr"]), warmup_steps=0,
-                batch_size=int(c["learner"]["batch_size"]), save_every=int(updates))
-    tcfg["wandb"] = {**tcfg.get("wandb", {}), "name": "filtered_bc"}
-    res = train_policy(tcfg, out_dir, policy=AEDDiffusionPolicy.from_pretrained(base_ckpt), reader=reader,
-                       episodes=eps, device=c["device"])
-    return str(res["checkpoint"])
+
+def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress: bool = True) -> dict:
+    """Every stage of one experiment seed in ``sd``; returns ``{"results": {arm: episodes}, "checkpoints",
+    "rounds"}``."""
+    from experience_dict.store import ExperienceStore
+    from fleet.arms import make_learner, train_offline_arm
+    from fleet.evaluation import evaluate_arms
+    from fleet.protocol import collect_demos
+    from fleet.registry import CheckpointRegistry
+    from sim import unit_lists
+
+    sd.mkdir(parents=True, exist_ok=True)
+    c = seed_config(c, sd, seed)
+    (sd / "config.json").write_text(json.dumps(c, indent=1))
+    state = JobState(sd / "job_state.json")
+    job = c["job"]
+    train_units, heldout = unit_lists(c["robot"])
+    fleet_units = train_units[: int(job["fleet_units"])]
+
+    stages.start(f"seed {seed}: demonstrations")
+    if not state.done("demos"):
+        dc, dunits = demo_config(c)
+        res = collect_demos(dc, dunits, int(job["demos_per_task"]), float(job["demo_noise_std"]), seed,
+                            c["store"]["url"], progress=progress)
+        state.mark("demos", {**res, "units": dunits})
+    print(f"demos: {state.get('demos')}", flush=True)
+    reader = ExperienceStore.open(c["store"]["url"])
+    demos = reader.episodes(is_demo=True, success=True)
+
+    for name, aed in (("base", True), ("base_no_aed", False)):
+        stages.start(f"seed {seed}: train {name} on {len(demos)} demonstrations ({job['base_steps']} steps)")
+        if not state.done(name):
+            t0 = time.perf_counter()
+            state.mark(name, {"checkpoint": train_base(c, reader, demos, sd / name, aed),
+                              "wall_s": time.perf_counter() - t0})
+    ckpt = {"base": state.get("base")["checkpoint"], "base_no_aed": state.get("base_no_aed")["checkpoint"]}
+    reg = CheckpointRegistry(c["fleet"]["registry_url"])
+    if reg.latest_version() is None:
+        reg.publish(ckpt["base"], metadata={"run_id": "base", "round": -1, "kind": "base"})
+
+    sizes = [int(n) for n in (job.get("fleet_sizes") or [])]
+    if sizes and not state.done("demo_snapshot"):
+        snap = sd / "sweep" / "demo_store"
+        shutil.rmtree(snap, ignore_errors=True)
+        shutil.copytree(c["store"]["url"], snap)
+        state.mark("demo_snapshot", str(snap))
+
+    in_loop = [a for a in arms if a.in_loop]
+    rounds = int(c["fert"]["rounds"])
+    for r in range(rounds):
+        stages.start(f"seed {seed}: fleet round {r + 1}/{rounds} (units {fleet_units}) + learners "
+                     f"{[a.name for a in in_loop]}")
+        if state.done(f"round_{r}"):
+            continue
+        rec = fleet_round(c, r, fleet_units, heldout, progress)
+        rec["learners"] = {}
+        for arm in in_loop:
+            lrn = make_learner(c, arm, sd / f"learner_{arm.name}", ckpt[arm.init],
+                               c["fleet"]["registry_url"] if arm.name == "fert" else None, seed, offline=True)
+            if lrn.state["round"] > r:
+                continue
+            out = lrn.run_round()
+            print(f"  {arm.name} round {r}: {out['contexts']} failure contexts, {out['retrieved']} retrieved "
+                  f"segments ({out.get('own_retry_entries', 0)} from the failures' own retries), "
+                  f"{out['dataset']} training windows, loss {out['loss']}, "
+                  + (f"published v{out['version']}" if out["version"] else "not published"), flush=True)
+            rec["learners"][arm.name] = {k: out[k] for k in ("contexts", "retrieved", "dataset", "loss", "version")}
+        state.mark(f"round_{r}", rec)
+    for arm in in_loop:
+        ckpt[arm.name] = make_learner(c, arm, sd / f"learner_{arm.name}", ckpt[arm.init], None, seed).final_checkpoint()
+
+    for arm in arms:
+        if arm.in_loop or arm.data == "none":
+            continue
+        stages.start(f"seed {seed}: fine-tune {arm.name} ({arm.description})")
+        if not state.done(arm.name):
+            t0 = time.perf_counter()
+            state.mark(arm.name, {"checkpoint": train_offline_arm(c, arm, reader, ckpt[arm.init], sd / arm.name,
+                                                                  heldout, seed),
+                                  "wall_s": time.perf_counter() - t0})
+        ckpt[arm.name] = state.get(arm.name)["checkpoint"]
+
+    stages.start(f"seed {seed}: held-out evaluation of {len(arms)} arms, {job['trials_per_task']} trials per task")
+    chosen = {a.name: ckpt[a.name] for a in arms}
+    results = evaluate_arms(c, chosen, sd, int(job["trials_per_task"]), units=heldout, progress=progress)
+    rounds_rec = [state.get(f"round_{r}") for r in range(rounds)]
+    return {"results": results, "checkpoints": chosen, "rounds": rounds_rec, "config": c, "state": state}
+
+
+def unit_table(c: dict, units: list[int]) -> str:
+    """Markdown table of the units' variation (gain, latency, friction, mass, observation noise)."""
+    from sim.units import RobotUnit
+
+    rows = ["| unit | action gain (x, y, z) | latency (steps) | friction x | mass x | obs noise (mm) |",
+            "|---|---|---|---|---|---|"]
+    for u in units:
+        d = RobotUnit.draw(int(u), c["robot"])
+        rows.append(f"| {u} | {', '.join(f'{g:.2f}' for g in d.action_gain)} | {d.action_latency} | "
+                    f"{d.friction_scale:.2f} | {d.mass_scale:.2f} | {1000 * d.obs_noise_std:.2f} |")
+    return "\n".join(rows)
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from experience_dict.store import ExperienceStore
-    from fleet.coordinator import collect
-    from fleet.evaluation import evaluate_arms, record_rollouts
-    from fleet.learner import FertLearner
-    from fleet.registry import CheckpointRegistry
+    from fleet.arms import PAIRS, get_arms
     from fleet.report import (
-        paired_differences,
         paired_markdown,
-        plot_success_per_round,
+        paired_over_seeds,
+        plot_arms,
         success_table,
         table_markdown,
         write_paired,
@@ -189,126 +312,90 @@ def main(cfg: DictConfig) -> None:
     out = Path(cfg.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     c = plain_config(cfg, out)
-    (out / "config.json").write_text(json.dumps(c, indent=1))
-    state = JobState(out / "job_state.json")
-    train_units, heldout = unit_lists(c["robot"])
     job = c["job"]
-    print(f"fleetmind main job -> {out}\n  tasks {c['task']['tasks']}, training units {train_units}, "
-          f"held-out units {heldout}", flush=True)
+    arms = get_arms(job["arms"])             # unknown arms refused before any work
+    seeds = [int(s) for s in (job.get("seeds") or [c["seed"]])]
+    train_units, heldout = unit_lists(c["robot"])
+    fleet_units = train_units[: int(job["fleet_units"])]
     sizes = [int(n) for n in (job.get("fleet_sizes") or [])]
     check_fleet_sizes(sizes, train_units)
+    (out / "config.json").write_text(json.dumps(c, indent=1))
+    _, demo_units = demo_config(c)
+    print(f"fleetmind main job -> {out}\n  tasks {c['task']['tasks']}; seeds {seeds}; demonstrations on units "
+          f"{demo_units}; fleet on units {fleet_units}; held-out units {heldout}\n  arms {[a.name for a in arms]}",
+          flush=True)
+    print(unit_table(c, sorted(set(demo_units) | set(fleet_units)) + heldout), flush=True)
+    n_off = sum(1 for a in arms if not a.in_loop and a.data != "none")
+    stages = Stages(len(seeds) * (3 + int(c["fert"]["rounds"]) + n_off + 1) + (1 if sizes else 0))
+    try:
+        per_seed = {}
+        for s in seeds:
+            per_seed[s] = run_seed(c, out / f"seed_{s}", s, arms, stages)
+        results_by_seed = {s: r["results"] for s, r in per_seed.items()}
+        pooled = {a.name: [e | {"exp_seed": s} for s in seeds for e in results_by_seed[s][a.name]] for a in arms}
+        table = success_table(pooled)
+        table["meta"] = {"seeds": seeds, "held_out_units": heldout, "fleet_units": fleet_units,
+                         "demo_units": demo_units, "trials_per_task": int(job["trials_per_task"]),
+                         "checkpoints": {s: r["checkpoints"] for s, r in per_seed.items()},
+                         "fert_rounds": int(c["fert"]["rounds"]),
+                         "updates_per_round": int(c["learner"]["updates_per_version"]),
+                         "demos_per_task": int(job["demos_per_task"]),
+                         "rounds": {s: r["rounds"] for s, r in per_seed.items()},
+                         "total_wall_s": time.perf_counter() - t_start}
+        names = [a.name for a in arms]
+        pairs = [(a, b) for a, b in PAIRS if a in names and b in names]
+        paired = paired_over_seeds(results_by_seed, pairs)
+        fmt = {"seeds": seeds, "heldout": heldout}
+        write_table(table, out, "results")
+        write_paired(paired, out, "paired")
+        for name, cap in (("results", RESULTS_CAPTION), ("paired", PAIRED_CAPTION)):
+            md = out / f"{name}.md"
+            md.write_text(cap.format(**fmt) + md.read_text())
+        fleet_hist = {}
+        for s, r in per_seed.items():
+            fleet_hist[f"fleet, seed {s}"] = [{"round": i, "successes": rr["successes"], "trials": rr["episodes"]}
+                                              for i, rr in enumerate(r["rounds"])]
+        plot_arms(table, out / "arms.png", title=f"held-out success, seeds {seeds}", rounds=fleet_hist)
+        if sizes:
+            stages.start(f"fleet-size sweep {sizes} (seed {seeds[0]})")
+            sweep = fleet_size_sweep(per_seed[seeds[0]]["config"], out / f"seed_{seeds[0]}",
+                                     per_seed[seeds[0]]["state"], sizes,
+                                     per_seed[seeds[0]]["checkpoints"]["base"], train_units, heldout)
+            write_table(sweep["table"], out, "fleet_size")
+            write_paired(sweep["paired"], out, "fleet_size_paired")
+            from fleet.report import plot_success_per_round
 
-    # 1. demonstrations (the only expert data)
-    if not state.done("demos"):
-        t0 = time.perf_counter()
-        res = collect(c, policy={"kind": "expert", "noise_std": float(job["demo_noise_std"])}, is_demo=True,
-                      episodes_per_task=int(job["demos_per_task"]), units=train_units, store_url=c["store"]["url"])
-        print(res.table("task"), flush=True)
-        state.mark("demos", {"episodes": len(res.episodes), "wall_s": time.perf_counter() - t0})
-    reader = ExperienceStore.open(c["store"]["url"])
-    demos = reader.episodes(is_demo=True, success=True)
-    if not demos:
-        raise SystemExit("no successful demonstrations were collected; check scripts/sim_check.py")
+            plot_success_per_round(sweep["history"], out / "success_vs_fleet_size.png", x="fleet_size",
+                                   title="held-out success of FERT against fleet size")
+            print("\nheld-out success against fleet size:\n" + table_markdown(sweep["table"]), flush=True)
+        if int(job.get("videos", 0)) > 0:
+            _videos(per_seed[seeds[0]], c, out, heldout)
+        _log_wandb(c, out, table)
+        print("\n" + RESULTS_CAPTION.format(**fmt) + table_markdown(table), flush=True)
+        print("\n" + PAIRED_CAPTION.format(**fmt) + paired_markdown(paired), flush=True)
+        print(f"outputs in {out}: results.md/json, paired.md/json, arms.png, seed_<s>/ (stores, checkpoints, "
+              f"learner audits, episodes) ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: finished stages are kept; resume with: python scripts/run.py hydra.run.dir={out} "
+              "(and the same overrides)", flush=True)
+        raise SystemExit(130) from None
 
-    # 2. base policies on the demonstrations
-    for name, aed in (("base", True), ("base_no_aed", False)):
-        if not state.done(name):
-            t0 = time.perf_counter()
-            ckpt = train_base(c, reader, demos, out / name, aed)
-            state.mark(name, {"checkpoint": ckpt, "wall_s": time.perf_counter() - t0})
-    base_ckpt, base_noaed_ckpt = state.get("base")["checkpoint"], state.get("base_no_aed")["checkpoint"]
 
-    if sizes and not state.done("demo_snapshot"):   # the demonstrations-only store every fleet size starts from
-        if state.done("fert") or reader.episodes(is_demo=False):
-            raise SystemExit(f"job.fleet_sizes: {out} already holds fleet episodes; run the sweep in a fresh "
-                             "run dir (hydra.run.dir=...) so every fleet size starts from the demonstrations only")
-        snap = out / "sweep" / "demo_store"
-        shutil.rmtree(snap, ignore_errors=True)
-        shutil.copytree(c["store"]["url"], snap)
-        state.mark("demo_snapshot", str(snap))
+def _videos(seed_run: dict, c: dict, out: Path, heldout: list[int]) -> None:
+    """Rollout videos of ``fert`` and ``base`` on held-out units (first seed), once."""
+    from fleet.evaluation import record_rollouts
 
-    # 3. fleet + asynchronous FERT learner
-    reg = CheckpointRegistry(c["fleet"]["registry_url"])
-    if reg.latest_version() is None:
-        reg.publish(base_ckpt, metadata={"run_id": "base", "round": -1, "kind": "base"})
-    if not state.done("fert"):
-        units = train_units[: int(job["fleet_units"])]
-        r = run_fleet_with_learner(c, out, base_ckpt, units)
-        stale = staleness_summary(r["episodes"])
-        print(f"fleet staleness (versions behind the newest at commit): {stale}", flush=True)
-        state.mark("fert", {"learner": r["learner"], "fleet_episodes": len(r["episodes"]), "wall_s": r["wall_s"],
-                            "per_version": _per_version(r["episodes"]), "staleness": stale})
-        (out / "fleet_episodes.json").write_text(json.dumps(r["episodes"], default=str))
-    fert_state = state.get("fert")
-    fert_ckpt = FertLearner(c, c["store"]["url"], None, str(out / "learner_fert"), base_ckpt).final_checkpoint()
-    updates = int(c["fert"]["rounds"]) * int(c["learner"]["updates_per_version"])
-
-    # 4. comparison arms
-    if not state.done("filtered_bc"):
-        t0 = time.perf_counter()
-        state.mark("filtered_bc", {"checkpoint": train_filtered_bc(c, reader, base_ckpt, out / "filtered_bc",
-                                                                   updates, heldout),
-                                   "wall_s": time.perf_counter() - t0})
-    if not state.done("fert_no_aed"):
-        t0 = time.perf_counter()
-        offline = {**c, "learner": {**c["learner"], "min_new_episodes": 0, "max_wait_s": 0}}
-        lrn = FertLearner(offline, c["store"]["url"], None, str(out / "learner_fert_no_aed"), base_noaed_ckpt,
-                          run_id="fert_no_aed", publish=False)
-        lrn.run(int(c["fert"]["rounds"]))
-        state.mark("fert_no_aed", {"checkpoint": lrn.final_checkpoint(), "wall_s": time.perf_counter() - t0})
-
-    # 5. held-out evaluation
-    all_arms = {"base": base_ckpt, "filtered_bc": state.get("filtered_bc")["checkpoint"], "fert": fert_ckpt,
-                "fert_no_aed": state.get("fert_no_aed")["checkpoint"], "base_no_aed": base_noaed_ckpt}
-    unknown = [a for a in job["arms"] if a not in all_arms]
-    if unknown:
-        raise ValueError(f"job.arms: unknown arms {unknown}; known: {sorted(all_arms)}")
-    arms = {a: all_arms[a] for a in job["arms"]}
-    t0 = time.perf_counter()
-    results = evaluate_arms(c, arms, out, int(job["trials_per_task"]), units=heldout)
-    table = success_table(results)
-    table["meta"] = {"held_out_units": heldout, "training_units": train_units[: int(job["fleet_units"])],
-                     "trials_per_task": int(job["trials_per_task"]), "checkpoints": arms,
-                     "fert_rounds": int(c["fert"]["rounds"]), "updates_per_round": int(c["learner"]["updates_per_version"]),
-                     "demos_per_task": int(job["demos_per_task"]), "eval_wall_s": time.perf_counter() - t0,
-                     "fleet_staleness": fert_state.get("staleness"),
-                     "total_wall_s": time.perf_counter() - t_start}
-    write_table(table, out, "results")
-    paired = paired_differences(results, [(a, b) for a, b in PAIRS if a in arms and b in arms])
-    write_paired(paired, out, "paired")
-
-    # plots: training-fleet success per policy version (v1 = base = round -1, v2 = round 0, ...) beside the
-    # held-out arms (placed at the last round)
-    history = {"fert (training units, per version)": [
-        {"round": int(v) - 2, "successes": s, "trials": n} for v, (s, n) in sorted(
-            ((int(k), tuple(v)) for k, v in fert_state["per_version"].items()))]}
-    for arm, row in table["arms"].items():
-        history[f"{arm} (held-out)"] = [{"round": int(c["fert"]["rounds"]) - 1, "successes": row["average"]["successes"],
-                                         "trials": row["average"]["trials"]}]
-    plot_success_per_round(history, out / "success_per_round.png",
-                           title="success per FERT round (round -1 = base policy)")
-    # 6. fleet-size sweep: at a fixed collection per unit and round, FERT with n units, on held-out units
-    if sizes:
-        sweep = fleet_size_sweep(c, out, state, sizes, base_ckpt, train_units, heldout)
-        write_table(sweep["table"], out, "fleet_size")
-        write_paired(sweep["paired"], out, "fleet_size_paired")
-        plot_success_per_round(sweep["history"], out / "success_vs_fleet_size.png", x="fleet_size",
-                               title="held-out success of FERT against fleet size")
-        print("\nheld-out success against fleet size:\n" + table_markdown(sweep["table"]), flush=True)
-    if not state.done("videos") and int(job["videos"]) > 0:
-        vids = []
-        for arm in ("fert", "base"):
-            if arm in arms:
-                vids += [str(p) for p in record_rollouts(c, arms[arm], out / "videos" / arm, heldout,
-                                                         list(c["task"]["tasks"]), max_videos=int(job["videos"]),
-                                                         max_episodes=int(job.get("video_episodes", 8)))]
-        state.mark("videos", vids)
-    _log_wandb(c, out, table)
-    print("\nheld-out success (Wilson 95% interval):\n" + table_markdown(table), flush=True)
-    print("\ntrial-by-trial differences on the same held-out trials (paired bootstrap 95% interval; "
-          "wins/losses; McNemar p):\n" + paired_markdown(paired), flush=True)
-    print(f"outputs in {out}: results.md/json, paired.md/json, success_per_round.png, videos/, "
-          f"learner_fert/audits/ ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    state = seed_run["state"]
+    if state.done("videos"):
+        return
+    vids = []
+    for arm in ("fert", "base"):
+        if arm in seed_run["checkpoints"]:
+            vids += [str(p) for p in record_rollouts(seed_run["config"], seed_run["checkpoints"][arm],
+                                                     out / "videos" / arm, heldout, list(c["task"]["tasks"]),
+                                                     max_videos=int(c["job"]["videos"]),
+                                                     max_episodes=int(c["job"].get("video_episodes", 8)))]
+    state.mark("videos", vids)
 
 
 def check_fleet_sizes(sizes: list[int], train_units: list[int]) -> None:
@@ -342,6 +429,8 @@ def fleet_size_sweep(c: dict, out: Path, state: JobState, sizes: list[int], base
     from fleet.coordinator import Fleet
     from fleet.evaluation import evaluate_arms
     from fleet.learner import FertLearner
+    from experience_dict.retrieval import retry_of
+    from fleet.protocol import run_retries
     from fleet.registry import CheckpointRegistry
     from fleet.report import paired_differences, success_table
 
@@ -372,9 +461,13 @@ def fleet_size_sweep(c: dict, out: Path, state: JobState, sizes: list[int], base
                     version = reg.latest_version()
                     reader = ExperienceStore.open(cs["store"]["url"])
                     done = min(sum(1 for m in reader.episodes(unit_id=u, is_demo=False)
-                                   if int(m.policy_version) == version) for u in units)
+                                   if int(m.policy_version) == version and not retry_of(m)) for u in units)
                     if per_unit - done > 0:
-                        fleet.run(episodes_per_unit=per_unit - done)
+                        res = fleet.run(episodes_per_unit=per_unit - done)
+                        fails = [e for e in res.episodes if not e["success"]]
+                        rcfg = dict(cs["fert"].get("retry") or {})
+                        if fails and rcfg.get("enabled", True):
+                            run_retries(fleet, fails, rcfg, heldout, len(res.episodes))
                     learner.run_round()
             reader = ExperienceStore.open(cs["store"]["url"])
             eps = [{"policy_version": m.policy_version, "success": m.success}
@@ -429,7 +522,7 @@ def _log_wandb(c: dict, out: Path, table: dict) -> None:
     rows = [[arm, t, cell["rate"], cell["ci95"][0], cell["ci95"][1], cell["trials"]]
             for arm, row in table["arms"].items() for t, cell in {**row["tasks"], "average": row["average"]}.items()]
     run.log({"results": wandb.Table(columns=["arm", "task", "success", "ci_low", "ci_high", "trials"], data=rows),
-             "success_per_round": wandb.Image(str(out / "success_per_round.png"))})
+             "arms": wandb.Image(str(out / "arms.png"))})
     run.finish()
 
 

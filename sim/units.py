@@ -123,7 +123,9 @@ class RobotUnit:
         table_rgb_delta, object_rgb_delta: (3,) RGB shift of table / task-object colours, in [0, 1] colour units.
         mass_scale, friction_scale: factors on task-object masses (and inertias) / sliding friction.
         action_gain: (3,) per-axis factor on the end-effector displacement per action unit (Meta-World: 1 cm).
-        action_latency: control steps (12.5 ms each) between choosing an action and its execution, 0..2.
+        action_latency: control steps (12.5 ms each) between choosing an action and its execution, 0..max:
+            ``unit_id % (action_latency_max + 1)``, stratified so training and held-out units cover the same
+            latencies.
         obs_noise_std: std of Gaussian noise on the position entries of state observations, metres.
     """
 
@@ -167,7 +169,10 @@ class RobotUnit:
             table_rgb_delta=tup(table_rgb * r["color"]), object_rgb_delta=tup(obj_rgb * r["color"]),
             mass_scale=float(1.0 + mass * r["mass_scale"]), friction_scale=float(1.0 + friction * r["friction_scale"]),
             action_gain=tup(1.0 + gain * r["action_gain"]),
-            action_latency=int(np.floor(latency_u * (int(r["action_latency_max"]) + 1))),
+            # stratified over unit ids, not drawn: any L consecutive ids cover every latency 0..max, so training
+            # and held-out units see the same latencies (a uniform draw once left 3 of 4 held-out units at a
+            # latency no training unit had); ``latency_u`` is still drawn to keep the other fields' stream
+            action_latency=int(unit_id) % (int(r["action_latency_max"]) + 1) if latency_u >= 0 else 0,
             obs_noise_std=float(noise_u * r["obs_noise_std"]),
         )
 

@@ -41,6 +41,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "steps": 2000, "batch_size": 64, "lr": 5e-4, "weight_decay": 0.01, "betas": (0.9, 0.95), "warmup_steps": 100,
     "grad_clip": 1.0, "ema": True, "ema_power": 0.75, "ema_max_decay": 0.9999, "num_workers": 0, "log_every": 50,
     "save_every": 500, "resume": True, "amp_bf16": False, "compile": False, "seed": 0, "progress": True, "num_threads": None,
+    "desc": "train",   # the progress bar's label (which policy is trained)
     "wandb": {"enabled": False, "project": "fleetmind", "mode": "offline", "name": None},
 }
 
@@ -298,7 +299,7 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPo
     log.info("training %s params on %s for %d steps (from step %d)", f"{policy.num_parameters():,}", dev,
              tc["steps"], step)
     from tqdm import tqdm
-    bar = tqdm(total=tc["steps"], initial=step, disable=not tc["progress"], desc="train", dynamic_ncols=True)
+    bar = tqdm(total=tc["steps"], initial=step, disable=not tc["progress"], desc=str(tc["desc"]), dynamic_ncols=True)
     batches = _cycle(loader)
     last_metrics, ckpt = {}, None
     t_log, n_log = time.perf_counter(), 0

@@ -1,0 +1,144 @@
+"""The experiment's arms: every policy that the held-out evaluation compares, declared in one registry.
+
+An arm is a name, the base it starts from, the data it is fine-tuned on and whether it trains inside the
+fleet loop. Every fine-tuned arm gets the same budget (``fert.rounds x learner.updates_per_version`` updates at
+``learner.lr``, batch ``learner.batch_size``), so arms differ only in their data. The arms separate the causes
+of a gain:
+
+========================  ===========  =================================================================
+arm                       starts from  data
+========================  ===========  =================================================================
+base                      —            the demonstrations only (no fine-tuning)
+base_no_aed               —            the same without the Action Experience Dictionary
+filtered_bc               base         every successful fleet episode (+ demos), no retries, no retrieval
+filtered_bc_retries       base         the same plus the successful failure retries: exactly the data FERT
+                                       sees, without retrieval (credits exploration apart from retrieval)
+fert                      base         FERT: failure contexts -> cause-keyed retrieval (own retries first),
+                                       progress gate, advantage weights, demo replay; in the fleet loop
+fert_no_aed               base_no_aed  FERT without AED, in the same fleet loop as ``fert``
+fert_no_retries           base         FERT on the store without the retry episodes
+fert_no_gate              base         FERT without the progress gate / advantage weights
+fert_abs_key              base         FERT with the old key: absolute standardised state, cosine
+========================  ===========  =================================================================
+
+``in_loop`` arms are trained round by round by their own ``fleet.learner.FertLearner`` while the fleet
+collects (``fert`` publishes the versions the fleet acts with); the others are fine-tuned once the fleet is
+done, on the final store, with the same total budget (for one round both see exactly the same store).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One compared policy: ``name``, ``init`` (``"base"``/``"base_no_aed"``: the base checkpoint it starts
+    from, or is), ``data`` (``"none"``, ``"successes"``, ``"successes+retries"``, ``"fert"``), ``fert``
+    (overrides of ``cfg.fert`` for ``data="fert"``), ``in_loop`` and a one-line ``description``."""
+    name: str
+    init: str
+    data: str
+    description: str
+    fert: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    in_loop: bool = False
+
+
+ARMS: dict[str, Arm] = {a.name: a for a in [
+    Arm("base", "base", "none", "demonstrations only"),
+    Arm("base_no_aed", "base_no_aed", "none", "demonstrations only, no AED"),
+    Arm("filtered_bc", "base", "successes", "fleet successes + demos, no retries, no retrieval"),
+    Arm("filtered_bc_retries", "base", "successes+retries", "fleet successes + successful retries + demos"),
+    Arm("fert", "base", "fert", "FERT: cause-keyed retrieval, own retries first, progress gate", in_loop=True),
+    Arm("fert_no_aed", "base_no_aed", "fert", "FERT without AED (same loop)", in_loop=True),
+    Arm("fert_no_retries", "base", "fert", "FERT without the retry episodes",
+        fert={"include_retries": False, "own_retries_first": False}),
+    Arm("fert_no_gate", "base", "fert", "FERT without the progress gate and advantage weights",
+        fert={"gate": {"enabled": False}}),
+    Arm("fert_abs_key", "base", "fert", "FERT with the absolute cosine key", fert={"key": "absolute"}),
+]}
+
+# (arm, baseline) pairs reported trial by trial, in this order, when both arms ran
+PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retries"), ("filtered_bc_retries", "base"),
+         ("filtered_bc", "base"), ("fert", "fert_no_retries"), ("fert", "fert_no_gate"), ("fert", "fert_abs_key"),
+         ("fert_no_aed", "base_no_aed"), ("fert", "fert_no_aed"), ("base", "base_no_aed")]
+
+
+def get_arms(names: Iterable[str]) -> list[Arm]:
+    """The registry entries for ``names``, in order.
+
+    Raises:
+        ValueError: an unknown arm name (the message lists the known ones), or a repeated one.
+    """
+    names = list(names)
+    unknown = [n for n in names if n not in ARMS]
+    if unknown:
+        raise ValueError(f"job.arms: unknown arms {unknown}; known: {sorted(ARMS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"job.arms: repeated arm names in {names}")
+    return [ARMS[n] for n in names]
+
+
+def fert_config(cfg: dict, arm: Arm) -> dict:
+    """``cfg`` with the arm's ``fert`` overrides merged in (nested dicts merged one level deep)."""
+    fert = dict(cfg["fert"])
+    for k, v in arm.fert.items():
+        fert[k] = {**dict(fert.get(k) or {}), **v} if isinstance(v, Mapping) else v
+    return {**cfg, "fert": fert}
+
+
+def finetune_budget(cfg: dict) -> int:
+    """Updates every fine-tuned arm gets: ``fert.rounds * learner.updates_per_version``."""
+    return int(cfg["fert"]["rounds"]) * int(cfg["learner"]["updates_per_version"])
+
+
+def make_learner(cfg: dict, arm: Arm, work_dir: Path, init_ckpt: str, registry_url: str | None, seed: int,
+                 offline: bool = False):
+    """The ``FertLearner`` that trains a ``data="fert"`` arm (publishing to ``registry_url`` unless None).
+    ``offline``: the round runs on the store as it is (no waiting for new fleet episodes: the protocol's fleet
+    round has finished when its learners run)."""
+    from fleet.learner import FertLearner
+
+    c = fert_config(cfg, arm)
+    learner = {**c["learner"], "seed": int(seed)}
+    if offline:
+        learner.update(min_new_episodes=0, max_wait_s=0)
+    c = {**c, "learner": learner}
+    return FertLearner(c, c["store"]["url"], registry_url, str(work_dir), init_ckpt, run_id=arm.name,
+                       publish=registry_url is not None)
+
+
+def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path, heldout: list[int],
+                      seed: int) -> str:
+    """Fine-tune one arm that is not trained in the fleet loop on the final store; returns its
+    ``pretrained_model`` directory. ``data="successes"`` / ``"successes+retries"``: filtered BC (uniform over the
+    windows of the successful training-unit episodes, the demonstrations included); ``data="fert"``: the
+    arm's FERT rounds run one after the other on the final store.
+
+    Raises:
+        ValueError: an arm without fine-tuning (``data="none"``) or an unknown ``data``.
+    """
+    from experience_dict.retrieval import retry_of
+    from policies.aed_diffusion import AEDDiffusionPolicy
+    from policies.aed_diffusion.training import train_policy
+
+    if arm.data == "fert":
+        lrn = make_learner(cfg, arm, out_dir, init_ckpt, None, seed, offline=True)
+        lrn.run(int(cfg["fert"]["rounds"]))
+        return lrn.final_checkpoint()
+    if arm.data not in ("successes", "successes+retries"):
+        raise ValueError(f"arm {arm.name!r}: data {arm.data!r} is not fine-tuned offline")
+    reader.refresh()
+    eps = [m for m in reader.episodes(success=True) if int(m.unit_id) not in set(heldout)
+           and (arm.data == "successes+retries" or not retry_of(m))]
+    updates = finetune_budget(cfg)
+    tcfg = {k: v for k, v in cfg["train"].items() if k not in ("out_dir", "init_from", "episodes")}
+    tcfg.update(steps=updates, lr=float(cfg["learner"]["lr"]), warmup_steps=0, seed=int(seed),
+                batch_size=int(cfg["learner"]["batch_size"]), save_every=updates, progress=False)
+    tcfg["wandb"] = {**tcfg.get("wandb", {}), "name": arm.name}
+    res = train_policy(tcfg, out_dir, policy=AEDDiffusionPolicy.from_pretrained(init_ckpt), reader=reader,
+                       episodes=eps, device=cfg["device"])
+    return str(res["checkpoint"])

@@ -1,0 +1,167 @@
+"""The experiment's trial plans: which (task, unit, reset seed) every stage runs, fixed before any result.
+
+Nothing here depends on scheduling: a plan names the unit of every trial, and the coordinator runs each
+unit's trials in order (``Fleet.run(plan=...)``), so the same config and seed give the same demonstrations,
+the same fleet episodes and the same retries whatever unit finishes first.
+
+Seed streams (``fleet.worker.episode_seed(stream, unit, k)``), apart per purpose and per experiment seed:
+
+* demonstrations: ``3000 + seed``; fleet round ``r``: ``5000 + 100 * seed + r``; held-out evaluation:
+  ``eval.seed`` (the same trials for every arm and every seed, so arms are paired trial by trial).
+
+Failure-guided exploration (``retry_plan`` / ``run_retries``): a failed fleet episode of a training unit is
+re-attempted on the same unit from the same reset seed, with temporally correlated action noise
+(``fleet.worker.Exploration``), up to ``attempts`` times, stopping at the first success; the noise grows by
+``growth`` with every attempt, so the exploration scale adapts per failure until it is recovered. Retries
+are capped at ``max_share`` of the round's fleet episodes and never run on held-out units. In simulation the
+reset seed reproduces the failed trial's initial state; on a real robot, where a reset is impossible, the
+retry starts from the failure state instead (not built here).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEMO_STREAM, FLEET_STREAM = 3000, 5000
+RETRY_KEYS = {"enabled", "attempts", "action_noise_std", "growth", "hold_steps", "max_share"}
+
+
+def _plan(tasks: Sequence[str], units: Sequence[int], per_task: dict[str, int], stream: int,
+          start: dict[int, int] | None = None) -> list[dict]:
+    """Trials round-robin over ``units`` within each task; a unit's k-th trial resets with
+    ``episode_seed(stream, unit, start[unit] + k)``."""
+    from fleet.worker import episode_seed
+
+    count = {int(u): (start or {}).get(int(u), 0) for u in units}
+    plan, g = [], 0
+    for task in tasks:
+        for _ in range(int(per_task.get(task, 0))):
+            u = int(units[g % len(units)])
+            g += 1
+            plan.append({"task": str(task), "unit_id": u, "seed": episode_seed(stream, u, count[u])})
+            count[u] += 1
+    return plan
+
+
+def fleet_plan(tasks: Sequence[str], units: Sequence[int], episodes_per_unit: int, seed: int,
+               round_idx: int = 0) -> list[dict]:
+    """The fleet's trials of one round: every unit runs ``episodes_per_unit`` episodes, tasks round-robin.
+
+    Returns ``[{"task", "unit_id", "seed"}]`` (``len(units) * episodes_per_unit`` trials).
+
+    Raises:
+        ValueError: no tasks or units, or ``episodes_per_unit < 0``.
+    """
+    from fleet.worker import episode_seed
+
+    if not tasks or not units or int(episodes_per_unit) < 0:
+        raise ValueError(f"fleet_plan: expected tasks, units and episodes_per_unit >= 0, given {tasks}, {units}, "
+                         f"{episodes_per_unit}")
+    stream = FLEET_STREAM + 100 * int(seed) + int(round_idx)
+    return [{"task": str(tasks[k % len(tasks)]), "unit_id": int(u), "seed": episode_seed(stream, int(u), k)}
+            for k in range(int(episodes_per_unit)) for u in units]
+
+
+def collect_demos(cfg: dict, units: Sequence[int], demos_per_task: int, noise_std: float, seed: int,
+                  store_url: str, max_waves: int = 5, progress: bool = True) -> dict:
+    """Exactly ``demos_per_task`` successful scripted-expert demonstrations per task, from a fixed plan.
+
+    Wave 1 runs ``demos_per_task`` trials per task, round-robin over ``units``; each later wave runs, per task,
+    as many new trials (the next seeds of each unit's stream) as successes are missing. The plan depends only
+    on the config and ``seed``; the expert's noise follows the reset seed, so the demonstrations are the same
+    every run.
+
+    Returns:
+        ``{"episodes": n committed, "successes": {task: n}, "waves": w}``.
+
+    Raises:
+        RuntimeError: a task still lacks demonstrations after ``max_waves`` waves (the expert fails there).
+    """
+    from fleet.coordinator import Fleet
+
+    tasks = list(cfg["task"]["tasks"])
+    c = {**cfg, "fleet": {**cfg["fleet"], "tasks_per_unit": None}}
+    need = {t: int(demos_per_task) for t in tasks}
+    start: dict[int, int] = {}
+    got = {t: 0 for t in tasks}
+    n_eps, wave = 0, 0
+    with Fleet(c, policy={"kind": "expert", "noise_std": float(noise_std)}, units=list(units), tasks=tasks,
+               store_url=store_url, is_demo=True) as fleet:
+        while any(need.values()) and wave < max_waves:
+            plan = _plan(tasks, units, need, DEMO_STREAM + int(seed), start)
+            res = fleet.run(plan=plan, progress=progress)
+            for t in plan:
+                start[t["unit_id"]] = start.get(t["unit_id"], 0) + 1
+            for e in res.episodes:
+                n_eps += 1
+                if e["success"]:
+                    got[e["task"]] += 1
+            need = {t: int(demos_per_task) - got[t] for t in tasks}
+            wave += 1
+    if any(v > 0 for v in need.values()):
+        raise RuntimeError(f"collect_demos: after {wave} waves the expert still lacks {need} successful "
+                           "demonstrations; check scripts/sim_check.py")
+    return {"episodes": n_eps, "successes": got, "waves": wave}
+
+
+def retry_plan(failures: Sequence[dict], cfg: dict, attempt: int, heldout: Sequence[int], budget: int) -> list[dict]:
+    """Retry trials of one exploration wave.
+
+    Args:
+        failures: failed fleet episode summaries (``episode_id``, ``task``, ``unit_id``, ``seed``) still
+            unrecovered; retries and held-out units are skipped.
+        cfg: ``fert.retry`` (keys ``RETRY_KEYS``). attempt: 0-based wave number (noise std
+            ``action_noise_std * growth ** attempt``). heldout: held-out unit ids (never retried).
+        budget: retry episodes left (the plan is cut to it).
+
+    Returns:
+        ``[{"task", "unit_id", "seed", "explore": {...}}]``.
+
+    Raises:
+        ValueError: unknown ``fert.retry`` keys.
+    """
+    unknown = sorted(set(cfg) - RETRY_KEYS)
+    if unknown:
+        raise ValueError(f"fert.retry: unknown keys {unknown}; expected {sorted(RETRY_KEYS)}")
+    held = {int(u) for u in heldout}
+    std = float(cfg.get("action_noise_std", 0.3)) * float(cfg.get("growth", 1.5)) ** int(attempt)
+    out = []
+    for f in failures:
+        if int(f["unit_id"]) in held or f.get("retry_of"):
+            continue
+        out.append({"task": f["task"], "unit_id": int(f["unit_id"]), "seed": int(f["seed"]),
+                    "explore": {"action_noise_std": std, "hold_steps": int(cfg.get("hold_steps", 8)),
+                                "retry_of": f["episode_id"], "attempt": int(attempt)}})
+    return out[:max(int(budget), 0)]
+
+
+def run_retries(fleet, failures: Sequence[dict], cfg: dict, heldout: Sequence[int], n_fleet_episodes: int,
+                progress: bool = True) -> dict[str, Any]:
+    """Failure-guided exploration: re-attempt ``failures`` on ``fleet`` in waves until recovered or out of
+    attempts / budget (``max_share * n_fleet_episodes`` retry episodes).
+
+    Returns:
+        ``{"failures", "recovered", "recovered_share", "retries", "per_attempt": [{"attempt", "std", "run",
+        "recovered"}], "episodes": [summaries]}``.
+    """
+    budget = int(float(cfg.get("max_share", 0.5)) * int(n_fleet_episodes))
+    todo = [f for f in failures if int(f["unit_id"]) not in {int(u) for u in heldout} and not f.get("retry_of")]
+    n_fail = len(todo)
+    episodes, per_attempt = [], []
+    for attempt in range(int(cfg.get("attempts", 3))):
+        plan = retry_plan(todo, cfg, attempt, heldout, budget - len(episodes))
+        if not plan:
+            break
+        res = fleet.run(plan=plan, progress=progress)
+        episodes += res.episodes
+        won = {e["retry_of"] for e in res.episodes if e["success"]}
+        per_attempt.append({"attempt": attempt, "std": plan[0]["explore"]["action_noise_std"], "run": len(plan),
+                            "recovered": len(won)})
+        todo = [f for f in todo if f["episode_id"] not in won]
+    recovered = n_fail - len(todo)
+    return {"failures": n_fail, "recovered": recovered, "recovered_share": recovered / n_fail if n_fail else None,
+            "retries": len(episodes), "per_attempt": per_attempt, "episodes": episodes}
