@@ -927,7 +927,7 @@ class FertData:
                                   exclude_units=self.exclude_units,
                                   include_retries=bool(cfg.get("include_retries", True)),
                                   gate_horizon=self.horizon if self.gate is not None else None,
-                                  tail_steps=int(gcfg.get("tail_steps", 0)) if self.gate is not None else 0,
+                                  tail_steps=int(gcfg.get("tail_steps") or 0) if self.gate is not None else 0,
                                   signals=self.signals)
         pcfg = cfg.get("priority") or {}
         self.priority = TaskPriority(str(pcfg.get("method", "learnability")), int(pcfg.get("window", 50)),

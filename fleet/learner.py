@@ -111,6 +111,10 @@ class FertLearner:
             raise RuntimeError(f"store {self.store_url!r} holds no demonstrations to replay")
         stats = self._reader.stats(["observation.state", "observation.environment_state"], episodes=demos)
         fert_cfg = {k: v for k, v in dict(self.cfg["fert"]).items()}
+        gate = dict(fert_cfg.get("gate") or {})
+        if gate.get("tail_steps") is None:   # the steps a successful episode runs on after its first success
+            gate["tail_steps"] = int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0)
+            fert_cfg["gate"] = gate
         self._fert = FertData(self._reader, fert_cfg, stats=stats, exclude_units=self.heldout)
 
     def _n_fleet_episodes(self) -> int:

@@ -36,7 +36,8 @@ T, L, W = 40, 30, 6            # episode length, steps to reach the goal, contex
 HELDOUT = 100
 # the repo's FERT config with small-test overrides
 FERT_CFG = OmegaConf.merge(OmegaConf.load(Path(__file__).parents[1] / "configs/fert/default.yaml"),
-                           {"window": W, "top_k": 4, "replay_ratio": 0.25, "include_demos": False})
+                           {"window": W, "top_k": 4, "replay_ratio": 0.25, "include_demos": False,
+                            "key": "absolute", "gate": {"enabled": False}})   # the 7-d test layout: absolute key
 
 
 def trajectory(start, goal, stall: int | None = None, flat: bool = False):
