@@ -116,13 +116,20 @@ def _hindsight(retrieval: Retrieval, index: SuccessIndex, task: str, ctx: np.nda
     ep_pos = np.asarray(ti.episode, np.int64)                           # (N,) windows of an episode are contiguous
     eps, dense = np.unique(ep_pos, return_inverse=True)
     best_in_ep = np.full((len(q), len(eps)), -np.inf, np.float32)       # (C, n_episodes)
+    l2 = getattr(index, "metric", "ip") == "l2"
+    # similarity: cosine for the absolute key; minus the distance in metres for the relative (L2) key
+    sim = (lambda q_, x_: -np.sqrt(np.maximum(((q_[:, None, :] - x_[None]) ** 2).sum(-1), 0.0))) if l2 \
+        else (lambda q_, x_: q_ @ x_.T)
     x_sum = np.zeros(ti.index.d, np.float64)
+    sim_sum = np.zeros(len(q), np.float64)
     for a in range(0, ti.index.ntotal, chunk):
         x = ti.index.reconstruct_n(a, min(chunk, ti.index.ntotal - a))  # (n, E)
         x_sum += x.sum(axis=0)
+        s_qx = sim(q, x)
+        sim_sum += s_qx.sum(axis=1)
         d = dense[a:a + len(x)]
         starts = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
-        m = np.maximum.reduceat(q @ x.T, starts, axis=1)                # per episode within the chunk
+        m = np.maximum.reduceat(s_qx, starts, axis=1)                   # per episode within the chunk
         best_in_ep[:, d[starts]] = np.maximum(best_in_ep[:, d[starts]], m)
     score = best_in_ep.mean(axis=0)                                     # (n_episodes,)
     ids = [index.episode_ids[e] for e in eps]
@@ -146,7 +153,8 @@ def _hindsight(retrieval: Retrieval, index: SuccessIndex, task: str, ctx: np.nda
             "rule_topk_weighted": float(np.nanmean(topk)) if np.isfinite(topk).any() else None,
             "best_single_selected": best(sel), "best_single_any": best(np.ones(len(eps), bool)),
             "random_single": float(score.mean()),
-            "random_window": float((q @ (x_sum / ti.index.ntotal)).mean())}
+            "random_window": float((sim_sum / ti.index.ntotal).mean()),
+            "similarity": "minus L2 distance, metres" if l2 else "cosine"}
 
 
 def retrieval_audit(retrieval: Retrieval, index: SuccessIndex, round_idx: int = 0,
@@ -167,6 +175,15 @@ def retrieval_audit(retrieval: Retrieval, index: SuccessIndex, round_idx: int = 
                  "context_units": dict(sorted(Counter(str(retrieval.contexts[i].unit_id) for i in ctx).items())),
                  "top_sources": [{"episode_id": e, "unit_id": int(index.meta[e].unit_id), "selections": n}
                                  for e, n in counts.most_common(5)]}
+        if retrieval.distance is not None and len(rows):
+            dist = retrieval.distance[rows]
+            entry["neighbour_distance"] = {
+                "unit": "metres (relative key)" if getattr(index, "metric", "ip") == "l2" else "1 - cosine",
+                "median": float(np.nanmedian(dist)), "mean": float(np.nanmean(dist)), "max": float(np.nanmax(dist))}
+        if retrieval.gain is not None and len(rows) and np.isfinite(retrieval.gain[rows]).any():
+            entry["segment_gain_mean"] = float(np.nanmean(retrieval.gain[rows]))
+        if retrieval.own_retry is not None and len(rows):
+            entry["own_retry_share"] = float(retrieval.own_retry[rows].mean())
         if index.size(task) and len(rows):
             entry["hindsight"] = _hindsight(retrieval, index, task, ctx, set(counts))
         per_task[task] = entry

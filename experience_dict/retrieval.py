@@ -28,10 +28,12 @@ current policy still makes.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+logging.getLogger("faiss.loader").setLevel(logging.WARNING)   # its CPU-feature probes log ModuleNotFoundError at INFO
 import faiss
 import numpy as np
 import torch
@@ -544,7 +546,7 @@ class Retrieval:
         dist = self.distance if self.distance is not None else np.full(n, np.nan)
         gain = self.gain if self.gain is not None else np.full(n, np.nan)
         own = self.own_retry if self.own_retry is not None else np.zeros(n, bool)
-        nan = lambda x: None if not np.isfinite(x) else float(x)  # noqa: E731
+        nan = lambda x: None if not np.isfinite(x) else float(x)
         return {"contexts": [{k: (nan(v) if isinstance(v, float) else v) for k, v in c.__dict__.items()}
                              for c in self.contexts],
                 "context_weight": self.context_weight.tolist(),

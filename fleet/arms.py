@@ -96,7 +96,7 @@ def finetune_budget(cfg: dict) -> int:
 
 
 def make_learner(cfg: dict, arm: Arm, work_dir: Path, init_ckpt: str, registry_url: str | None, seed: int,
-                 offline: bool = False):
+                 offline: bool = False, validator=None):
     """The ``FertLearner`` that trains a ``data="fert"`` arm (publishing to ``registry_url`` unless None).
     ``offline``: the round runs on the store as it is (no waiting for new fleet episodes: the protocol's fleet
     round has finished when its learners run)."""
@@ -108,7 +108,7 @@ def make_learner(cfg: dict, arm: Arm, work_dir: Path, init_ckpt: str, registry_u
         learner.update(min_new_episodes=0, max_wait_s=0)
     c = {**c, "learner": learner}
     return FertLearner(c, c["store"]["url"], registry_url, str(work_dir), init_ckpt, run_id=arm.name,
-                       publish=registry_url is not None)
+                       publish=registry_url is not None, validator=validator)
 
 
 def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path, heldout: list[int],

@@ -71,8 +71,6 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
         Every arm runs the same :func:`evaluation_plan` (same units, tasks and reset seeds; the denoising noise
         follows the seed too), so arms are compared on identical initial states.
     """
-    from fleet.coordinator import Fleet
-
     out = Path(out_dir)
     results: dict[str, list[dict]] = {}
     todo = {}
@@ -88,6 +86,30 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
     units = [int(u) for u in (units if units is not None else c["robot"]["heldout_units"])]
     tasks = list(tasks or c["task"]["tasks"])
     plan = evaluation_plan(tasks, units, int(trials_per_task), int((c.get("eval") or {}).get("seed", 1000)))
+    ecfg = dict(c.get("eval") or {})
+    if ecfg.get("backend", "vector") == "vector":
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        n_proc = max(1, min(int(ecfg.get("processes", 2)), len(units)))
+        # one pool for every arm: its processes keep their envs (fleet.evaluation._ENVS) from arm to arm
+        ex = ProcessPoolExecutor(n_proc, mp_context=mp.get_context("spawn")) if n_proc > 1 else None
+        try:
+            for arm, ckpt in todo.items():
+                log.info("evaluating arm %s (%s) on units %s (vectorised)", arm, ckpt, units)
+                eps = [e | {"arm": arm} for e in run_plan_parallel(c, str(ckpt), plan, out / "eval_store",
+                                                                  int(ecfg.get("batch_size", 32)), n_proc,
+                                                                  progress, arm, executor=ex)]
+                cache = out / "episodes" / f"{arm}.json"
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                cache.write_text(json.dumps(eps))
+                results[arm] = eps
+        finally:
+            if ex is not None:
+                ex.shutdown()
+        return {a: results[a] for a in arms}
+    from fleet.coordinator import Fleet
+
     first = next(iter(todo.values()))
     with Fleet(c, policy=str(first), units=units, tasks=tasks, store_url=str(out / "eval_store"),
                is_demo=False) as fleet:
@@ -102,6 +124,32 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
             cache.write_text(json.dumps(eps))
             results[arm] = eps
     return {a: results[a] for a in arms}
+
+
+def run_plan_parallel(cfg: dict, checkpoint: str, plan: list[dict], store_url: str | Path, batch_size: int = 32,
+                      processes: int = 2, progress: bool = True, desc: str = "eval", executor=None) -> list[dict]:
+    """:func:`run_plan_vectorised` split over ``processes`` spawned processes by unit (so each unit's store shard
+    has one writer), one torch thread each; summaries returned in plan order. ``processes <= 1`` runs here.
+    ``executor``: a spawn-context ``ProcessPoolExecutor`` to reuse (its processes keep their envs)."""
+    units = sorted({int(t["unit_id"]) for t in plan})
+    parts = [[t for t in plan if units.index(int(t["unit_id"])) % max(processes, 1) == k] for k in range(max(processes, 1))]
+    parts = [p for p in parts if p]
+    if len(parts) <= 1:
+        res = run_plan_vectorised(cfg, checkpoint, plan, store_url, batch_size, 1, progress, desc)
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        ex = executor or ProcessPoolExecutor(len(parts), mp_context=mp.get_context("spawn"))
+        try:
+            futs = [ex.submit(run_plan_vectorised, cfg, checkpoint, p, store_url, batch_size, 1, progress and k == 0,
+                              f"{desc} (1 of {len(parts)} processes)") for k, p in enumerate(parts)]
+            res = [e for f in futs for e in f.result()]
+        finally:
+            if executor is None:
+                ex.shutdown()
+    by_trial = {(e["task"], e["unit_id"], e["seed"]): e for e in res}
+    return [by_trial[(str(t["task"]), int(t["unit_id"]), int(t["seed"]))] for t in plan]
 
 
 def _jsonable(v: Any) -> Any:
@@ -164,3 +212,128 @@ def record_rollouts(cfg: dict, checkpoint: str | Path, out_dir: str | Path, unit
         imageio.mimsave(path, frames, fps=20, macro_block_size=1)
         saved.append(path)
     return saved
+
+
+# ---------------------------------------------------------------------------------------------------- vectorised
+def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], store_url: str | Path,
+                        batch_size: int = 32, torch_threads: int = 1, progress: bool = False,
+                        desc: str = "eval") -> list[dict]:
+    """Run ``plan``'s trials with one policy in this process, ``batch_size`` envs stepped together and one
+    batched policy call per step for all of them (Diffusion Policy's vectorised env runners do the same).
+
+    Stepping 20 trials together with one batched policy call was 2.0x faster than one env at a time on this
+    2-core machine (policy time 5.5x less); a batch-32 action chunk costs ~2.3 ms per sample against 13.8 ms
+    at batch 1 on the CPU. Every trial resets with its own seed, and its initial denoising noise comes from a
+    generator seeded with that seed (``AEDDiffusionPolicy.select_action(generators=...)``), so a trial's outcome
+    does not depend on which others share its batch. A finished episode's env stops stepping; its row still
+    rides along in the batch until the wave ends. Episodes are committed to ``store_url`` (one shard per
+    unit, ``fleet.worker.writer_id``) once they end.
+
+    Args:
+        cfg: plain config (``robot``, ``obs``, ``task``). checkpoint: a saved policy directory.
+        plan: ``[{"task", "unit_id", "seed"}]`` (:func:`evaluation_plan`). store_url: the evaluation store.
+        batch_size: envs per wave (>= 1). torch_threads: torch threads of this process.
+
+    Returns:
+        One summary per trial, in plan order: ``{"episode_id", "unit_id", "task", "seed", "success", "length",
+        "policy_version", "is_demo", "return", "wall_s"}``.
+
+    Raises:
+        ValueError: ``batch_size < 1``. RuntimeError: a non-finite action from the policy (names the trial).
+    """
+    import inspect
+    import time
+
+    import torch
+
+    from experience_dict.store import ExperienceStore
+    from fleet.policies import load_checkpoint
+    from fleet.worker import writer_id
+    from sim import make_env
+
+    if int(batch_size) < 1:
+        raise ValueError(f"batch_size: expected >= 1, given {batch_size}")
+    torch.set_num_threads(int(torch_threads))
+    model, version = load_checkpoint(checkpoint, "cpu")
+    takes_generators = "generators" in inspect.signature(model.select_action).parameters
+    max_steps = int(cfg["task"]["max_episode_steps"])
+    cfg_key = json.dumps([cfg["robot"], cfg["obs"], cfg["task"]], sort_keys=True, default=str)
+    pool: dict[tuple[str, int], list] = _ENVS.setdefault(cfg_key, {})
+    store, writers = None, {}
+    out: list[dict] = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(plan), desc=desc, unit="ep", dynamic_ncols=True)
+    for w0 in range(0, len(plan), int(batch_size)):
+        wave = plan[w0:w0 + int(batch_size)]
+        t0 = time.perf_counter()
+        used: dict[tuple[str, int], int] = {}
+        envs = []
+        for tr in wave:
+            key = (str(tr["task"]), int(tr["unit_id"]))
+            k = used.get(key, 0)
+            used[key] = k + 1
+            lst = pool.setdefault(key, [])
+            if len(lst) <= k:
+                lst.append(make_env(task=key[0], unit_id=key[1], robot_cfg=cfg["robot"], obs_cfg=cfg["obs"],
+                                    task_cfg=cfg["task"]))
+            envs.append(lst[k])
+        if store is None:
+            spec = envs[0].spec_dict()
+            store = ExperienceStore.create_or_open(str(store_url), spec=spec, control_hz=spec.get("control_hz"))
+        obs = [env.reset(seed=int(tr["seed"]))[0] for env, tr in zip(envs, wave)]
+        gens = [torch.Generator().manual_seed(int(tr["seed"])) for tr in wave]
+        model.reset()
+        B = len(wave)
+        done = np.zeros(B, bool)
+        success, ret, length = np.zeros(B, bool), np.zeros(B), np.zeros(B, np.int64)
+        steps: list[list] = [[] for _ in range(B)]
+        last_obs = list(obs)
+        with torch.inference_mode():
+            for t in range(max_steps):
+                batch = {k: torch.as_tensor(np.stack([o[k] for o in last_obs])) for k in last_obs[0]}
+                a = model.select_action(batch, generators=gens) if takes_generators else model.select_action(batch)
+                acts = a.detach().cpu().numpy().astype(np.float32).reshape(B, -1)
+                for i in np.flatnonzero(~done):
+                    if not np.all(np.isfinite(acts[i])):
+                        raise RuntimeError(f"policy {checkpoint}: non-finite action {acts[i]} at step {t} of trial "
+                                           f"{wave[i]}")
+                    nxt, r, term, trunc, info = envs[i].step(acts[i])
+                    steps[i].append((last_obs[i], acts[i], float(r), info["progress"]))
+                    success[i] |= bool(info["success"])
+                    ret[i] += float(r)
+                    length[i] = t + 1
+                    last_obs[i] = nxt
+                    if term or trunc:
+                        done[i] = True
+                if done.all():
+                    break
+        wall = (time.perf_counter() - t0) / B
+        for i, tr in enumerate(wave):
+            u = int(tr["unit_id"])
+            if u not in writers:
+                writers[u] = store.writer(writer_id(u))
+            w = writers[u]
+            env = envs[i]
+            w.begin_episode(unit_id=u, embodiment=str(env.unit.embodiment), task=str(tr["task"]),
+                            policy_version=int(version), seed=int(tr["seed"]), is_demo=False,
+                            extra={"unit": env.unit.to_dict()} if hasattr(env.unit, "to_dict") else None)
+            for o, act, r, prog in steps[i]:
+                w.add_step(o, act, r, prog)
+            ep_id = w.commit(success=bool(success[i]))
+            out.append({"episode_id": ep_id, "unit_id": u, "task": str(tr["task"]), "seed": int(tr["seed"]),
+                        "success": bool(success[i]), "length": int(length[i]), "policy_version": int(version),
+                        "is_demo": False, "return": float(ret[i]), "wall_s": wall})
+        if bar is not None:
+            bar.update(B)
+            bar.set_postfix_str(f"success={np.mean([e['success'] for e in out]):.2f}", refresh=False)
+    if bar is not None:
+        bar.close()
+    for w in writers.values():
+        w.close()
+    return out
+
+
+_ENVS: dict[str, dict[tuple[str, int], list]] = {}   # this process's envs, kept across calls (making one: ~0.4 s)

@@ -63,10 +63,14 @@ class FertLearner:
         init_checkpoint: ``pretrained_model`` directory the fine-tuning starts from (the base policy).
         run_id: names this learner's versions in the registry metadata (so a restart never republishes).
         publish: False trains and audits without publishing (offline arms such as FERT without AED).
+        validator: optional ``f(candidate pretrained_model dir, round) -> (accept: bool, record: dict)`` run
+            before publishing: a rejected round is recorded (``state["rejected"]``, the round's ``validation``)
+            and not published, so the fleet keeps acting with the last accepted version; training goes on from
+            the rejected weights in the next round (drift control by gating what the fleet runs).
     """
 
     def __init__(self, cfg: dict, store_url: str, registry_url: str | None, work_dir: str, init_checkpoint: str,
-                 run_id: str = "fert", publish: bool = True):
+                 run_id: str = "fert", publish: bool = True, validator: Callable | None = None):
         os.environ.setdefault("WANDB_MODE", "offline")
         self.cfg = cfg
         self.lcfg = {**LEARNER_DEFAULTS, **dict(cfg.get("learner") or {})}
@@ -76,6 +80,7 @@ class FertLearner:
         self.init_checkpoint = str(init_checkpoint)
         self.run_id = run_id
         self.publish_versions = publish and registry_url is not None
+        self.validator = validator
         self.heldout = [int(u) for u in cfg["robot"]["heldout_units"]]
         if self.lcfg.get("torch_threads"):
             import torch
@@ -89,10 +94,8 @@ class FertLearner:
     # ------------------------------------------------------------------ state
     def _load_state(self) -> dict:
         if self.state_path.is_file():
-            st = json.loads(self.state_path.read_text())
-            log.info("learner %s resumes at round %d", self.run_id, st["round"])
-            return st
-        return {"round": 0, "published": [], "episodes_seen": 0, "history": []}
+            return json.loads(self.state_path.read_text())
+        return {"round": 0, "published": [], "rejected": [], "episodes_seen": 0, "history": []}
 
     def status(self) -> dict:
         """JSON-able: round cursor, published versions, per-round history."""
@@ -158,8 +161,13 @@ class FertLearner:
         audit = None
         if self.cfg["fert"].get("audit", True) and len(retrieval):
             audit = write_retrieval_audit(retrieval, self._fert.index, self.work_dir / "audits", r)
-        version = self._publish_once(out["checkpoint"], r, out)
-        rec = {"round": r, "version": version, "step": int(out["step"]), "fleet_episodes": n_eps,
+        validation = None
+        if self.validator is not None and self.publish_versions:
+            accept, validation = self.validator(str(out["checkpoint"]), r)
+            if not accept:
+                self.state.setdefault("rejected", []).append(r)
+        version = self._publish_once(out["checkpoint"], r, out) if validation is None or accept else None
+        rec = {"validation": validation, "round": r, "version": version, "step": int(out["step"]), "fleet_episodes": n_eps,
                "contexts": len(retrieval.contexts), "retrieved": len(retrieval), "dataset": len(dataset),
                "update": upd, "loss": (out.get("metrics") or {}).get("loss"), "train_s": time.perf_counter() - t0,
                "audit": (audit or {}).get("files")}
@@ -192,6 +200,8 @@ class FertLearner:
 
     def run(self, rounds: int, should_stop: Callable[[], bool] | None = None) -> dict:
         """Run rounds until ``rounds`` are done (counting rounds finished before a restart); returns status."""
+        if 0 < self.state["round"] < rounds:
+            log.info("learner %s resumes at round %d", self.run_id, self.state["round"])
         while self.state["round"] < rounds and not (should_stop and should_stop()):
             self.run_round(should_stop)
         import sys

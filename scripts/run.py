@@ -79,16 +79,21 @@ class JobState:
 
 
 class Stages:
-    """Stage headers with an overall progress line: ``[stage k/n] name | elapsed | estimate left``."""
+    """Stage headers with an overall progress line: ``[stage k/n] name (elapsed, estimate left)``.
 
-    def __init__(self, total: int):
-        self.total, self.k, self.t0 = total, 0, time.perf_counter()
+    ``weights``: the expected relative cost of each stage, in order (the estimate scales the elapsed time by
+    the weight still to come); a stage already finished in an earlier run is skipped quickly, so the estimate
+    is only meaningful from the first stage that really runs."""
+
+    def __init__(self, weights: list[float]):
+        self.w, self.k, self.t0 = [float(x) for x in weights], 0, time.perf_counter()
 
     def start(self, name: str) -> None:
         self.k += 1
         el = time.perf_counter() - self.t0
-        eta = f", ~{el / (self.k - 1) * (self.total - self.k + 1) / 60:.0f} min left" if self.k > 1 else ""
-        print(f"\n=== [stage {self.k}/{self.total}] {name} ({el / 60:.1f} min elapsed{eta}) ===", flush=True)
+        done = sum(self.w[: self.k - 1])
+        eta = f", ~{el / done * sum(self.w[self.k - 1:]) / 60:.0f} min left" if done > 0 and el > 5 else ""
+        print(f"\n=== [stage {self.k}/{len(self.w)}] {name} ({el / 60:.1f} min elapsed{eta}) ===", flush=True)
 
 
 def plain_config(cfg: DictConfig, out: Path) -> dict:
@@ -104,8 +109,13 @@ def seed_config(c: dict, sd: Path, seed: int) -> dict:
             "fleet": {**c["fleet"], "registry_url": str(sd / "registry"), "cache_dir": str(sd / "cache")}}
 
 
-def train_base(c: dict, reader, demos, out_dir: Path, aed: bool) -> str:
-    """Train a base policy on the demonstrations; returns its ``pretrained_model`` directory."""
+def train_base(c: dict, reader, demos, out_dir: Path, aed: bool, val_reader=None) -> dict:
+    """Train a base policy on the demonstrations, checkpointing every ``train.save_every`` steps.
+
+    With ``val_reader`` (held-out demonstrations in a store of their own), every checkpoint's validation loss
+    is measured and the checkpoint with the lowest one is the base (early stopping: ``job.base_steps`` is a
+    ceiling, the validation curve picks the budget). Returns ``{"checkpoint", "val_curve", "best_step"}``."""
+    from experience_dict.sampler import WindowDataset
     from policies.aed_diffusion.training import train_policy
     from scripts.train import policy_config_from_hydra
 
@@ -116,8 +126,20 @@ def train_base(c: dict, reader, demos, out_dir: Path, aed: bool) -> str:
     tcfg["steps"] = int(c["job"]["base_steps"])
     tcfg["desc"] = f"train {'base' if aed else 'base_no_aed'} (seed {c['seed']})"
     tcfg["wandb"] = {**tcfg.get("wandb", {}), "name": f"{out_dir.name}-seed{c['seed']}"}
-    res = train_policy(tcfg, out_dir, policy_cfg=policy_cfg, reader=reader, episodes=demos, device=c["device"])
-    return str(res["checkpoint"])
+    val = None
+    if val_reader is not None:   # built once the policy exists (its window spec)
+        val = lambda policy: WindowDataset(val_reader, val_reader.episodes(is_demo=True, success=True),  # noqa: E731
+                                           windows=policy.window_spec())
+    res = train_policy(tcfg, out_dir, policy_cfg=policy_cfg, reader=reader, episodes=demos, device=c["device"],
+                       val_dataset=val)
+    curve = res.get("val_curve") or []
+    if curve:
+        best = min(curve, key=lambda p: p["val_loss"])
+        print(f"  {out_dir.name}: validation loss on held-out demonstrations by step: "
+              + ", ".join(f"{p['step']}: {p['val_loss']:.4f}" for p in curve) + f" -> base = step {best['step']}",
+              flush=True)
+        return {"checkpoint": best["checkpoint"], "val_curve": curve, "best_step": best["step"]}
+    return {"checkpoint": str(res["checkpoint"]), "val_curve": [], "best_step": res["step"]}
 
 
 def demo_config(c: dict) -> tuple[dict, list[int]]:
@@ -134,7 +156,7 @@ def demo_config(c: dict) -> tuple[dict, list[int]]:
         raise ValueError(f"robot.demo_units: units {bad} are held-out units")
     scale = float(robot.get("demo_variation_scale", 1.0))
     if scale != 1.0:
-        robot["variation"] = {k: (v * scale if k != "action_latency_max" else int(round(v * scale)))
+        robot["variation"] = {k: (v * scale if k != "action_latency_max" else round(v * scale))
                               for k, v in dict(robot["variation"]).items()}
     return {**c, "robot": robot}, units
 
@@ -189,6 +211,42 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
             "wall_s": time.perf_counter() - t0}
 
 
+def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
+    """The per-version validation gate of the publishing learner (``learner.validate_trials_per_task`` > 0).
+
+    Before a FERT round's weights are published, the candidate and the version the fleet runs now play the
+    same fixed plan of training-unit trials (seed stream ``7000 + seed``, ``fleet.evaluation.evaluation_plan``;
+    committed to ``<seed dir>/validation/round_<r>/eval_store``, never to the training store); the candidate is
+    published unless its paired success difference is below ``-learner.validate_tolerance``. Returns None when
+    the gate is off."""
+    from fleet.evaluation import evaluate_arms
+    from fleet.registry import CheckpointRegistry
+    from fleet.report import paired_differences
+
+    n = int(c["learner"].get("validate_trials_per_task") or 0)
+    if n <= 0:
+        return None
+    tol = float(c["learner"].get("validate_tolerance", 0.0))
+
+    def validate(candidate: str, r: int) -> tuple[bool, dict]:
+        reg = CheckpointRegistry(c["fleet"]["registry_url"])
+        v = reg.latest_version()
+        current = reg.fetch(v, sd / "cache" / "validation" / f"v{v:06d}")
+        cv = {**c, "eval": {**c["eval"], "seed": 7000 + int(c["seed"])}}
+        res = evaluate_arms(cv, {"current": str(current), "candidate": candidate}, sd / "validation" / f"round_{r}",
+                            n, units=units, progress=progress)
+        cell = paired_differences(res, [("candidate", "current")])["pairs"][0]["average"]
+        rate = {k: sum(bool(e["success"]) for e in eps) / max(len(eps), 1) for k, eps in res.items()}
+        accept = cell["diff"] >= -tol
+        print(f"  validation of round {r} on training units {units}: candidate {100 * rate['candidate']:.1f}% vs "
+              f"v{v} {100 * rate['current']:.1f}% (paired {100 * cell['diff']:+.1f} pts, {cell['wins']}/"
+              f"{cell['losses']}) -> {'publish' if accept else 'REJECTED (not published)'}", flush=True)
+        return accept, {"current_version": v, "candidate": rate["candidate"], "current": rate["current"],
+                        "diff": cell["diff"], "wins": cell["wins"], "losses": cell["losses"], "accepted": accept}
+
+    return validate
+
+
 def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%"
 
@@ -212,20 +270,27 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
     fleet_units = train_units[: int(job["fleet_units"])]
 
     stages.start(f"seed {seed}: demonstrations")
+    n_val = int(job.get("val_demos_per_task") or 0)
+    val_url = str(sd / "val_store")
     if not state.done("demos"):
         dc, dunits = demo_config(c)
         res = collect_demos(dc, dunits, int(job["demos_per_task"]), float(job["demo_noise_std"]), seed,
                             c["store"]["url"], progress=progress)
+        if n_val:   # held-out demonstrations for the base's validation loss, in a store of their own
+            res["validation"] = collect_demos(dc, dunits, n_val, float(job["demo_noise_std"]), 500 + seed, val_url,
+                                              progress=progress)
         state.mark("demos", {**res, "units": dunits})
     print(f"demos: {state.get('demos')}", flush=True)
     reader = ExperienceStore.open(c["store"]["url"])
     demos = reader.episodes(is_demo=True, success=True)
+    val_reader = ExperienceStore.open(val_url) if n_val else None
 
     for name, aed in (("base", True), ("base_no_aed", False)):
-        stages.start(f"seed {seed}: train {name} on {len(demos)} demonstrations ({job['base_steps']} steps)")
+        stages.start(f"seed {seed}: train {name} on {len(demos)} demonstrations (at most {job['base_steps']} steps, "
+                     "the checkpoint with the lowest validation loss)")
         if not state.done(name):
             t0 = time.perf_counter()
-            state.mark(name, {"checkpoint": train_base(c, reader, demos, sd / name, aed),
+            state.mark(name, {**train_base(c, reader, demos, sd / name, aed, val_reader),
                               "wall_s": time.perf_counter() - t0})
     ckpt = {"base": state.get("base")["checkpoint"], "base_no_aed": state.get("base_no_aed")["checkpoint"]}
     reg = CheckpointRegistry(c["fleet"]["registry_url"])
@@ -249,8 +314,10 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
         rec = fleet_round(c, r, fleet_units, heldout, progress)
         rec["learners"] = {}
         for arm in in_loop:
+            publishing = arm.name == "fert"
             lrn = make_learner(c, arm, sd / f"learner_{arm.name}", ckpt[arm.init],
-                               c["fleet"]["registry_url"] if arm.name == "fert" else None, seed, offline=True)
+                               c["fleet"]["registry_url"] if publishing else None, seed, offline=True,
+                               validator=make_validator(c, fleet_units, sd, progress) if publishing else None)
             if lrn.state["round"] > r:
                 continue
             out = lrn.run_round()
@@ -258,10 +325,20 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
                   f"segments ({out.get('own_retry_entries', 0)} from the failures' own retries), "
                   f"{out['dataset']} training windows, loss {out['loss']}, "
                   + (f"published v{out['version']}" if out["version"] else "not published"), flush=True)
-            rec["learners"][arm.name] = {k: out[k] for k in ("contexts", "retrieved", "dataset", "loss", "version")}
+            rec["learners"][arm.name] = {k: out.get(k) for k in ("contexts", "retrieved", "dataset", "loss", "version",
+                                                                 "validation", "own_retry_entries")}
         state.mark(f"round_{r}", rec)
     for arm in in_loop:
         ckpt[arm.name] = make_learner(c, arm, sd / f"learner_{arm.name}", ckpt[arm.init], None, seed).final_checkpoint()
+    if any(a.name == "fert" for a in in_loop):
+        # the fert arm is what the fleet runs: the newest published version (the base when every round was
+        # rejected by the validation gate)
+        v = reg.latest_version()
+        meta = reg.manifest(v).get("metadata") or {}
+        if meta.get("run_id") != "fert":
+            ckpt["fert"] = ckpt["base"]
+        elif int(meta.get("round", -1)) != rounds - 1:
+            ckpt["fert"] = str(reg.fetch(v, sd / "cache" / "arms" / f"v{v:06d}"))
 
     for arm in arms:
         if arm.in_loop or arm.data == "none":
@@ -324,9 +401,12 @@ def main(cfg: DictConfig) -> None:
     print(f"fleetmind main job -> {out}\n  tasks {c['task']['tasks']}; seeds {seeds}; demonstrations on units "
           f"{demo_units}; fleet on units {fleet_units}; held-out units {heldout}\n  arms {[a.name for a in arms]}",
           flush=True)
-    print(unit_table(c, sorted(set(demo_units) | set(fleet_units)) + heldout), flush=True)
+    units_md = unit_table(c, sorted(set(demo_units) | set(fleet_units)) + heldout)
+    print(units_md, flush=True)
     n_off = sum(1 for a in arms if not a.in_loop and a.data != "none")
-    stages = Stages(len(seeds) * (3 + int(c["fert"]["rounds"]) + n_off + 1) + (1 if sizes else 0))
+    # expected relative costs: demos 0.5, each base 6, each fleet round 5, each offline arm 2, evaluation 6
+    seed_w = [0.5, 6, 6] + [5] * int(c["fert"]["rounds"]) + [2] * n_off + [6]
+    stages = Stages(seed_w * len(seeds) + ([10] if sizes else []))
     try:
         per_seed = {}
         for s in seeds:
@@ -350,7 +430,9 @@ def main(cfg: DictConfig) -> None:
         write_paired(paired, out, "paired")
         for name, cap in (("results", RESULTS_CAPTION), ("paired", PAIRED_CAPTION)):
             md = out / f"{name}.md"
-            md.write_text(cap.format(**fmt) + md.read_text())
+            tail = (f"\n\nUnits (demonstrations on {demo_units}, fleet on {fleet_units}, held out {heldout}):\n\n"
+                    + units_md + "\n") if name == "results" else ""
+            md.write_text(cap.format(**fmt) + md.read_text() + tail)
         fleet_hist = {}
         for s, r in per_seed.items():
             fleet_hist[f"fleet, seed {s}"] = [{"round": i, "successes": rr["successes"], "trials": rr["episodes"]}
@@ -425,11 +507,11 @@ def fleet_size_sweep(c: dict, out: Path, state: JobState, sizes: list[int], base
         ``{"table": success_table of arms "fert_n<n>", "history": {"FERT (held-out)": [{"fleet_size",
         "successes", "trials"}]}, "paired": paired_differences of every size against the smallest}``.
     """
+    from experience_dict.retrieval import retry_of
     from experience_dict.store import ExperienceStore
     from fleet.coordinator import Fleet
     from fleet.evaluation import evaluate_arms
     from fleet.learner import FertLearner
-    from experience_dict.retrieval import retry_of
     from fleet.protocol import run_retries
     from fleet.registry import CheckpointRegistry
     from fleet.report import paired_differences, success_table

@@ -1,5 +1,6 @@
 """The main job end to end on real Meta-World, real Zarr, real Ray and a tiny real policy: demos, base
-policies, fleet + asynchronous FERT learner, comparison arms, held-out evaluation, table, plot, audits."""
+policies, fleet rounds with failure retries and FERT learners, comparison arms, two seeds, held-out evaluation,
+tables bootstrapped over seeds, plot, audits, the fleet-size sweep and scripts/eval.py."""
 
 import json
 import os
@@ -13,13 +14,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_main_job_tiny_end_to_end(tmp_path):
     out = tmp_path / "run"
     args = [f"hydra.run.dir={out}", "task.tasks=[reach-v3]", "task.max_episode_steps=80",
-            "robot.train_units=[0,1]", "robot.heldout_units=[100,101]", "fleet.num_cpus=2",
-            "job.demos_per_task=3", "job.base_steps=10", "job.fleet_units=2", "job.tail_episodes=1",
+            "robot.train_units=[0,1]", "robot.heldout_units=[100,101]", "fleet.num_cpus=2", "job.seeds=[0,1]",
+            "job.demos_per_task=3", "job.base_steps=10", "job.fleet_units=2", "job.fleet_episodes_per_unit=3",
             "job.videos=1", "job.video_episodes=2", "eval.trials_per_task=2",
-            "fert.rounds=1", "learner.updates_per_version=5", "learner.min_new_episodes=1", "learner.batch_size=16",
+            "fert.rounds=1", "learner.updates_per_version=5", "learner.batch_size=16",
             "train.batch_size=16", "train.wandb.enabled=false", "train.progress=false",
             "policy.dim=32", "policy.n_layers=1", "policy.n_heads=2", "policy.state_hidden=32",
             "policy.aed.tokenizer_vocab_size=128", "job.fleet_sizes=[1,2]", "job.sweep_episodes_per_unit=1"]
@@ -29,55 +31,88 @@ def test_main_job_tiny_end_to_end(tmp_path):
                           text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = json.loads((out / "results.json").read_text())
-    assert set(table["arms"]) == {"base", "filtered_bc", "fert", "fert_no_aed", "base_no_aed"}
+    arms = {"base", "filtered_bc", "filtered_bc_retries", "fert", "fert_no_aed", "base_no_aed"}
+    assert set(table["arms"]) == arms and table["meta"]["seeds"] == [0, 1]
     for row in table["arms"].values():
-        assert row["tasks"]["reach-v3"]["trials"] == 2
+        assert row["tasks"]["reach-v3"]["trials"] == 4                      # 2 trials x 2 seeds
         lo, hi = row["average"]["ci95"]
         assert 0.0 <= lo <= row["average"]["rate"] <= hi <= 1.0
-    assert "| fert |" in (out / "results.md").read_text()
-    assert (out / "success_per_round.png").stat().st_size > 1000
-    assert list((out / "learner_fert" / "audits").glob("retrieval_audit_round_000.json"))
-    state = json.loads((out / "job_state.json").read_text())
-    assert state["fert"]["learner"]["published"] == [2]           # v1 = base, v2 = FERT round 0
-    stale = state["fert"]["staleness"]   # versions behind the newest at commit: reported, and bounded by 1 here
-    assert stale["episodes"] == state["fert"]["fleet_episodes"] and stale["max"] <= 1
-    assert sum(stale["counts"].values()) == stale["episodes"] and "fleet staleness" in proc.stdout
-    # every fleet episode was committed with the version that acted; held-out units never reached training
+    assert "| fert |" in (out / "results.md").read_text() and "Wilson" in (out / "results.md").read_text()
+    assert (out / "arms.png").stat().st_size > 1000
+    assert "[stage 1/" in proc.stdout and "train base (seed 0)" not in proc.stdout   # progress off here
+    assert "resumes at round" not in proc.stdout + proc.stderr
+    from experience_dict.retrieval import retry_of
     from experience_dict.store import ExperienceStore
 
-    train_eps = ExperienceStore.open(str(out / "store")).episodes()
-    assert {m.unit_id for m in train_eps} <= {0, 1}
-    assert {m.policy_version for m in train_eps if not m.is_demo} <= {1, 2}
-    eval_eps = ExperienceStore.open(str(out / "eval_store")).episodes()
-    assert {m.unit_id for m in eval_eps} <= {100, 101} and len(eval_eps) == 10
-    assert list((out / "videos").rglob("*.mp4"))
-    assert "held-out success" in proc.stdout
-    # every arm ran the same held-out trials (task, unit, reset seed): compared trial by trial in paired.json
-    eps = {arm: json.loads((out / "episodes" / f"{arm}.json").read_text()) for arm in table["arms"]}
-    trials = {arm: sorted((e["task"], e["unit_id"], e["seed"]) for e in v) for arm, v in eps.items()}
-    assert len({tuple(t) for t in trials.values()}) == 1 and len(trials["fert"]) == 2
+    for s in (0, 1):
+        sd = out / f"seed_{s}"
+        state = json.loads((sd / "job_state.json").read_text())
+        assert list((sd / "learner_fert" / "audits").glob("retrieval_audit_round_000.json"))
+        rnd = state["round_0"]
+        assert rnd["episodes"] == 6 and rnd["learners"]["fert"]["version"] == 2
+        assert rnd["retries"]["failures"] == 6 - rnd["successes"]
+        # the fleet ran the fixed plan with the base (v1); retries re-ran failed trials on training units only
+        train_eps = ExperienceStore.open(str(sd / "store")).episodes()
+        assert {m.unit_id for m in train_eps} <= {0, 1}
+        fleet = [m for m in train_eps if not m.is_demo and not retry_of(m)]
+        retries = [m for m in train_eps if retry_of(m)]
+        assert len(fleet) == 6 and {m.policy_version for m in fleet} == {1}
+        assert len(retries) == rnd["retries"]["retries"]
+        by_id = {m.episode_id: m for m in fleet}
+        for m in retries:
+            src = by_id[retry_of(m)]
+            assert not src.success and (m.unit_id, m.seed, m.task) == (src.unit_id, src.seed, src.task)
+        eval_eps = ExperienceStore.open(str(sd / "eval_store")).episodes()
+        assert {m.unit_id for m in eval_eps} <= {100, 101} and len(eval_eps) == 2 * len(arms)
+        # every arm ran the same held-out trials (task, unit, reset seed): compared trial by trial
+        eps = {arm: json.loads((sd / "episodes" / f"{arm}.json").read_text()) for arm in arms}
+        trials = {arm: sorted((e["task"], e["unit_id"], e["seed"]) for e in v) for arm, v in eps.items()}
+        assert len({tuple(t) for t in trials.values()}) == 1 and len(trials["fert"]) == 2
+    # the same plan on both seeds' held-out evaluation; different fleet trials per seed
+    s0 = json.loads((out / "seed_0" / "episodes" / "base.json").read_text())
+    s1 = json.loads((out / "seed_1" / "episodes" / "base.json").read_text())
+    assert [(e["unit_id"], e["seed"]) for e in s0] == [(e["unit_id"], e["seed"]) for e in s1]
     paired = json.loads((out / "paired.json").read_text())
-    assert [(r["arm"], r["baseline"]) for r in paired["pairs"]][:2] == [("fert", "base"), ("fert", "filtered_bc")]
-    assert all(r["average"]["pairs"] == 2 for r in paired["pairs"])
-    assert "fert − base" in (out / "paired.md").read_text() and "trial-by-trial" in proc.stdout
+    assert [(r["arm"], r["baseline"]) for r in paired["pairs"]][:3] == [
+        ("fert", "base"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retries")]
+    assert all(r["average"]["pairs"] == 4 and r["average"]["seeds"] == 2 for r in paired["pairs"])
+    assert "fert − base" in (out / "paired.md").read_text() and "resamples the seeds" in proc.stdout
     # the fleet-size sweep: FERT per size from the demonstrations-only store, each on the held-out units
     sweep = json.loads((out / "fleet_size.json").read_text())
     assert set(sweep["arms"]) == {"fert_n1", "fert_n2"}
     assert all(row["average"]["trials"] == 2 for row in sweep["arms"].values())
     assert (out / "success_vs_fleet_size.png").stat().st_size > 1000
-    n1 = ExperienceStore.open(str(out / "sweep" / "n1" / "store")).episodes(is_demo=False)
-    n2 = ExperienceStore.open(str(out / "sweep" / "n2" / "store")).episodes(is_demo=False)
+    sd = out / "seed_0"
+    n1 = [m for m in ExperienceStore.open(str(sd / "sweep" / "n1" / "store")).episodes(is_demo=False) if not retry_of(m)]
+    n2 = [m for m in ExperienceStore.open(str(sd / "sweep" / "n2" / "store")).episodes(is_demo=False) if not retry_of(m)]
     # exactly sweep_episodes_per_unit (1) episodes per unit per round (1 round), with the base version
     assert [(m.unit_id, m.policy_version) for m in n1] == [(0, 1)]
     assert sorted((m.unit_id, m.policy_version) for m in n2) == [(0, 1), (1, 1)]
     assert json.loads((out / "fleet_size_paired.json").read_text())["pairs"][0]["arm"] == "fert_n2"
-    assert not ExperienceStore.open(str(out / "sweep" / "demo_store")).episodes(is_demo=False)
-    assert state["sweep_n2"]["per_version"] and (out / "sweep" / "n2" / "registry").is_dir()
+    assert not ExperienceStore.open(str(sd / "sweep" / "demo_store")).episodes(is_demo=False)
+    state = json.loads((sd / "job_state.json").read_text())
+    assert state["sweep_n2"]["per_version"] and (sd / "sweep" / "n2" / "registry").is_dir()
+    assert list((out / "videos").rglob("*.mp4"))
+    # an unknown arm is refused before any work
+    bad = subprocess.run([sys.executable, "scripts/run.py", f"hydra.run.dir={tmp_path / 'badarm'}",
+                          "job.arms=[base,ferd]"], cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    assert bad.returncode != 0 and "unknown arms ['ferd']" in bad.stderr + bad.stdout
+    assert not (tmp_path / "badarm" / "seed_0").exists()
+
+    # scripts/ablate.py: a variant fine-tuned on the frozen seed-0 store, evaluated paired against the base
+    ab = tmp_path / "ablate"
+    proc = subprocess.run([sys.executable, "scripts/ablate.py", f"hydra.run.dir={ab}", f"ablate.run_dir={sd}",
+                           "ablate.arms=[fert_no_gate]", "learner.updates_per_version=3", "learner.batch_size=16"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    at = json.loads((ab / "ablate.json").read_text())
+    assert set(at["arms"]) == {"base", "fert_no_gate"} and at["meta"]["fert"]["gate"]["enabled"] is False
+    assert json.loads((ab / "ablate_paired.json").read_text())["pairs"][0]["average"]["pairs"] == 2
 
     # scripts/eval.py: any checkpoints on any units and tasks, same table, paired against a baseline, videos
     ev = tmp_path / "eval"
     ckpts = {"base": state["base"]["checkpoint"],
-             "fert": str(Path(table["meta"]["checkpoints"]["fert"]).parent)}   # a step dir is resolved too
+             "fert": str(Path(table["meta"]["checkpoints"]["0"]["fert"]).parent)}   # a step dir is resolved too
     arg = "eval.checkpoints={" + ", ".join(f"{k}: '{v}'" for k, v in ckpts.items()) + "}"
     proc = subprocess.run([sys.executable, "scripts/eval.py", f"hydra.run.dir={ev}", arg, "eval.baseline=base",
                            "eval.trials_per_task=3", "eval.units=[101]", "task.tasks=[reach-v3]",

@@ -647,7 +647,8 @@ class AEDDiffusionPolicy(nn.Module):
         self._queue: deque = deque()
 
     @torch.no_grad()
-    def select_action(self, obs: dict, generator: torch.Generator | None = None):
+    def select_action(self, obs: dict, generator: torch.Generator | None = None,
+                      generators: list[torch.Generator] | None = None):
         """One control step at deployment.
 
         Keeps the last observations and executed actions to build the same windows the sampler builds
@@ -656,6 +657,9 @@ class AEDDiffusionPolicy(nn.Module):
 
         Args:
             obs: {feature name: (B, ...) tensor} batched, or {name: np.ndarray} of one unbatched observation.
+            generator: one generator for the batch's initial denoising noise; or ``generators``: one per batch
+                row, so each row's noise depends on its own generator only (a batched evaluation then acts
+                like one episode at a time, whatever else is in the batch).
         Returns:
             (B, action_dim) float32 tensor, or a (action_dim,) float32 numpy array for unbatched numpy input.
         """
@@ -672,7 +676,14 @@ class AEDDiffusionPolicy(nn.Module):
             cur[k] = x
         self._obs_hist.append(cur)
         if not self._queue:
-            chunk = self.predict_action_chunk(self._deployment_batch(), generator=generator)
+            noise = None
+            if generators is not None:
+                B = next(iter(cur.values())).shape[0]
+                if len(generators) != B:
+                    raise ValueError(f"generators: expected {B} (one per batch row), given {len(generators)}")
+                shape = (self.config.horizon, self.config.action_dim)
+                noise = torch.stack([torch.randn(shape, generator=g, device=g.device) for g in generators])
+            chunk = self.predict_action_chunk(self._deployment_batch(), noise=noise, generator=generator)
             self._queue.extend(chunk[:, : self.config.n_action_steps].transpose(0, 1).cpu())
         a = self._queue.popleft()
         self._act_hist.append(a)

@@ -42,6 +42,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "grad_clip": 1.0, "ema": True, "ema_power": 0.75, "ema_max_decay": 0.9999, "num_workers": 0, "log_every": 50,
     "save_every": 500, "resume": True, "amp_bf16": False, "compile": False, "seed": 0, "progress": True, "num_threads": None,
     "desc": "train",   # the progress bar's label (which policy is trained)
+    "val_batches": 8,  # held-out batches for the validation loss at each checkpoint (with val_dataset)
     "wandb": {"enabled": False, "project": "fleetmind", "mode": "offline", "name": None},
 }
 
@@ -209,7 +210,7 @@ def _cycle(loader):
 def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPolicy | None = None,
                  policy_cfg: AEDDiffusionConfig | None = None, reader=None, episodes=None,
                  dataset: Dataset | None = None, device: str | None = "auto",
-                 run_config: dict | None = None) -> dict:
+                 run_config: dict | None = None, val_dataset: Dataset | None = None) -> dict:
     """Train (or keep training) an AED diffusion policy; resumable.
 
     Give either ``policy`` (fine-tune an existing one) or ``policy_cfg`` + ``reader`` + ``episodes`` (fit the
@@ -223,9 +224,14 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPo
         out_dir: run directory (checkpoints, metrics.jsonl, wandb).
         device: "auto" | "cpu" | "cuda" | ...
         run_config: extra JSON-able config logged to wandb.
+        val_dataset: optional held-out windows (e.g. demonstrations kept apart), or ``f(policy) -> Dataset``
+            (built once the policy exists, for its window spec): at every checkpoint the
+            saved (EMA) policy's loss on up to ``val_batches`` fixed batches of it is logged as ``val_loss``
+            (the noise and timesteps are drawn from a fixed seed, so the curve compares checkpoints, not draws).
     Returns:
         {"step", "checkpoint" (pretrained_model dir of the last checkpoint), "metrics" (last logged),
-         "samples_per_s", "policy" (the EMA policy, eval mode)}.
+         "samples_per_s", "policy" (the EMA policy, eval mode), "val_curve" ([{"step", "val_loss",
+         "checkpoint"}] of this call's checkpoints; empty without ``val_dataset``)}.
     Raises:
         ValueError: neither ``policy`` nor ``policy_cfg``/``reader``/``episodes`` given, or no episodes.
     """
@@ -302,6 +308,18 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPo
     bar = tqdm(total=tc["steps"], initial=step, disable=not tc["progress"], desc=str(tc["desc"]), dynamic_ncols=True)
     batches = _cycle(loader)
     last_metrics, ckpt = {}, None
+    val_curve: list[dict] = []
+    val_batches = None
+    if callable(val_dataset) and not isinstance(val_dataset, Dataset):
+        val_dataset = val_dataset(policy)
+    if val_dataset is not None and len(val_dataset):
+        g = torch.Generator().manual_seed(0)
+        order = torch.randperm(len(val_dataset), generator=g).tolist()
+        B = int(tc["batch_size"])
+        collate = TokenizingCollate(policy.tokenizer)
+        fetch = getattr(val_dataset, "fetch", None)
+        val_batches = [collate(fetch(order[i:i + B]) if callable(fetch) else [val_dataset[j] for j in order[i:i + B]])
+                       for i in range(0, min(len(order), B * int(tc["val_batches"])), B)]
     t_log, n_log = time.perf_counter(), 0
     sps = 0.0
     while step < tc["steps"]:
@@ -331,6 +349,14 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPo
             t_log, n_log = now, 0
         if step % tc["save_every"] == 0 or step == tc["steps"]:
             ckpt = save_checkpoint(out_dir, step, policy, ema, opt, sched)
+            if val_batches:
+                vl = validation_loss(ema.model if ema is not None else policy, val_batches, dev)
+                val_curve.append({"step": step, "val_loss": vl, "checkpoint": str(ckpt)})
+                metrics_f.write(json.dumps({"step": step, "val_loss": vl, "time": time.time()}) + "\n")
+                metrics_f.flush()
+                if wb is not None:
+                    wb.log({"val_loss": vl}, step=step)
+                policy.train()
     bar.close()
     metrics_f.close()
     if wb is not None:
@@ -339,4 +365,21 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPo
         last = last_checkpoint(out_dir)
         ckpt = last / "pretrained_model" if last is not None else save_checkpoint(out_dir, step, policy, ema, opt, sched)
     final = (ema.model if ema is not None else policy).eval()
-    return {"step": step, "checkpoint": ckpt, "metrics": last_metrics, "samples_per_s": sps, "policy": final}
+    return {"step": step, "checkpoint": ckpt, "metrics": last_metrics, "samples_per_s": sps, "policy": final,
+            "val_curve": val_curve}
+
+
+@torch.no_grad()
+def validation_loss(model: AEDDiffusionPolicy, batches: list[dict], device) -> float:
+    """Mean training loss of ``model`` over ``batches`` with a fixed RNG (noise, timesteps), in eval mode;
+    the global RNG state is restored afterwards, so training continues on its own stream."""
+    was_training = model.training
+    model.eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(12345)
+        losses = []
+        for b in batches:
+            b = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in b.items()}
+            losses.append(float(model(b)[0]))
+    model.train(was_training)
+    return float(np.mean(losses))

@@ -1,0 +1,112 @@
+"""Fine-tune arm variants on a frozen fleet store and evaluate them paired: fast iteration on the learning
+method without re-running demonstrations, base training or the fleet.
+
+    python scripts/ablate.py ablate.run_dir=outputs/run/seed_0
+    python scripts/ablate.py ablate.run_dir=outputs/run/seed_0 'ablate.arms=[fert]' fert.gate.beta=0.1 \\
+        learner.updates_per_version=1200 'ablate.seeds=[0,1,2]' hydra.run.dir=outputs/ablate_beta
+
+The run directory's store is opened read-only for the data (its failures, retries and successes as the fleet
+left them) and its base checkpoints are the starting points; every variant (``fleet.arms`` names, with the
+command line's ``fert.*`` / ``learner.*`` overrides) is fine-tuned per ``ablate.seeds`` seed into this run's
+directory, then all of them and the baseline run the same held-out trials. Outputs: ``ablate.md/json``
+(success, Wilson intervals) and ``ablate_paired.md/json`` (paired differences bootstrapped over the fine-tuning
+seeds, then trials). The held-out units and tasks are the frozen run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def frozen_run(run_dir: Path) -> tuple[dict, dict]:
+    """``(config, job_state)`` of a finished ``scripts/run.py`` seed directory.
+
+    Raises:
+        SystemExit: the directory lacks ``config.json``/``job_state.json``, a store or the base policies.
+    """
+    cfg_p, st_p = run_dir / "config.json", run_dir / "job_state.json"
+    if not cfg_p.is_file() or not st_p.is_file() or not (run_dir / "store").is_dir():
+        raise SystemExit(f"ablate.run_dir={run_dir}: not a scripts/run.py seed directory (expected config.json, "
+                         "job_state.json and store/ in it, e.g. outputs/<run>/seed_0)")
+    state = json.loads(st_p.read_text())
+    missing = [k for k in ("base", "base_no_aed") if k not in state]
+    if missing:
+        raise SystemExit(f"ablate.run_dir={run_dir}: the base policies {missing} are not trained yet")
+    return json.loads(cfg_p.read_text()), state
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from experience_dict.store import ExperienceStore
+    from fleet.arms import get_arms, train_offline_arm
+    from fleet.evaluation import evaluate_arms
+    from fleet.report import (
+        paired_markdown,
+        paired_over_seeds,
+        success_table,
+        table_markdown,
+        write_paired,
+        write_table,
+    )
+
+    a = cfg.ablate
+    if not a.run_dir:
+        raise SystemExit("ablate.run_dir: give a finished scripts/run.py seed directory, e.g. outputs/<run>/seed_0")
+    run_dir = Path(a.run_dir).resolve()
+    frozen, state = frozen_run(run_dir)
+    arms = get_arms(a.arms)
+    baseline = str(a.baseline)
+    get_arms([baseline])
+    out = Path(cfg.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    here = OmegaConf.to_container(cfg, resolve=True)
+    # the frozen run's data, units, tasks and evaluation; this command line's method settings
+    c = {**frozen, "fert": here["fert"], "learner": here["learner"], "train": {**frozen["train"], "progress": False},
+         "fleet": {**frozen["fleet"], "registry_url": str(out / "registry"), "cache_dir": str(out / "cache")}}
+    c["fert"]["gate"] = {**c["fert"].get("gate", {})}
+    reader = ExperienceStore.open(frozen["store"]["url"])
+    heldout = [int(u) for u in frozen["robot"]["heldout_units"]]
+    base = {"base": state["base"]["checkpoint"], "base_no_aed": state["base_no_aed"]["checkpoint"]}
+    seeds = [int(s) for s in a.seeds]
+    results = {}
+    for s in seeds:
+        ckpts = {baseline: base.get(baseline) or state[baseline]["checkpoint"]}
+        for arm in arms:
+            if arm.data == "none":
+                ckpts[arm.name] = base[arm.init]
+                continue
+            d = out / f"seed_{s}" / arm.name
+            done = d / "checkpoint.txt"
+            if not done.is_file():
+                print(f"fine-tuning {arm.name} (seed {s}) on the frozen store {frozen['store']['url']}", flush=True)
+                done.parent.mkdir(parents=True, exist_ok=True)
+                done.write_text(train_offline_arm(c, arm, reader, base[arm.init], d, heldout, s))
+            ckpts[arm.name] = done.read_text()
+        results[s] = evaluate_arms(c, ckpts, out / f"seed_{s}", int(frozen["job"]["trials_per_task"]), units=heldout)
+    names = [baseline] + [x.name for x in arms if x.name != baseline]
+    table = success_table({n: [e for s in seeds for e in results[s][n]] for n in names})
+    table["meta"] = {"run_dir": str(run_dir), "seeds": seeds, "held_out_units": heldout,
+                     "fert": c["fert"], "learner": c["learner"]}
+    pairs = [(n, baseline) for n in names if n != baseline]
+    if "filtered_bc_retries" in names:
+        pairs += [(n, "filtered_bc_retries") for n in names if n not in (baseline, "filtered_bc_retries")]
+    paired = paired_over_seeds(results, pairs)
+    write_table(table, out, "ablate")
+    write_paired(paired, out, "ablate_paired")
+    print("\nheld-out success (Wilson 95% interval):\n" + table_markdown(table), flush=True)
+    print("\npaired differences (bootstrap over fine-tuning seeds, then trials):\n" + paired_markdown(paired), flush=True)
+    print(f"outputs in {out}: ablate.md/json, ablate_paired.md/json", flush=True)
+
+
+if __name__ == "__main__":
+    main()

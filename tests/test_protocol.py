@@ -1,0 +1,224 @@
+"""The fleet-learning protocol: fixed plans, failure retries (never on held-out units), exploration, the
+progress gate on a hand-made episode, the task-relative key, own retries first, the arm registry, the
+seed-level bootstrap, and the same demonstrations and base weights from the same config and seed."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from experience_dict.failure import progress_advantage, progress_score, segment_gain
+from experience_dict.retrieval import FailureContext, RelativeEmbedder, SuccessIndex, retrieve
+from fleet.arms import ARMS, fert_config, get_arms
+from fleet.protocol import fleet_plan, retry_plan
+from fleet.report import paired_differences, paired_over_seeds
+from fleet.worker import Exploration
+
+torch.set_num_threads(1)
+
+
+def test_fleet_plan_is_fixed_and_seeded():
+    a = fleet_plan(["reach-v3", "push-v3"], [0, 1], 3, seed=0, round_idx=0)
+    assert a == fleet_plan(["reach-v3", "push-v3"], [0, 1], 3, seed=0, round_idx=0)
+    assert len(a) == 6 and [t["unit_id"] for t in a] == [0, 1, 0, 1, 0, 1]
+    assert [t["task"] for t in a] == ["reach-v3", "reach-v3", "push-v3", "push-v3", "reach-v3", "reach-v3"]
+    assert len({t["seed"] for t in a}) == 6
+    other_seed = {t["seed"] for t in fleet_plan(["reach-v3", "push-v3"], [0, 1], 3, seed=1)}
+    other_round = {t["seed"] for t in fleet_plan(["reach-v3", "push-v3"], [0, 1], 3, seed=0, round_idx=1)}
+    assert not other_seed & {t["seed"] for t in a} and not other_round & {t["seed"] for t in a}
+    with pytest.raises(ValueError, match="fleet_plan"):
+        fleet_plan([], [0], 1, 0)
+
+
+def test_retries_never_on_heldout_units_nor_of_retries():
+    fails = [{"episode_id": "unit-0000-000001", "task": "reach-v3", "unit_id": 0, "seed": 11},
+             {"episode_id": "unit-0100-000001", "task": "reach-v3", "unit_id": 100, "seed": 12},
+             {"episode_id": "unit-0001-000004", "task": "push-v3", "unit_id": 1, "seed": 13, "retry_of": "x"}]
+    cfg = {"attempts": 3, "action_noise_std": 0.2, "growth": 2.0, "hold_steps": 4}
+    plan = retry_plan(fails, cfg, attempt=1, heldout=[100], budget=10)
+    assert [(t["unit_id"], t["seed"], t["task"]) for t in plan] == [(0, 11, "reach-v3")]
+    ex = plan[0]["explore"]
+    assert ex["retry_of"] == "unit-0000-000001" and ex["attempt"] == 1 and ex["action_noise_std"] == pytest.approx(0.4)
+    assert retry_plan(fails, cfg, 0, heldout=[100], budget=0) == []
+    with pytest.raises(ValueError, match="unknown keys"):
+        retry_plan(fails, {"noise": 1}, 0, [], 1)
+
+
+def test_exploration_noise_is_held_reproducible_and_clipped():
+    ex = Exploration(action_noise_std=0.5, hold_steps=4, retry_of="e", attempt=0)
+    acts = np.stack([ex.perturb(np.array([0.9, 0.0, -0.9, 0.7], np.float32), t, seed=3) for t in range(8)])
+    assert np.all(np.abs(acts) <= 1.0) and np.all(acts[:, 3] == np.float32(0.7))   # gripper untouched
+    assert np.allclose(acts[0, :3] - [0.9, 0, -0.9], np.clip(acts[0, :3], -1, 1) - [0.9, 0, -0.9])
+    assert np.allclose(acts[0], acts[3]) and not np.allclose(acts[0], acts[4])    # held for 4 steps, then redrawn
+    again = Exploration(action_noise_std=0.5, hold_steps=4, retry_of="e", attempt=0)
+    assert np.allclose(acts, [again.perturb(np.array([0.9, 0.0, -0.9, 0.7], np.float32), t, 3) for t in range(8)])
+    other = Exploration(action_noise_std=0.5, hold_steps=4, attempt=1).perturb(np.zeros(4, np.float32), 0, 3)
+    assert not np.allclose(other, Exploration(0.5, 4, attempt=0).perturb(np.zeros(4, np.float32), 0, 3))
+    assert ex.tags() == {"retry_of": "e", "attempt": 0, "exploration": {"action_noise_std": 0.5, "hold_steps": 4}}
+    with pytest.raises(ValueError, match="action_noise_std"):
+        Exploration(action_noise_std=float("nan"))
+    with pytest.raises(ValueError, match="unknown keys"):
+        Exploration.from_dict({"std": 1.0})
+
+
+def test_progress_gate_on_a_hand_made_episode():
+    # a success that closes the distance over steps 0..29, then waits at the goal for 10 steps
+    d = np.r_[np.linspace(0.3, 0.0, 30), np.zeros(10)]
+    score = progress_score({"progress.obj_to_target": d, "progress.in_place_reward": 1 - d / 0.3})
+    gain = segment_gain(score, np.arange(40), horizon=8)
+    assert gain[0] == pytest.approx(8 / 29, rel=1e-6) and gain[35] == 0.0            # the tail teaches "stop here"
+    # the failure stalled: it gained 0.01 over the horizon after its onset
+    passed, w = progress_advantage(gain, failure_gain=0.01, min_gain=0.02, beta=0.05, max_weight=20.0)
+    assert passed[:20].all() and not passed[30:].any() and (w[30:] == 0).all()
+    assert w[0] == pytest.approx(min(np.exp((8 / 29 - 0.01) / 0.05), 20.0))
+    # a failure that regressed still needs a segment that makes progress of its own
+    passed, _ = progress_advantage(np.array([0.01, 0.05]), failure_gain=-0.5, min_gain=0.02)
+    assert passed.tolist() == [False, True]
+    with pytest.raises(ValueError):
+        progress_advantage(gain, 0.0, beta=0.0)
+
+
+def _episode(hand, obj, goal, grip=0.5):
+    T = len(hand)
+    env = np.zeros((T, 17), np.float32)
+    env[:, 0:3], env[:, 14:17] = obj, goal
+    return {"observation.state": np.c_[hand, np.full(T, grip)].astype(np.float32),
+            "observation.environment_state": env}
+
+
+def test_relative_key_is_in_metres_and_sees_the_goal():
+    emb = RelativeEmbedder(frames=3, gripper_scale=0.05)
+    T = 5
+    hand = np.linspace([0.0, 0.6, 0.1], [0.0, 0.6, 0.2], T)
+    data = _episode(hand, obj=np.tile([0.1, 0.6, 0.0], (T, 1)), goal=np.tile([0.0, 0.7, 0.3], (T, 1)))
+    z = emb.embed_episode(data, np.array([4]))[0]
+    assert z.shape == (16,)
+    assert np.allclose(z[0:3], hand[4] - [0.1, 0.6, 0.0]) and np.allclose(z[3:6], hand[4] - [0.0, 0.7, 0.3])
+    assert np.allclose(z[6:9], [0.1, -0.1, -0.3]) and np.allclose(z[9:12], hand[4] - hand[2])
+    assert np.allclose(z[15], 0.025)
+    # shifting the whole scene moves no relative term: the key is translation invariant
+    shifted = {k: v.copy() for k, v in data.items()}
+    shifted["observation.state"][:, :3] += 0.2
+    shifted["observation.environment_state"][:, 0:3] += 0.2
+    shifted["observation.environment_state"][:, 14:17] += 0.2
+    assert np.allclose(emb.embed_episode(shifted, np.array([4]))[0], z, atol=1e-6)
+
+
+class _Meta:
+    def __init__(self, eid, task="reach-v3", unit=0, success=True, extra=None, length=20):
+        self.episode_id, self.task, self.unit_id, self.success = eid, task, unit, success
+        self.is_demo, self.extra, self.length, self.policy_version = False, extra or {}, length, 1
+
+
+def test_own_retry_ranks_first_and_gate_drops_stalled_segments():
+    emb = RelativeEmbedder(frames=2)
+    idx = SuccessIndex(emb, gate_horizon=4, tail_steps=2)
+    T = 20
+    goal = np.tile([0.0, 0.8, 0.2], (T, 1))
+    obj = np.tile([0.0, 0.6, 0.0], (T, 1))
+
+    def ep(y_end):
+        hand = np.linspace([0.0, 0.5, 0.1], [0.0, y_end, 0.2], 13)      # arrives at step 12, then waits
+        hand = np.r_[hand, np.repeat(hand[-1:], T - 13, axis=0)]
+        data = _episode(hand, obj, goal)
+        d = np.linalg.norm(hand - goal, axis=1)
+        data["progress.obj_to_target"] = d
+        return data
+
+    # a fleet success far from the failure's state, and the failure's own retry
+    idx.add_episode(_Meta("unit-0001-000000", unit=1), ep(0.8))
+    idx.add_episode(_Meta("unit-0000-000009", unit=0, extra={"retry_of": "unit-0000-000003"}), ep(0.8))
+    assert idx.retries_of == {"unit-0000-000003": ["unit-0000-000009"]}
+    assert idx.size("reach-v3") == 2 * (T - 2)                    # the last tail_steps anchors are not indexed
+    fail = ep(0.6)
+    q = emb.embed_episode(fail, np.array([10]))
+    ctx = FailureContext("unit-0000-000003", "reach-v3", 0, 1, 10, gain=0.0)
+    r = retrieve(idx, q, [ctx], top_k=3, gate={"min_gain": 0.02, "beta": 0.05, "max_weight": 20.0})
+    assert r.own_retry[0] and r.episode_id[0] == "unit-0000-000009"
+    assert np.all(r.gain > 0.02) and np.isclose(r.weight.sum(), 1.0)
+    assert np.all(np.isfinite(r.distance)) and r.distance.max() < 0.5        # metres
+    # no gate: a neighbour at the end of an episode (no progress left) may be retrieved
+    r0 = retrieve(idx, q, [ctx], top_k=40, own_retries_first=False)
+    assert not r0.own_retry.any() and (r0.gain <= 0.02).any()
+
+
+def test_arm_registry_refuses_unknown_arms_and_merges_overrides():
+    assert [a.name for a in get_arms(["base", "fert"])] == ["base", "fert"]
+    with pytest.raises(ValueError, match="unknown arms \\['ferd'\\]"):
+        get_arms(["base", "ferd"])
+    with pytest.raises(ValueError, match="repeated"):
+        get_arms(["base", "base"])
+    cfg = {"fert": {"key": "relative", "gate": {"enabled": True, "beta": 0.05}}}
+    assert fert_config(cfg, ARMS["fert_no_gate"])["fert"]["gate"] == {"enabled": False, "beta": 0.05}
+    assert fert_config(cfg, ARMS["fert_abs_key"])["fert"]["key"] == "absolute"
+    assert cfg["fert"]["gate"]["enabled"] is True                   # the caller's config is untouched
+
+
+def _eps(success, task="reach-v3"):
+    return [{"task": task, "unit_id": 100, "seed": i, "success": bool(s)} for i, s in enumerate(success)]
+
+
+def test_seed_bootstrap_counts_training_noise():
+    rng = np.random.default_rng(0)
+    base = rng.random(100) < 0.5
+    one = paired_over_seeds({0: {"a": _eps(base | (rng.random(100) < 0.2)), "b": _eps(base)}}, [("a", "b")], n_boot=2000)
+    ref = paired_differences({"a": _eps(base | (rng.random(100) < 0.2)), "b": _eps(base)}, [("a", "b")])
+    assert one["pairs"][0]["average"]["pairs"] == ref["pairs"][0]["average"]["pairs"] == 100
+    # seeds that disagree (+20 on one, 0 on two): the interval over seeds is wider than the trial-only one
+    res = {}
+    for s, lift in ((0, 0.4), (1, 0.0), (2, 0.0)):
+        b = rng.random(100) < 0.5
+        res[s] = {"a": _eps(b | (rng.random(100) < lift)), "b": _eps(b)}
+    over = paired_over_seeds(res, [("a", "b")], n_boot=4000)["pairs"][0]
+    pooled = paired_differences({"a": [e | {"seed": e["seed"] + 1000 * s} for s in res for e in res[s]["a"]],
+                                 "b": [e | {"seed": e["seed"] + 1000 * s} for s in res for e in res[s]["b"]]},
+                                [("a", "b")])["pairs"][0]
+    assert over["average"]["diff"] == pytest.approx(pooled["average"]["diff"])
+    w_over = over["average"]["ci95"][1] - over["average"]["ci95"][0]
+    w_trials = pooled["average"]["ci95"][1] - pooled["average"]["ci95"][0]
+    assert w_over > 1.3 * w_trials and over["average"]["seeds"] == 3
+    assert set(over["per_seed"]) == {"0", "1", "2"} and over["per_seed"]["0"] > 0.1
+
+
+@pytest.mark.slow
+def test_same_config_and_seed_give_same_demos_and_base(tmp_path):
+    """Two demo collections from the same plan hold the same trials and actions; the same demos and seed
+    train bit-identical base weights on CPU."""
+    from omegaconf import OmegaConf
+    from safetensors.torch import load_file
+
+    from experience_dict.store import ExperienceStore
+    from fleet.protocol import collect_demos
+    from policies.aed_diffusion.training import train_policy
+    from scripts.train import policy_config_from_hydra
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    cfg = {"robot": {"train_units": [0, 1], "heldout_units": [100]}, "obs": {"images": False},
+           "task": {"tasks": ["reach-v3", "push-v3"], "max_episode_steps": 60, "steps_after_success": 5},
+           "store": {"url": ""}, "fleet": {"num_cpus": 2, "units": 2, "episode_timeout_s": 120, "max_restarts": 1,
+                                           "max_recreates": 1, "torch_threads": 1}, "policy": {}, "seed": 0}
+    runs = []
+    for k in range(2):
+        url = str(tmp_path / f"store{k}")
+        res = collect_demos(cfg, [0, 1], demos_per_task=2, noise_std=0.1, seed=7, store_url=url, progress=False)
+        assert res["successes"] == {"reach-v3": 2, "push-v3": 2}
+        reader = ExperienceStore.open(url)
+        eps = sorted(reader.episodes(is_demo=True, success=True), key=lambda m: (m.unit_id, m.seed))
+        trials = [(m.task, int(m.unit_id), int(m.seed)) for m in eps]
+        actions = [reader.load_episode(m.episode_id, keys=["action"])["action"] for m in eps]
+        pol = OmegaConf.merge(OmegaConf.load("configs/policy/aed_diffusion.yaml"),
+                              {"dim": 32, "n_layers": 1, "n_heads": 2, "state_hidden": 32,
+                               "aed": {"tokenizer_vocab_size": 128}})
+        pcfg = policy_config_from_hydra(OmegaConf.to_container(pol, resolve=True), reader)
+        out = train_policy({"steps": 6, "batch_size": 8, "progress": False, "seed": 3, "num_threads": 1,
+                            "wandb": {"enabled": False}}, tmp_path / f"base{k}", policy_cfg=pcfg, reader=reader,
+                           episodes=eps, device="cpu")
+        weights = load_file(str(out["checkpoint"] / "model.safetensors"))
+        runs.append((trials, actions, weights))
+    assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 4
+    assert all(np.array_equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert runs[0][2].keys() == runs[1][2].keys()
+    assert all(torch.equal(runs[0][2][k], runs[1][2][k]) for k in runs[0][2])
