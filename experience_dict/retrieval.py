@@ -154,13 +154,15 @@ class RelativeEmbedder:
 
     The two displacement terms are the hand's and the object's motion over the window (velocity x window).
     The distance between two keys is in metres (the gripper term contributes at most ``gripper_scale``).
-    ``extra`` (optional) appends a further per-window embedding, e.g. the policy's pooled AED action-history
-    embedding, scaled by ``extra_scale`` so its norm is comparable to centimetres.
+    ``extra`` (optional) appends a further per-window embedding of the ``history_actions`` actions before the
+    anchor, e.g. the policy's pooled AED action-history embedding (:func:`aed_history_encoder`), which carries
+    how the unit responds to commands; ``extra_scale`` puts it in metres-comparable units.
 
     Args:
         frames: window length in steps (>= 2 for the motion terms; 1 gives zero motion). stride: steps between
             frames (>= 1). gripper_scale: metres per unit of gripper opening in the key (>= 0).
-        extra: optional ``f({key: (N, frames, ...)}) -> (N, E)``; extra_scale: its factor.
+        extra: optional ``f({"action": (N, H, A), "action_is_pad": (N, H)}) -> (N, E)``; extra_scale: its
+            factor; history_actions: H.
 
     Raises:
         ValueError: bad ``frames``/``stride``.
@@ -170,15 +172,34 @@ class RelativeEmbedder:
     keys = STATE_KEYS
 
     def __init__(self, frames: int = 8, stride: int = 1, gripper_scale: float = 0.05,
-                 extra: Encoder | None = None, extra_scale: float = 1.0, extra_keys: Sequence[str] = ()):
-        if frames < 1 or stride < 1:
-            raise ValueError(f"frames and stride: expected >= 1, given frames={frames}, stride={stride}")
+                 extra: Encoder | None = None, extra_scale: float = 1.0, history_actions: int = 0):
+        if frames < 1 or stride < 1 or history_actions < 0:
+            raise ValueError(f"frames and stride: expected >= 1 and history_actions >= 0, given frames={frames}, "
+                             f"stride={stride}, history_actions={history_actions}")
         self.frames, self.stride, self.gripper_scale = int(frames), int(stride), float(gripper_scale)
         self.extra, self.extra_scale = extra, float(extra_scale)
-        self.keys = tuple(STATE_KEYS) + tuple(k for k in extra_keys if k not in STATE_KEYS)
+        self.history_actions = int(history_actions) if extra is not None else 0
+        self.keys = tuple(STATE_KEYS) + (("action",) if self.history_actions else ())
         self.offsets = -np.arange(frames - 1, -1, -1, dtype=np.int64) * stride
 
-    windows = ContextEmbedder.windows
+    def windows(self, data: Mapping[str, np.ndarray], anchors: np.ndarray) -> dict[str, np.ndarray]:
+        """State windows as :meth:`ContextEmbedder.windows`; with an action-history encoder also ``action``
+        (N, H, A): the H actions before each anchor, and ``action_is_pad`` (N, H) for steps before the start."""
+        missing = [k for k in self.keys if k not in data]
+        if missing:
+            raise KeyError(f"RelativeEmbedder.windows: episode data lacks keys {missing}")
+        T = len(data[STATE_KEYS[0]])
+        anchors = np.asarray(anchors, dtype=np.int64)
+        if anchors.size and (anchors.min() < 0 or anchors.max() >= T):
+            raise ValueError(f"anchors: expected steps in [0, {T}), given [{anchors.min()}, {anchors.max()}]")
+        idx = np.clip(anchors[:, None] + self.offsets[None, :], 0, T - 1)
+        out = {k: np.asarray(data[k])[idx] for k in STATE_KEYS}
+        if self.history_actions:
+            h = anchors[:, None] + np.arange(-self.history_actions, 0)[None, :]          # (N, H)
+            out["action"] = np.asarray(data["action"])[np.clip(h, 0, T - 1)]
+            out["action_is_pad"] = h < 0
+        return out
+
     embed_episode = ContextEmbedder.embed_episode
 
     def embed(self, windows: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -837,6 +858,39 @@ class FertBatchSampler(torch.utils.data.Sampler):
         return max(self.num_batches - self.start, 0)
 
 
+def aed_history_encoder(policy, scale_m: float = 0.05) -> tuple[Encoder, float, int]:
+    """The AED action-history part of the retrieval key, from an AED diffusion policy (duck-typed:
+    ``policy.tokenize_history``, ``policy.aed``, ``policy.config.aed``; experience_dict does not import policies).
+
+    The H actions before an anchor are tokenized by the policy's action tokenizer and embedded by its Action
+    Experience Dictionary to one vector per group ((N, G, D), layer-normalised); the valid groups are averaged
+    to (N, D). Returns ``(encoder, extra_scale, H)`` for :class:`RelativeEmbedder`, with ``extra_scale =
+    scale_m / sqrt(D)`` so two unrelated histories (distance ~ sqrt(2 D) after the layer norm) sit ~1.4 x
+    ``scale_m`` metres apart in the key.
+
+    Raises:
+        ValueError: the policy has no AED.
+    """
+    cfg = getattr(getattr(policy, "config", None), "aed", None)
+    if cfg is None or not cfg.enabled or getattr(policy, "aed", None) is None:
+        raise ValueError("aed_history_encoder: the policy has no Action Experience Dictionary (aed.enabled=false)")
+    H = int(cfg.history_actions)
+
+    @torch.no_grad()
+    def encode(windows: dict[str, np.ndarray]) -> np.ndarray:
+        b = policy.tokenize_history({"history.action": np.asarray(windows["action"], np.float32),
+                                     "history.action_is_pad": np.asarray(windows["action_is_pad"], bool)})
+        dev = policy.device
+        g = policy.aed(b["history.tokens"].to(dev), b["history.token_mask"].bool().to(dev),
+                       b["history.group_mask"].bool().to(dev))                   # (N, G, D)
+        m = b["history.group_mask"].bool().to(dev).float()[..., None]
+        z = (g * m).sum(1) / m.sum(1).clamp(min=1.0)
+        return z.float().cpu().numpy()
+
+    dim = int(getattr(policy.config, "dim", 128))
+    return encode, float(scale_m) / float(np.sqrt(dim)), H
+
+
 def policy_encoder(policy, pool: str = "mean") -> Encoder:
     """An ``encoder`` for :class:`ContextEmbedder` from an AED diffusion policy's observation encoder.
 
@@ -861,7 +915,7 @@ def policy_encoder(policy, pool: str = "mean") -> Encoder:
 
 # ----------------------------------------------------------------------------------------- one object
 # keys of configs/fert/default.yaml ("rounds" and "audit" are read by the learner / scripts/run.py)
-FERT_CONFIG_KEYS = {"key", "gate", "retry", "include_retries", "own_retries_first", "rounds", "replay_all", "segment_steps", "window", "frame_stride", "embed_keys", "encoder", "pool", "index_stride",
+FERT_CONFIG_KEYS = {"key", "aed_key_scale_m", "gate", "retry", "include_retries", "own_retries_first", "rounds", "replay_all", "segment_steps", "window", "frame_stride", "embed_keys", "encoder", "pool", "index_stride",
                     "include_demos", "top_k", "temperature", "min_similarity", "max_contexts_per_task",
                     "replay_ratio", "weighting", "onset", "priority", "audit"}
 
@@ -888,6 +942,7 @@ class FertData:
             experience nor in the task statistics (the held-out units).
         encoder: optional observation encoder for the embeddings (:func:`policy_encoder`); required when
             ``cfg.encoder == "policy"``.
+        aed_key: :func:`aed_history_encoder` output; required when ``cfg.key == "relative+aed"``.
 
     Raises:
         KeyError: ``window`` missing from ``cfg``. ValueError: an unknown config key, or ``encoder: policy``
@@ -895,7 +950,7 @@ class FertData:
     """
 
     def __init__(self, reader, cfg: Mapping, stats: Mapping | None = None, exclude_units: Iterable[int] = (),
-                 encoder: Encoder | None = None):
+                 encoder: Encoder | None = None, aed_key: tuple[Encoder, float, int] | None = None):
         if "window" not in cfg:
             raise KeyError("fert config: 'window' (failure-context length W, steps) is required")
         unknown = sorted(set(cfg) - FERT_CONFIG_KEYS)
@@ -907,14 +962,18 @@ class FertData:
         self.exclude_units = [int(u) for u in exclude_units]
         self.window = int(cfg["window"])
         key = str(cfg.get("key", "absolute"))
-        if key == "relative":
-            self.embedder = RelativeEmbedder(frames=self.window, stride=int(cfg.get("frame_stride", 1)))
+        if key == "relative+aed" and aed_key is None:
+            raise ValueError("fert.key='relative+aed' needs aed_key=aed_history_encoder(policy) (a policy with AED)")
+        if key in ("relative", "relative+aed"):
+            extra, scale, H = aed_key if key == "relative+aed" else (None, 1.0, 0)
+            self.embedder = RelativeEmbedder(frames=self.window, stride=int(cfg.get("frame_stride", 1)),
+                                             extra=extra, extra_scale=scale, history_actions=H)
         elif key == "absolute":
             self.embedder = ContextEmbedder(stats, keys=list(cfg.get("embed_keys") or STATE_KEYS),
                                             frames=self.window, stride=int(cfg.get("frame_stride", 1)),
                                             pool=str(cfg.get("pool", "flatten")), encoder=encoder)
         else:
-            raise ValueError(f"fert.key: expected 'relative' or 'absolute', given {key!r}")
+            raise ValueError(f"fert.key: expected 'relative', 'relative+aed' or 'absolute', given {key!r}")
         gcfg = dict(cfg.get("gate") or {})
         unknown_gate = sorted(set(gcfg) - {"enabled", "min_gain", "beta", "max_weight", "tail_steps", "horizon"})
         if unknown_gate:

@@ -19,6 +19,7 @@ fert_no_aed               base_no_aed  FERT without AED, in the same fleet loop 
 fert_no_retries           base         FERT on the store without the retry episodes
 fert_no_gate              base         FERT without the progress gate / advantage weights
 fert_abs_key              base         FERT with the old key: absolute standardised state, cosine
+fert_aed_key              base         FERT whose key adds the AED action-history embedding (unit dynamics)
 ========================  ===========  =================================================================
 
 ``in_loop`` arms are trained round by round by their own ``fleet.learner.FertLearner`` while the fleet
@@ -59,12 +60,14 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
     Arm("fert_no_gate", "base", "fert", "FERT without the progress gate and advantage weights",
         fert={"gate": {"enabled": False}}),
     Arm("fert_abs_key", "base", "fert", "FERT with the absolute cosine key", fert={"key": "absolute"}),
+    Arm("fert_aed_key", "base", "fert", "FERT keyed by relative features + the AED action-history embedding",
+        fert={"key": "relative+aed"}),
 ]}
 
 # (arm, baseline) pairs reported trial by trial, in this order, when both arms ran
 PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retries"), ("filtered_bc_retries", "base"),
          ("filtered_bc", "base"), ("fert", "fert_no_retries"), ("fert", "fert_no_gate"), ("fert", "fert_abs_key"),
-         ("fert_no_aed", "base_no_aed"), ("fert", "fert_no_aed"), ("base", "base_no_aed")]
+         ("fert_aed_key", "fert"), ("fert_no_aed", "base_no_aed"), ("fert", "fert_no_aed"), ("base", "base_no_aed")]
 
 
 def get_arms(names: Iterable[str]) -> list[Arm]:

@@ -118,7 +118,14 @@ class FertLearner:
         if gate.get("tail_steps") is None:   # the steps a successful episode runs on after its first success
             gate["tail_steps"] = int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0)
             fert_cfg["gate"] = gate
-        self._fert = FertData(self._reader, fert_cfg, stats=stats, exclude_units=self.heldout)
+        aed_key = None
+        if fert_cfg.get("key") == "relative+aed":   # the key's AED part: the (fixed) initial policy's dictionary
+            from experience_dict.retrieval import aed_history_encoder
+            from policies.aed_diffusion import AEDDiffusionPolicy
+
+            self._key_policy = AEDDiffusionPolicy.from_pretrained(self.init_checkpoint).eval()
+            aed_key = aed_history_encoder(self._key_policy, float(fert_cfg.get("aed_key_scale_m", 0.05)))
+        self._fert = FertData(self._reader, fert_cfg, stats=stats, exclude_units=self.heldout, aed_key=aed_key)
 
     def _n_fleet_episodes(self) -> int:
         self._reader.refresh()

@@ -231,4 +231,25 @@ def test_evaluation_plan_gives_every_arm_the_same_trials_and_reruns_a_failed_one
         with pytest.raises(ValueError, match="names unit 5"):
             fleet.run(plan=[{"task": "reach-v3", "unit_id": 5, "seed": 1}], progress=False)
     assert res.restarts[100] == 1 and sorted(key(e) for e in res.episodes) == want
-    assert {key(e): (e["success"], e["length"], round(e["return"], 6)) for e in res.episodes} == by_key["a"]
+    # the fleet's workers (one env, one policy call at a time) act exactly as the vectorised evaluation
+    assert {key(e): (e["success"], e["length"], round(e["return"], 4)) for e in res.episodes} == \
+        {k: (v[0], v[1], round(v[2], 4)) for k, v in by_key["a"].items()}
+
+
+def test_vectorised_evaluation_does_not_depend_on_the_batch(tmp_path):
+    """A trial's outcome is a function of (policy, task, unit, seed) only: one env at a time and 6 envs stepped
+    together give the same episodes; every episode is committed to the evaluation store."""
+    from experience_dict.store import ExperienceStore
+    from fleet.evaluation import evaluation_plan, run_plan_vectorised
+
+    ckpt = tiny_aed_checkpoint(tmp_path / "a", seed=0, perturb=0.3)
+    c = _plain(make_cfg(tmp_path, "task.tasks=[reach-v3,push-v3]", "task.max_episode_steps=25"))
+    plan = evaluation_plan(["reach-v3", "push-v3"], [100, 101], 3, seed=11)
+    one = run_plan_vectorised(c, str(ckpt), plan, tmp_path / "s1", batch_size=1)
+    six = run_plan_vectorised(c, str(ckpt), plan, tmp_path / "s6", batch_size=6)
+    out = lambda eps: [(e["task"], e["unit_id"], e["seed"], e["success"], e["length"], round(e["return"], 4))  # noqa: E731
+                       for e in eps]
+    assert out(one) == out(six) and [e["seed"] for e in one] == [t["seed"] for t in plan]
+    assert len({e["length"] for e in one}) >= 1 and len(ExperienceStore.open(str(tmp_path / "s6")).episodes()) == 6
+    with pytest.raises(ValueError, match="batch_size"):
+        run_plan_vectorised(c, str(ckpt), plan, tmp_path / "s0", batch_size=0)

@@ -222,3 +222,32 @@ def test_same_config_and_seed_give_same_demos_and_base(tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
     assert runs[0][2].keys() == runs[1][2].keys()
     assert all(torch.equal(runs[0][2][k], runs[1][2][k]) for k in runs[0][2])
+
+
+def test_aed_key_embeds_the_action_history_in_metres(tmp_path):
+    """The AED part of the key: the policy's dictionary embeds the actions before the anchor; different
+    histories give different keys, the relative part is untouched, a policy without AED is refused."""
+    from experience_dict.retrieval import aed_history_encoder
+    from policies.aed_diffusion import AEDDiffusionPolicy
+    from tests.test_fleet import tiny_aed_checkpoint
+
+    policy = AEDDiffusionPolicy.from_pretrained(tiny_aed_checkpoint(tmp_path / "p", seed=0, perturb=0.3)).eval()
+    enc, scale, H = aed_history_encoder(policy, scale_m=0.05)
+    assert H == 8 and scale == pytest.approx(0.05 / np.sqrt(32))
+    emb = RelativeEmbedder(frames=3, extra=enc, extra_scale=scale, history_actions=H)
+    T = 30
+    data = _episode(np.linspace([0.0, 0.6, 0.1], [0.0, 0.6, 0.2], T), np.tile([0.1, 0.6, 0.0], (T, 1)),
+                    np.tile([0.0, 0.7, 0.3], (T, 1)))
+    rng = np.random.default_rng(0)
+    data["action"] = np.clip(rng.normal(0, 0.5, (T, 4)), -1, 1).astype(np.float32)
+    w = emb.windows(data, np.array([2, 20]))
+    assert w["action"].shape == (2, 8, 4) and w["action_is_pad"][0].sum() == 6 and not w["action_is_pad"][1].any()
+    z = emb.embed_episode(data, np.array([2, 20, 25]))
+    assert z.shape == (3, 16 + 32)
+    assert np.allclose(z[:, :16], RelativeEmbedder(frames=3).embed_episode(data, np.array([2, 20, 25])))
+    d = np.linalg.norm(z[1, 16:] - z[2, 16:])
+    assert 0.0 < d < 0.5                                             # metres-comparable, not raw embedding units
+    base = AEDDiffusionPolicy.from_pretrained(tiny_aed_checkpoint(tmp_path / "q", seed=1))
+    base.config.aed.enabled = False
+    with pytest.raises(ValueError, match="no Action Experience Dictionary"):
+        aed_history_encoder(base)
