@@ -283,7 +283,7 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
     print(f"demos: {state.get('demos')}", flush=True)
     reader = ExperienceStore.open(c["store"]["url"])
     demos = reader.episodes(is_demo=True, success=True)
-    val_reader = ExperienceStore.open(val_url) if n_val else None
+    val_reader = ExperienceStore.open(val_url) if n_val and Path(val_url).is_dir() else None
 
     for name, aed in (("base", True), ("base_no_aed", False)):
         stages.start(f"seed {seed}: train {name} on {len(demos)} demonstrations (at most {job['base_steps']} steps, "
