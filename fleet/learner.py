@@ -32,11 +32,11 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 LEARNER_DEFAULTS: dict[str, Any] = {
-    "updates_per_version": 200,   # optimizer updates between published policy versions (one FERT round)
+    "updates_per_version": 600,   # optimizer updates between published policy versions (one FERT round)
     "min_new_episodes": 4,        # fleet episodes committed since the last round before the next round starts
     "poll_s": 1.0,                # how often the learner re-reads the store while waiting
     "max_wait_s": 600.0,          # give up waiting for fleet data after this long (round runs on what exists)
-    "lr": 1.0e-4,                 # fine-tuning learning rate (AED paper: 1e-4)
+    "lr": 3.0e-4,                 # fine-tuning learning rate (1e-4 x 400 updates barely moved the base)
     "warmup_steps": 0,
     "batch_size": 64,
     "device": "auto",

@@ -27,7 +27,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 DEMO_STREAM, FLEET_STREAM = 3000, 5000
-RETRY_KEYS = {"enabled", "attempts", "action_noise_std", "growth", "hold_steps", "max_share"}
+# the defaults of configs/fert/default.yaml's ``retry`` group (used for keys a caller leaves out)
+RETRY_DEFAULTS = {"enabled": True, "attempts": 6, "action_noise_std": 0.2, "growth": 1.3, "hold_steps": 8,
+                  "max_share": 1.5}
+RETRY_KEYS = set(RETRY_DEFAULTS)
 
 
 def _plan(tasks: Sequence[str], units: Sequence[int], per_task: dict[str, int], stream: int,
@@ -128,13 +131,14 @@ def retry_plan(failures: Sequence[dict], cfg: dict, attempt: int, heldout: Seque
     if unknown:
         raise ValueError(f"fert.retry: unknown keys {unknown}; expected {sorted(RETRY_KEYS)}")
     held = {int(u) for u in heldout}
-    std = float(cfg.get("action_noise_std", 0.3)) * float(cfg.get("growth", 1.5)) ** int(attempt)
+    cfg = {**RETRY_DEFAULTS, **dict(cfg)}
+    std = float(cfg["action_noise_std"]) * float(cfg["growth"]) ** int(attempt)
     out = []
     for f in failures:
         if int(f["unit_id"]) in held or f.get("retry_of"):
             continue
         out.append({"task": f["task"], "unit_id": int(f["unit_id"]), "seed": int(f["seed"]),
-                    "explore": {"action_noise_std": std, "hold_steps": int(cfg.get("hold_steps", 8)),
+                    "explore": {"action_noise_std": std, "hold_steps": int(cfg["hold_steps"]),
                                 "retry_of": f["episode_id"], "attempt": int(attempt)}})
     return out[:max(int(budget), 0)]
 
@@ -148,11 +152,12 @@ def run_retries(fleet, failures: Sequence[dict], cfg: dict, heldout: Sequence[in
         ``{"failures", "recovered", "recovered_share", "retries", "per_attempt": [{"attempt", "std", "run",
         "recovered"}], "episodes": [summaries]}``.
     """
-    budget = int(float(cfg.get("max_share", 0.5)) * int(n_fleet_episodes))
+    cfg = {**RETRY_DEFAULTS, **dict(cfg)}
+    budget = int(float(cfg["max_share"]) * int(n_fleet_episodes))
     todo = [f for f in failures if int(f["unit_id"]) not in {int(u) for u in heldout} and not f.get("retry_of")]
     n_fail = len(todo)
     episodes, per_attempt = [], []
-    for attempt in range(int(cfg.get("attempts", 3))):
+    for attempt in range(int(cfg["attempts"])):
         plan = retry_plan(todo, cfg, attempt, heldout, budget - len(episodes))
         if not plan:
             break
