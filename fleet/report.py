@@ -316,9 +316,9 @@ def _seed_boot(sums, counts, choice):
 
 def plot_arms(table: Mapping, path: str | Path, title: str = "held-out success per arm",
               rounds: Mapping[str, Sequence[Mapping]] | None = None) -> Path:
-    """Bar chart of every arm's held-out success (pooled over tasks and seeds) with its Wilson 95% interval,
-    side by side; with ``rounds`` (``{label: [{"round", "successes", "trials"}]}``), a second panel shows the
-    training units' success per round (per published policy version).
+    """Every arm's held-out success side by side: pooled over tasks (and seeds) with its Wilson 95% interval
+    (left), and per task (middle); with ``rounds`` (``{label: [{"round", "successes", "trials"}]}``) holding
+    more than one round, a third panel shows the training units' success per round (per acting version).
 
     Args:
         table: :func:`success_table` output. path: output PNG path. title: figure title.
@@ -327,36 +327,51 @@ def plot_arms(table: Mapping, path: str | Path, title: str = "held-out success p
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.ticker import MaxNLocator
 
-    arms = list(table["arms"])
-    n_panels = 2 if rounds else 1
-    fig, axes = plt.subplots(1, n_panels, figsize=(5 + 1.1 * len(arms) + 4 * (n_panels - 1), 4.2), dpi=120,
+    arms, tasks = list(table["arms"]), list(table["tasks"])
+    show_rounds = bool(rounds) and any(len(p) > 1 for p in rounds.values())
+    n_panels = 3 if show_rounds else 2
+    fig, axes = plt.subplots(1, n_panels, figsize=(4 + 0.9 * len(arms) + 4 + 4 * (n_panels - 2), 4.4), dpi=120,
                              squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    colors = [cmap(i % 10) for i in range(len(arms))]
     ax = axes[0][0]
-    rates = [table["arms"][a]["average"]["rate"] for a in arms]
-    lo = [table["arms"][a]["average"]["ci95"][0] for a in arms]
-    hi = [table["arms"][a]["average"]["ci95"][1] for a in arms]
-    xs = list(range(len(arms)))
-    ax.bar(xs, rates, color=["#999999" if a.startswith("base") else "#4c72b0" if a.startswith("filtered")
-                             else "#dd8452" for a in arms])
-    ax.errorbar(xs, rates, yerr=[[r - lo_ for r, lo_ in zip(rates, lo)], [h - r for r, h in zip(rates, hi)]],
-                fmt="none", ecolor="black", capsize=4)
-    for x, r in zip(xs, rates):
-        ax.text(x, min(r + 0.03, 0.97), f"{100 * r:.1f}", ha="center", fontsize=8)
+    rates = np.array([table["arms"][a]["average"]["rate"] for a in arms])
+    lo = np.array([table["arms"][a]["average"]["ci95"][0] for a in arms])
+    hi = np.array([table["arms"][a]["average"]["ci95"][1] for a in arms])
+    xs = np.arange(len(arms))
+    ax.bar(xs, rates, color=colors)
+    ax.errorbar(xs, rates, yerr=[rates - lo, hi - rates], fmt="none", ecolor="black", capsize=4)
+    for x, r, h in zip(xs, rates, hi):
+        ax.text(x, min(h + 0.02, 0.96), f"{100 * r:.1f}", ha="center", fontsize=8)
     ax.set_xticks(xs, arms, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("held-out success rate")
-    ax.set_ylim(0, 1)
+    ax.set_ylabel("held-out success rate (Wilson 95%)")
+    ax.set_ylim(0, 1.02)
     ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)
-    if rounds:
-        ax2 = axes[0][1]
+    ax = axes[0][1]
+    width = 0.8 / max(len(arms), 1)
+    for i, a in enumerate(arms):
+        r = [table["arms"][a]["tasks"].get(t, {}).get("rate", np.nan) for t in tasks]
+        ax.bar(np.arange(len(tasks)) + (i - (len(arms) - 1) / 2) * width, r, width, color=colors[i], label=a,
+               edgecolor="white", linewidth=0.5)
+    ax.set_xticks(np.arange(len(tasks)), tasks, fontsize=8)
+    ax.set_ylim(0, 1.02)
+    ax.set_title("per task", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=6, ncol=2, loc="lower left", framealpha=0.8)
+    if show_rounds:
+        ax2 = axes[0][2]
         for label, pts in rounds.items():
             if pts:
                 ax2.plot([p["round"] for p in pts], [p["successes"] / max(p["trials"], 1) for p in pts],
                          marker="o", label=label)
+        ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax2.set_xlabel("round (policy version acting)")
         ax2.set_ylabel("training-unit success")
-        ax2.set_ylim(0, 1)
+        ax2.set_ylim(0, 1.02)
         ax2.grid(alpha=0.3)
         ax2.legend(fontsize=7, loc="lower right")
         ax2.set_title("fleet success per round", fontsize=10)

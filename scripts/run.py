@@ -404,8 +404,8 @@ def main(cfg: DictConfig) -> None:
     units_md = unit_table(c, sorted(set(demo_units) | set(fleet_units)) + heldout)
     print(units_md, flush=True)
     n_off = sum(1 for a in arms if not a.in_loop and a.data != "none")
-    # expected relative costs: demos 0.5, each base 6, each fleet round 5, each offline arm 2, evaluation 6
-    seed_w = [0.5, 6, 6] + [5] * int(c["fert"]["rounds"]) + [2] * n_off + [6]
+    # expected relative costs: demos 2, each base 6, each fleet round 5, each offline arm 2, evaluation 6
+    seed_w = [2, 6, 6] + [5] * int(c["fert"]["rounds"]) + [2] * n_off + [6]
     stages = Stages(seed_w * len(seeds) + ([10] if sizes else []))
     try:
         per_seed = {}
