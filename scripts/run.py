@@ -217,8 +217,10 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
     Before a FERT round's weights are published, the candidate and the version the fleet runs now play the
     same fixed plan of training-unit trials (seed stream ``7000 + seed``, ``fleet.evaluation.evaluation_plan``;
     committed to ``<seed dir>/validation/round_<r>/eval_store``, never to the training store); the candidate is
-    published unless its paired success difference is below ``-learner.validate_tolerance``. Returns None when
-    the gate is off."""
+    published unless it is worse on them: its paired success difference is below ``-learner.validate_tolerance``
+    *and* the one-sided exact McNemar test (candidate worse) has p < ``learner.validate_alpha``. A difference
+    of two trials out of 30 is noise; without the test the gate rejected a candidate on 0 wins / 2 losses.
+    Returns None when the gate is off."""
     from fleet.evaluation import evaluate_arms
     from fleet.registry import CheckpointRegistry
     from fleet.report import paired_differences
@@ -227,6 +229,7 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
     if n <= 0:
         return None
     tol = float(c["learner"].get("validate_tolerance", 0.0))
+    alpha = float(c["learner"].get("validate_alpha", 1.0))
 
     def validate(candidate: str, r: int) -> tuple[bool, dict]:
         reg = CheckpointRegistry(c["fleet"]["registry_url"])
@@ -237,12 +240,18 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
                             n, units=units, progress=progress)
         cell = paired_differences(res, [("candidate", "current")])["pairs"][0]["average"]
         rate = {k: sum(bool(e["success"]) for e in eps) / max(len(eps), 1) for k, eps in res.items()}
-        accept = cell["diff"] >= -tol
+        from scipy.stats import binomtest
+
+        n_disc = cell["wins"] + cell["losses"]
+        p_worse = float(binomtest(cell["wins"], n_disc, 0.5, alternative="less").pvalue) if n_disc else 1.0
+        accept = cell["diff"] >= -tol or p_worse >= alpha
         print(f"  validation of round {r} on training units {units}: candidate {100 * rate['candidate']:.1f}% vs "
               f"v{v} {100 * rate['current']:.1f}% (paired {100 * cell['diff']:+.1f} pts, {cell['wins']}/"
-              f"{cell['losses']}) -> {'publish' if accept else 'REJECTED (not published)'}", flush=True)
+              f"{cell['losses']}, one-sided p={p_worse:.2g}) -> {'publish' if accept else 'REJECTED (not published)'}",
+              flush=True)
         return accept, {"current_version": v, "candidate": rate["candidate"], "current": rate["current"],
-                        "diff": cell["diff"], "wins": cell["wins"], "losses": cell["losses"], "accepted": accept}
+                        "diff": cell["diff"], "wins": cell["wins"], "losses": cell["losses"], "p_worse": p_worse,
+                        "accepted": accept}
 
     return validate
 
@@ -299,6 +308,9 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
 
     sizes = [int(n) for n in (job.get("fleet_sizes") or [])]
     if sizes and not state.done("demo_snapshot"):
+        if state.done("round_0") or reader.episodes(is_demo=False):
+            raise SystemExit(f"job.fleet_sizes: {sd} already holds fleet episodes; run the sweep in a fresh run dir "
+                             "(hydra.run.dir=...) so every fleet size starts from the demonstrations only")
         snap = sd / "sweep" / "demo_store"
         shutil.rmtree(snap, ignore_errors=True)
         shutil.copytree(c["store"]["url"], snap)

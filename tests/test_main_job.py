@@ -22,6 +22,7 @@ def test_main_job_tiny_end_to_end(tmp_path):
             "job.demos_per_task=3", "job.base_steps=10", "job.fleet_units=2", "job.fleet_episodes_per_unit=3",
             "job.videos=1", "job.video_episodes=2", "eval.trials_per_task=2",
             "fert.rounds=1", "learner.updates_per_version=5", "learner.batch_size=16",
+            "learner.validate_trials_per_task=2", "job.val_demos_per_task=1", "train.save_every=5",
             "train.batch_size=16", "train.wandb.enabled=false", "train.progress=false",
             "policy.dim=32", "policy.n_layers=1", "policy.n_heads=2", "policy.state_hidden=32",
             "policy.aed.tokenizer_vocab_size=128", "job.fleet_sizes=[1,2]", "job.sweep_episodes_per_unit=1"]
@@ -50,6 +51,10 @@ def test_main_job_tiny_end_to_end(tmp_path):
         assert list((sd / "learner_fert" / "audits").glob("retrieval_audit_round_000.json"))
         rnd = state["round_0"]
         assert rnd["episodes"] == 6 and rnd["learners"]["fert"]["version"] == 2
+        # the validation gate ran (2 trials per task cannot show a significant loss: published), and the
+        # base was picked by its validation loss on the held-out demonstrations
+        assert rnd["learners"]["fert"]["validation"]["accepted"] is True
+        assert [p["step"] for p in state["base"]["val_curve"]] == [5, 10]
         assert rnd["retries"]["failures"] == 6 - rnd["successes"]
         # the fleet ran the fixed plan with the base (v1); retries re-ran failed trials on training units only
         train_eps = ExperienceStore.open(str(sd / "store")).episodes()
