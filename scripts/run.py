@@ -260,7 +260,8 @@ def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%"
 
 
-def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress: bool = True) -> dict:
+def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress: bool = True,
+             sweep: bool = False) -> dict:
     """Every stage of one experiment seed in ``sd``; returns ``{"results": {arm: episodes}, "checkpoints",
     "rounds"}``."""
     from experience_dict.store import ExperienceStore
@@ -306,7 +307,7 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
     if reg.latest_version() is None:
         reg.publish(ckpt["base"], metadata={"run_id": "base", "round": -1, "kind": "base"})
 
-    sizes = [int(n) for n in (job.get("fleet_sizes") or [])]
+    sizes = [int(n) for n in (job.get("fleet_sizes") or [])] if sweep else []
     if sizes and not state.done("demo_snapshot"):
         if state.done("round_0") or reader.episodes(is_demo=False):
             raise SystemExit(f"job.fleet_sizes: {sd} already holds fleet episodes; run the sweep in a fresh run dir "
@@ -422,7 +423,7 @@ def main(cfg: DictConfig) -> None:
     try:
         per_seed = {}
         for s in seeds:
-            per_seed[s] = run_seed(c, out / f"seed_{s}", s, arms, stages)
+            per_seed[s] = run_seed(c, out / f"seed_{s}", s, arms, stages, sweep=s == seeds[0])
         results_by_seed = {s: r["results"] for s, r in per_seed.items()}
         pooled = {a.name: [e | {"exp_seed": s} for s in seeds for e in results_by_seed[s][a.name]] for a in arms}
         table = success_table(pooled)
