@@ -8,7 +8,8 @@ method without re-running demonstrations, base training or the fleet.
 The run directory's store is opened read-only for the data (its failures, retries and successes as the fleet
 left them) and its base checkpoints are the starting points; every variant (``fleet.arms`` names, with the
 command line's ``fert.*`` / ``learner.*`` overrides) is fine-tuned per ``ablate.seeds`` seed into this run's
-directory, then all of them and the baseline run the same held-out trials. Outputs: ``ablate.md/json``
+directory, then all of them and the baseline run the same held-out trials (the run's plan, or a development
+plan with ``ablate.eval_seed``, so that iterating never looks at the run's test trials). Outputs: ``ablate.md/json``
 (success, Wilson intervals) and ``ablate_paired.md/json`` (paired differences bootstrapped over the fine-tuning
 seeds, then trials). The held-out units and tasks are the frozen run's.
 """
@@ -74,6 +75,8 @@ def main(cfg: DictConfig) -> None:
     c = {**frozen, "fert": here["fert"], "learner": here["learner"], "train": {**frozen["train"], "progress": False},
          "fleet": {**frozen["fleet"], "registry_url": str(out / "registry"), "cache_dir": str(out / "cache")}}
     c["fert"]["gate"] = {**c["fert"].get("gate", {})}
+    if a.get("eval_seed") is not None:   # a development trial plan, apart from the run's test plan
+        c["eval"] = {**frozen["eval"], "seed": int(a.eval_seed)}
     reader = ExperienceStore.open(frozen["store"]["url"])
     heldout = [int(u) for u in frozen["robot"]["heldout_units"]]
     base = {"base": state["base"]["checkpoint"], "base_no_aed": state["base_no_aed"]["checkpoint"]}
@@ -95,7 +98,7 @@ def main(cfg: DictConfig) -> None:
         results[s] = evaluate_arms(c, ckpts, out / f"seed_{s}", int(frozen["job"]["trials_per_task"]), units=heldout)
     names = [baseline] + [x.name for x in arms if x.name != baseline]
     table = success_table({n: [e for s in seeds for e in results[s][n]] for n in names})
-    table["meta"] = {"run_dir": str(run_dir), "seeds": seeds, "held_out_units": heldout,
+    table["meta"] = {"run_dir": str(run_dir), "seeds": seeds, "held_out_units": heldout, "eval_seed": c["eval"]["seed"],
                      "fert": c["fert"], "learner": c["learner"]}
     pairs = [(n, baseline) for n in names if n != baseline]
     if "filtered_bc_retries" in names:
