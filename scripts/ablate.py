@@ -49,7 +49,7 @@ def frozen_run(run_dir: Path) -> tuple[dict, dict]:
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     from experience_dict.store import ExperienceStore
-    from fleet.arms import get_arms, train_offline_arm
+    from fleet.arms import fert_config, get_arms, train_offline_arm
     from fleet.evaluation import evaluate_arms
     from fleet.report import (
         paired_markdown,
@@ -99,7 +99,7 @@ def main(cfg: DictConfig) -> None:
     names = [baseline] + [x.name for x in arms if x.name != baseline]
     table = success_table({n: [e for s in seeds for e in results[s][n]] for n in names})
     table["meta"] = {"run_dir": str(run_dir), "seeds": seeds, "held_out_units": heldout, "eval_seed": c["eval"]["seed"],
-                     "fert": c["fert"], "learner": c["learner"]}
+                     "fert": {x.name: fert_config(c, x)["fert"] for x in arms}, "learner": c["learner"]}
     pairs = [(n, baseline) for n in names if n != baseline]
     if "filtered_bc_retries" in names:
         pairs += [(n, "filtered_bc_retries") for n in names if n not in (baseline, "filtered_bc_retries")]

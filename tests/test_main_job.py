@@ -111,7 +111,7 @@ def test_main_job_tiny_end_to_end(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     at = json.loads((ab / "ablate.json").read_text())
-    assert set(at["arms"]) == {"base", "fert_no_gate"} and at["meta"]["fert"]["gate"]["enabled"] is False
+    assert set(at["arms"]) == {"base", "fert_no_gate"} and at["meta"]["fert"]["fert_no_gate"]["gate"]["enabled"] is False
     assert json.loads((ab / "ablate_paired.json").read_text())["pairs"][0]["average"]["pairs"] == 2
 
     # scripts/eval.py: any checkpoints on any units and tasks, same table, paired against a baseline, videos

@@ -81,9 +81,9 @@ def test_units_vary_the_robot():
 
 @pytest.mark.parametrize("task", list(TASKS))
 def test_experts_succeed(task):
-    """10 episodes over three varied units (action gain, noise, mass, friction; unit 4 has one step of latency):
+    """10 episodes over three varied units (action gain, noise, mass, friction; unit 2 has one step of latency):
     >= 90%."""
-    envs = dict(enumerate(sim.make_env(task, unit_id=u, robot_cfg=ROBOT) for u in (0, 1, 4)))
+    envs = dict(enumerate(sim.make_env(task, unit_id=u, robot_cfg=ROBOT) for u in (0, 1, 2)))
     assert envs[2].latency_steps == 1
     wins = 0
     for seed in range(10):
