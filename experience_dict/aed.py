@@ -1,6 +1,6 @@
 """The Action Experience Dictionary (AED): learned embeddings of tokenized action-history groups.
 
-After the AED paper and its public code as summarised in DESIGN.md ("Action Experience Dictionary"):
+After the AED paper and its public code as summarised in docs/AED.md:
 a learned embedding table over action-token ids, an MLP projector (LayerNorm -> GELU MLP -> LayerNorm),
 a learned token-slot embedding, per-group pooling of the group's tokens (mean; attention pooling optional) and a learned group position
 embedding, giving one vector per frame interval of the history window. Groups without any real action

@@ -7,11 +7,11 @@ integers, then byte-pair encoding (HF ``tokenizers`` BPE) over the integer coeff
 frequency-major (low frequencies of every dimension first) as FAST does.
 
 Here the chunk is one *action group*: the ``r`` actions of one frame interval of the AED history window
-(DESIGN.md, "Action Experience Dictionary"). A group is put into its *aligned* form before tokenizing:
+(docs/AED.md). A group is put into its *aligned* form before tokenizing:
 relative dimensions (end-effector deltas) become the running sum since the group's first frame, so the
 group's last row holds the interval's summed displacement; absolute dimensions (gripper) keep their commands,
 so the last row holds the group's last command. The last row of an aligned group is therefore exactly the
-frame-interval action of DESIGN.md (relative summed, absolute last), and the earlier rows keep the path
+frame-interval action of docs/AED.md (relative summed, absolute last), and the earlier rows keep the path
 within the interval for the DCT to compress.
 
 Everything here is numpy on the CPU (the policy's preprocessor runs it in the data path at train time and

@@ -6,7 +6,7 @@ One round, read top to bottom in :meth:`FertLearner.run_round`:
    waits for training; training waits only for *fleet* data, never for one unit);
 2. ``FertData.update``: refresh the store snapshot, locate failure onsets, index new successful windows;
 3. ``FertData.retrieve``: failure contexts of the training units -> top-k successful windows of the same task
-   from the whole fleet (the method of "Learning from Fleet Experience", see DESIGN.md);
+   from the whole fleet (the method of "Learning from Fleet Experience", see docs/FLEET_LEARNING.md);
 4. train ``updates_per_version`` updates on the retrieved windows mixed with demonstration replay
    (``policies.aed_diffusion.training.train_policy``, resumable);
 5. write the retrieval audit, publish the EMA weights as the next policy version (atomically, sha256 manifest).

@@ -213,7 +213,7 @@ class LeRobotSetup:
     :func:`bench_pair` times it interleaved with ours. Raises ImportError when lerobot is not installed."""
 
     def __init__(self, dev, bc: dict, image_size: int | None, match_params: int):
-        for mod in ("transformers", "peft"):  # lerobot 0.4.4 does not use them (DESIGN.md)
+        for mod in ("transformers", "peft"):  # lerobot 0.4.4 does not use them (docs/DEPENDENCIES.md)
             sys.modules.setdefault(mod, None)
         from lerobot.configs.types import FeatureType, PolicyFeature
         from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig

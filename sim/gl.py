@@ -100,7 +100,7 @@ class CameraRenderer:
 
     Before the ``mujoco.Renderer`` (and its GL context) is created, the model's shadow map is shrunk to
     ``shadowsize`` and multisampling (``offsamples``) is set to 0; shadows and reflections are scene flags
-    (off by default: on llvmpipe they cost ~3x). Figures: DESIGN.md "Facts about the dependencies".
+    (off by default: on llvmpipe they cost ~3x). Figures: docs/DEPENDENCIES.md.
 
     Args:
         model: ``mujoco.MjModel`` (its ``vis.quality`` fields are modified).

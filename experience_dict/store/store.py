@@ -19,7 +19,7 @@ Schema versions: 2 (this layout) is written; 1 (one array per feature key, stati
 is still read, but not appended to (:class:`SchemaVersionError`). The public API is the same for both:
 per-step *feature keys* (``reward``, ``progress.<k>`` included), whatever array holds them.
 
-Why this is crash-safe (zarr 3 needs one writer per array, see DESIGN.md):
+Why this is crash-safe (zarr 3 needs one writer per array, see docs/DEPENDENCIES.md):
 
 - Each writer id owns its shard; no two processes append to one array (enforced with ``flock`` on local
   filesystems; elsewhere writer ids must be unique, e.g. one per fleet unit).

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 @dataclass
 class AEDConfig:
-    """Action Experience Dictionary conditioning (DESIGN.md, "Action Experience Dictionary").
+    """Action Experience Dictionary conditioning (docs/AED.md).
 
     history_actions: H, past actions in the history window. group_size: r, actions per frame interval
     (G = H / r groups, G + 1 history frames at offsets -H, -H + r, ..., 0). memory_queries: M learned
@@ -28,7 +28,7 @@ class AEDConfig:
 
 @dataclass
 class MTLossConfig:
-    """Motion-aware transition loss (DESIGN.md): weight 0 turns it off. Paper: weight ~0.003-0.01."""
+    """Motion-aware transition loss (docs/AED.md): weight 0 turns it off. Paper: weight ~0.003-0.01."""
 
     weight: float = 0.005
     decoder_layers: int = 1

@@ -1,7 +1,7 @@
 """The AED diffusion policy: a DiT-style transformer denoiser over action chunks, conditioned on the
 current observation and on an Action Experience Dictionary prefix.
 
-Method (DESIGN.md, "Method details: AED"; after the AED paper's public code):
+Method (docs/AED.md; after the AED paper's public code):
 - Observation encoders give tokens per frame: one token per state key (MLP), ``image_pool**2`` tokens per
   camera (ResNet-style convnet with GroupNorm, He et al. 2016 / Wu & He 2018; written here, no downloads).
 - Visual memory: ``M`` learned queries (self-attn -> cross-attn to the history frames' tokens -> FFN).
@@ -246,7 +246,7 @@ class DiTBlock(nn.Module):
 def denoiser_mask(n_obs: int, n_prefix: int, n_act: int) -> torch.Tensor:
     """(N, N) bool attention mask over ``[obs; prefix; actions]``, True = row may attend to column.
 
-    Obs tokens see obs; prefix tokens see obs + prefix; action tokens see obs + prefix + actions (DESIGN.md).
+    Obs tokens see obs; prefix tokens see obs + prefix; action tokens see obs + prefix + actions (docs/AED.md).
     """
     N = n_obs + n_prefix + n_act
     m = torch.zeros(N, N, dtype=torch.bool)
