@@ -224,12 +224,7 @@ def plot_success_per_round(history: Mapping[str, Sequence[Mapping]], path: str |
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def paired_over_seeds(results_by_seed: Mapping[int, Mapping[str, Iterable[Mapping]]],
@@ -268,7 +263,6 @@ def paired_over_seeds(results_by_seed: Mapping[int, Mapping[str, Iterable[Mappin
     for arm, base in pairs:
         if not all(arm in results_by_seed[s] and base in results_by_seed[s] for s in seeds):
             continue
-        per = {s: paired_differences(results_by_seed[s], [(arm, base)], n_boot=1)["pairs"] for s in seeds}
         diffs: dict[int, dict[str, np.ndarray]] = {}
         for s in seeds:
             a = {(str(e["task"]), int(e["unit_id"]), int(e["seed"])): int(bool(e["success"]))
@@ -282,7 +276,8 @@ def paired_over_seeds(results_by_seed: Mapping[int, Mapping[str, Iterable[Mappin
         tasks_all.update(tasks)
         choice = rng.integers(0, len(seeds), size=(n_boot, len(seeds)))     # seeds drawn per resample
         row = {"arm": arm, "baseline": base, "tasks": {}, "average": None,
-               "per_seed": {str(s): (per[s][0]["average"]["diff"] if per[s] else None) for s in seeds}}
+               "per_seed": {str(s): (float(np.concatenate(list(diffs[s].values())).mean()) if diffs[s] else None)
+                            for s in seeds}}
         sums_all, counts_all = np.zeros((len(seeds), n_boot)), np.zeros(len(seeds))
         for t in tasks:
             sums, counts = np.zeros((len(seeds), n_boot)), np.zeros(len(seeds))
@@ -375,6 +370,13 @@ def plot_arms(table: Mapping, path: str | Path, title: str = "held-out success p
         ax2.grid(alpha=0.3)
         ax2.legend(fontsize=7, loc="lower right")
         ax2.set_title("fleet success per round", fontsize=10)
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
+    """Tight layout, write ``path`` (parents created), close the figure; returns the path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

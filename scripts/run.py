@@ -196,7 +196,7 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
                  for m in eps if not m.success]
         retries = {"failures": len(fails), "recovered": 0, "recovered_share": None, "retries": 0, "per_attempt": []}
         if rcfg.get("enabled", True) and fails:
-            retries = run_retries(fleet, fails, {k: v for k, v in rcfg.items()}, heldout, len(plan), progress)
+            retries = run_retries(fleet, fails, rcfg, heldout, len(plan), progress)
             retries.pop("episodes", None)
     succ = sum(bool(m.success) for m in eps)
     per_task = {}
