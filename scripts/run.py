@@ -128,7 +128,7 @@ def train_base(c: dict, reader, demos, out_dir: Path, aed: bool, val_reader=None
     tcfg["wandb"] = {**tcfg.get("wandb", {}), "name": f"{out_dir.name}-seed{c['seed']}"}
     val = None
     if val_reader is not None:   # built once the policy exists (its window spec)
-        val = lambda policy: WindowDataset(val_reader, val_reader.episodes(is_demo=True, success=True),  # noqa: E731
+        val = lambda policy: WindowDataset(val_reader, val_reader.episodes(is_demo=True, success=True),
                                            windows=policy.window_spec())
     res = train_policy(tcfg, out_dir, policy_cfg=policy_cfg, reader=reader, episodes=demos, device=c["device"],
                        val_dataset=val)
