@@ -591,7 +591,7 @@ def softmax_weights(sims: np.ndarray, temperature: float) -> np.ndarray:
 def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[FailureContext],
              priority: TaskPriority | None = None, top_k: int = 8, temperature: float = 0.1,
              min_similarity: float | None = None, gate: Mapping | None = None,
-             own_retries_first: bool = True) -> Retrieval:
+             own_retries_first: bool = True, confidence_scale: float | None = None) -> Retrieval:
     """Top-k successful windows of the same task for every failure context, with sampling weights.
 
     Candidates per context: the nearest window of each of its own successful retries first (same task, unit
@@ -606,6 +606,14 @@ def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[Failur
     (``v`` the context's policy version, ``v_max`` the newest of the task). Entry weight: context weight x
     the context's normalised candidate weights.
 
+    With ``confidence_scale`` (``sigma``, in key-distance units: metres for the relative key), every context
+    weight is further multiplied by its *confidence* ``exp(-d^2 / (2 sigma^2))``, ``d`` the mean key distance of
+    its kept neighbours, and the weights are **not** renormalised: a context whose nearest successes are far
+    from its state (no nearby experience to imitate) keeps little weight, and the mass it loses goes to the
+    demonstration replay (the retrieved windows' mean ``sample_weight`` drops below the replay's 1). This is a
+    Gaussian kernel on the neighbour distance, as in kernel regression (Nadaraya 1964; Watson 1964): the
+    supervision a far neighbour gives is an extrapolation.
+
     Args:
         index: the success index; queries are searched only within their context's task.
         queries: (C, E) embeddings of ``contexts`` (:func:`embed_contexts`).
@@ -616,9 +624,11 @@ def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[Failur
         min_similarity: drop neighbours below this similarity (cosine; ``-metres`` for the L2 key).
         gate: progress gate settings, or None for no gate.
         own_retries_first: put the context's own successful retries first.
+        confidence_scale: kernel width ``sigma`` of the context confidence (> 0), or None for confidence 1.
 
     Raises:
-        ValueError: ``len(queries) != len(contexts)`` or bad ``top_k``/``temperature``/gate values.
+        ValueError: ``len(queries) != len(contexts)`` or bad ``top_k``/``temperature``/gate/``confidence_scale``
+            values.
     """
     from experience_dict.failure import progress_advantage
 
@@ -628,6 +638,8 @@ def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[Failur
         raise ValueError(f"top_k: expected >= 1, given {top_k}")
     if temperature <= 0:
         raise ValueError(f"temperature: expected > 0, given {temperature}")
+    if confidence_scale is not None and not confidence_scale > 0:
+        raise ValueError(f"confidence_scale: expected > 0 (key-distance units) or None, given {confidence_scale}")
     by_task: dict[str, list[int]] = {}
     for i, c in enumerate(contexts):
         by_task.setdefault(c.task, []).append(i)
@@ -660,6 +672,12 @@ def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[Failur
         v = np.array([contexts[i].policy_version for i in idx], np.float64)
         w = 2.0 ** -(v.max() - v)
         cw[idx] = p_task[task] * w / w.sum()
+    if confidence_scale is not None:
+        for i in range(len(contexts)):
+            d = np.array([n.distance for n in neigh[i]], np.float64)
+            d = d[np.isfinite(d)]
+            if len(d):
+                cw[i] *= float(np.exp(-d.mean() ** 2 / (2.0 * float(confidence_scale) ** 2)))
     rows = [(i, n, cw[i] * sw) for i in range(len(contexts)) if neigh[i]
             for n, sw in zip(neigh[i], cand_w[i] / cand_w[i].sum())]
     metas = index.meta
@@ -689,7 +707,9 @@ class FertDataset(torch.utils.data.Dataset):
       ``sample_weight = entry weight x n_retrieved`` (mean 1; the policy's diffusion loss is a
       ``sample_weight``-weighted mean); with ``weighting="sample"`` ``n_retrieved`` entries drawn with
       probability proportional to their weight (with replacement), ``sample_weight = 1``.
-      Either way the expected loss is the similarity- and priority-weighted loss over retrieved windows.
+      Either way the expected loss is the similarity- and priority-weighted loss over retrieved windows. When
+      the entry weights sum to ``m < 1`` (context confidence), every retrieved ``sample_weight`` is scaled by
+      ``m``: the retrieved windows weigh less than the replay windows in the loss.
     * replay slots ``n_retrieved ..``: ``n_replay = round(n_retrieved * r / (1 - r))`` windows (``r`` =
       ``replay_ratio``) drawn uniformly from every step of the replay episodes (without replacement while
       possible), ``sample_weight = 1``. So replay is exactly ``n_replay / len(self)`` ~= ``r`` of an epoch.
@@ -762,10 +782,15 @@ class FertDataset(torch.utils.data.Dataset):
             self._ret_index, self._seg_entry = np.array(idx, np.int64), np.array(ent, np.int64)
             p = np.asarray(p, np.float64)
             n = len(p)
+            # entry weights summing to less than 1 (context confidence, ``retrieve(confidence_scale=...)``): the
+            # retrieved windows' loss weights shrink by that mass, relative to the replay windows' weight 1
+            mass = float(retrieval.weight.sum())
+            mass = 1.0 if mass > 1.0 - 1e-9 else max(mass, 0.0)
             if weighting == "loss":
-                self._ret_entry, self._ret_w = np.arange(n), (p * n).astype(np.float32)
+                self._ret_entry, self._ret_w = np.arange(n), (p * n * mass).astype(np.float32)
             else:
-                self._ret_entry, self._ret_w = rng.choice(n, n, p=p / p.sum()), np.ones(n, np.float32)
+                self._ret_entry = rng.choice(n, n, p=p / p.sum())
+                self._ret_w = np.full(n, mass, np.float32)
         else:
             self.source, self._ret_index, self._seg_entry = None, np.zeros(0, np.int64), np.zeros(0, np.int64)
             self._ret_entry, self._ret_w = np.zeros(0, np.int64), np.zeros(0, np.float32)
@@ -917,7 +942,7 @@ def policy_encoder(policy, pool: str = "mean") -> Encoder:
 # keys of configs/fert/default.yaml ("rounds" and "audit" are read by the learner / scripts/run.py)
 FERT_CONFIG_KEYS = {"key", "aed_key_scale_m", "gate", "retry", "include_retries", "own_retries_first", "rounds", "replay_all", "segment_steps", "window", "frame_stride", "embed_keys", "encoder", "pool", "index_stride",
                     "include_demos", "top_k", "temperature", "min_similarity", "max_contexts_per_task",
-                    "replay_ratio", "weighting", "onset", "priority", "audit"}
+                    "confidence_scale_m", "replay", "replay_ratio", "weighting", "onset", "priority", "audit"}
 
 
 class FertData:
@@ -1016,7 +1041,8 @@ class FertData:
         return retrieve(self.index, queries, contexts, self.priority, top_k=int(self.cfg.get("top_k", 8)),
                         temperature=float(self.cfg.get("temperature", 0.1)),
                         min_similarity=self.cfg.get("min_similarity"), gate=self.gate,
-                        own_retries_first=bool(self.cfg.get("own_retries_first", True)))
+                        own_retries_first=bool(self.cfg.get("own_retries_first", True)),
+                        confidence_scale=self.cfg.get("confidence_scale_m"))
 
     def _with_gain(self, c: FailureContext) -> FailureContext:
         """``c`` with ``gain``: the failed episode's progress over the gate horizon after its onset."""

@@ -20,6 +20,10 @@ fert_no_retries           base         FERT on the store without the retry episo
 fert_no_gate              base         FERT without the progress gate / advantage weights
 fert_abs_key              base         FERT with the old key: absolute standardised state, cosine
 fert_aed_key              base         FERT whose key adds the AED action-history embedding (unit dynamics)
+fert_confidence           base         FERT whose failure contexts weigh exp(-d^2 / 2 (5 cm)^2) by their
+                                       neighbours' distance d; the mass lost goes to replay
+fert_replay_fleet         base         FERT replaying every fleet success (filtered BC's data) at 50%
+fert_conf_replay          base         both of the above
 ========================  ===========  =================================================================
 
 ``in_loop`` arms are trained round by round by their own ``fleet.learner.FertLearner`` while the fleet
@@ -62,12 +66,21 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
     Arm("fert_abs_key", "base", "fert", "FERT with the absolute cosine key", fert={"key": "absolute"}),
     Arm("fert_aed_key", "base", "fert", "FERT keyed by relative features + the AED action-history embedding",
         fert={"key": "relative+aed"}),
+    Arm("fert_confidence", "base", "fert", "FERT with context confidence exp(-d^2 / 2 (5 cm)^2)",
+        fert={"confidence_scale_m": 0.05}),
+    Arm("fert_replay_fleet", "base", "fert", "FERT replaying every fleet success at 50%",
+        fert={"replay": "successes", "replay_ratio": 0.5}),
+    Arm("fert_conf_replay", "base", "fert", "FERT with context confidence and fleet-success replay",
+        fert={"confidence_scale_m": 0.05, "replay": "successes", "replay_ratio": 0.5}),
 ]}
 
 # (arm, baseline) pairs reported trial by trial, in this order, when both arms ran
 PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retries"), ("filtered_bc_retries", "base"),
          ("filtered_bc", "base"), ("fert", "fert_no_retries"), ("fert", "fert_no_gate"), ("fert", "fert_abs_key"),
-         ("fert_aed_key", "fert"), ("fert_no_aed", "base_no_aed"), ("fert", "fert_no_aed"), ("base", "base_no_aed")]
+         ("fert_aed_key", "fert"), ("fert_confidence", "base"), ("fert_replay_fleet", "base"),
+         ("fert_conf_replay", "base"), ("fert_confidence", "fert"), ("fert_replay_fleet", "fert"),
+         ("fert_conf_replay", "fert"), ("fert_confidence", "filtered_bc"), ("fert_replay_fleet", "filtered_bc"),
+         ("fert_conf_replay", "filtered_bc"), ("fert_no_aed", "base_no_aed"), ("fert", "fert_no_aed"), ("base", "base_no_aed")]
 
 
 def get_arms(names: Iterable[str]) -> list[Arm]:

@@ -127,6 +127,28 @@ class FertLearner:
             aed_key = aed_history_encoder(self._key_policy, float(fert_cfg.get("aed_key_scale_m", 0.05)))
         self._fert = FertData(self._reader, fert_cfg, stats=stats, exclude_units=self.heldout, aed_key=aed_key)
 
+    def replay_episodes(self) -> list:
+        """The episodes a round replays beside its retrieved windows (``fert.replay``): ``demos`` (default),
+        the demonstrations; ``successes``, the demonstrations plus every successful episode of the training
+        units (the successful failure retries too when ``fert.include_retries``), i.e. filtered BC's data.
+
+        Raises:
+            ValueError: an unknown ``fert.replay``.
+        """
+        from experience_dict.retrieval import retry_of
+
+        mode = str(self.cfg["fert"].get("replay") or "demos")
+        if mode not in ("demos", "successes"):
+            raise ValueError(f"fert.replay: expected 'demos' or 'successes', given {mode!r}")
+        demos = self._reader.episodes(is_demo=True)
+        if mode == "demos":
+            return demos
+        retries = bool(self.cfg["fert"].get("include_retries", True))
+        ids = {m.episode_id for m in demos}
+        fleet = [m for m in self._reader.episodes(success=True) if m.episode_id not in ids
+                 and int(m.unit_id) not in self.heldout and (retries or not retry_of(m))]
+        return demos + fleet
+
     def _n_fleet_episodes(self) -> int:
         self._reader.refresh()
         return len([m for m in self._reader.episodes(is_demo=False) if int(m.unit_id) not in self.heldout])
@@ -154,7 +176,7 @@ class FertLearner:
         upd = self._fert.update()
         retrieval = self._fert.retrieve()
         policy = AEDDiffusionPolicy.from_pretrained(self.init_checkpoint)
-        demos = self._reader.episodes(is_demo=True)
+        demos = self.replay_episodes()
         round_seed = 1000 * int(self.lcfg.get("seed") or 0) + r
         dataset = self._fert.dataset(retrieval, demos, policy.window_spec(), seed=round_seed)
         tcfg = {**dict(self.cfg.get("train") or {}), "seed": round_seed,

@@ -152,3 +152,30 @@ def test_learner_killed_mid_training_resumes_and_publishes_next_version(setup, t
     assert [h["step"] for h in status["history"]] == [6, 12, 18]
     versions = CheckpointRegistry(reg_url).versions()
     assert versions == sorted(set(versions)) and len(versions) == 4  # base + 3 rounds
+
+
+def test_learner_replays_demos_or_every_fleet_success(setup, tmp_path):
+    """``fert.replay``: the demonstrations only, or filtered BC's data (demos + training-unit fleet successes)."""
+    reader = ExperienceStore.open(setup["store"])
+    demos = {m.episode_id for m in reader.episodes(is_demo=True)}
+    fleet_ok = {m.episode_id for m in reader.episodes(success=True, is_demo=False)}
+    assert demos and fleet_ok
+    cfg = learner_cfg(3)
+    lrn = FertLearner(cfg, setup["store"], None, str(tmp_path / "a"), setup["base"], run_id="a", publish=False)
+    lrn._setup()
+    assert {m.episode_id for m in lrn.replay_episodes()} == demos
+    cfg["fert"]["replay"] = "successes"
+    lrn = FertLearner(cfg, setup["store"], None, str(tmp_path / "b"), setup["base"], run_id="b", publish=False)
+    lrn._setup()
+    got = lrn.replay_episodes()
+    assert {m.episode_id for m in got} == demos | fleet_ok and len(got) == len(demos | fleet_ok)
+    assert all(m.success for m in got)
+    cfg["robot"] = {**cfg["robot"], "heldout_units": [1]}             # held-out units' successes never replay
+    lrn = FertLearner(cfg, setup["store"], None, str(tmp_path / "c"), setup["base"], run_id="c", publish=False)
+    lrn._setup()
+    assert all(m.is_demo or int(m.unit_id) != 1 for m in lrn.replay_episodes())
+    cfg["fert"]["replay"] = "everything"
+    lrn = FertLearner(cfg, setup["store"], None, str(tmp_path / "d"), setup["base"], run_id="d", publish=False)
+    lrn._setup()
+    with pytest.raises(ValueError, match="fert.replay"):
+        lrn.replay_episodes()

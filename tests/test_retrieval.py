@@ -322,3 +322,36 @@ def test_policy_encoder_embeddings(world):
         FertData(reader, OmegaConf.merge(FERT_CFG, {"encoder": "policy"}))
     with pytest.raises(ValueError, match="unknown keys"):
         FertData(reader, {"window": 4, "topk": 3})
+
+
+def test_context_confidence_moves_far_contexts_mass_to_replay(world):
+    """``fert.confidence_scale_m``: a context's weight shrinks with its neighbours' mean key distance as
+    exp(-d^2 / 2 sigma^2), unnormalised; the retrieved windows' loss weights shrink by the lost mass."""
+    url, _ = world
+    reader = ExperienceStore.open(url)
+    stats = reader.stats(list(STATE_KEYS))
+    plain = FertData(reader, FERT_CFG, stats=stats, exclude_units=[HELDOUT])
+    plain.update()
+    ref = plain.retrieve()
+    sigma = 0.05
+    conf = FertData(reader, {**FERT_CFG, "confidence_scale_m": sigma}, stats=stats, exclude_units=[HELDOUT])
+    conf.update()
+    ret = conf.retrieve()
+    assert ret.episode_id == ref.episode_id                         # same neighbours, only the weights change
+    for c in range(len(ret.contexts)):
+        rows = np.flatnonzero(ret.context == c)
+        if not len(rows):
+            continue
+        d = ret.distance[rows].astype(np.float64).mean()
+        expect = ref.context_weight[c] * np.exp(-d ** 2 / (2 * sigma ** 2))
+        assert ret.context_weight[c] == pytest.approx(expect, rel=1e-5)
+        np.testing.assert_allclose(ret.weight[rows].sum(), expect, rtol=1e-5)
+    mass = ret.weight.sum()
+    assert 0.0 < mass < 0.999                                       # some contexts' neighbours are not exact
+    assert ret.context_weight.max() == pytest.approx(ref.context_weight.max(), rel=0.05)   # exact hits keep theirs
+    windows = {"observation.state": ("observation.state", [-1, 0]), "action": ("action", list(range(4)))}
+    ds = conf.dataset(ret, reader.episodes(is_demo=True), windows, seed=0)
+    sw = np.array([float(ds[i]["sample_weight"]) for i in range(ds.n_retrieved)])
+    assert sw.mean() == pytest.approx(mass, rel=1e-4)              # replay windows keep weight 1
+    with pytest.raises(ValueError, match="confidence_scale"):
+        retrieve(conf.index, np.zeros((0, 1), np.float32), [], None, confidence_scale=0.0)
