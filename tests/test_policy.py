@@ -262,3 +262,75 @@ def test_select_action_builds_the_sampler_windows(store):
     assert len(calls) == 4
     policy.reset()
     assert not policy._queue and not policy._act_hist
+
+
+def _store_with(tmp_path, action_fn, n_eps: int = 3, T: int = 30):
+    """A real Zarr store whose step-t action of episode e is ``action_fn(e, t)`` (4,)."""
+    st = ExperienceStore.create_or_open(str(tmp_path / "s"), spec=SPEC, progress_keys=[])
+    w = st.writer("unit-0000")
+    rng = np.random.default_rng(1)
+    for e in range(n_eps):
+        w.begin_episode(unit_id=0, embodiment="sawyer", task="reach-v3", policy_version=-1, seed=e, is_demo=True)
+        for t in range(T):
+            obs = {"observation.state": rng.normal(size=4).astype(np.float32),
+                   "observation.environment_state": rng.normal(size=6).astype(np.float32)}
+            w.add_step(obs, np.asarray(action_fn(e, t), np.float32), reward=0.0, progress={})
+        w.commit(success=True)
+    w.close()
+    return ExperienceStore.open(str(tmp_path / "s"))
+
+
+def test_constant_action_dimension_comes_back_exactly(tmp_path):
+    """Action dim 3 is always 0.5: whatever the network predicts there, the unnormalized action is 0.5."""
+    rng = np.random.default_rng(0)
+    st = _store_with(tmp_path, lambda e, t: np.r_[rng.uniform(-1, 1, 3), 0.5])
+    eps = st.episodes()
+    for norm in ("min_max", "mean_std"):
+        torch.manual_seed(0)
+        policy = build_policy(tiny_cfg(action_norm=norm), st, eps).eval()
+        batch = torch.utils.data.default_collate([WindowDataset(st, eps, windows=policy.inference_window_spec())[i]
+                                                  for i in (0, 11, 40)])
+        with torch.no_grad():
+            a = policy.predict_action_chunk(batch, generator=torch.Generator().manual_seed(0))
+        assert torch.all(a[..., 3] == torch.tensor(0.5)), (norm, a[..., 3].unique())
+        assert a[..., :3].std() > 0                                   # the other dims still vary
+        raw = torch.tensor([[0.1, -0.3, 0.7, 0.5]])
+        back = policy.normalizer.unnormalize("action", policy.normalizer.normalize("action", raw))
+        torch.testing.assert_close(back, raw)
+
+
+def test_mean_std_clip_range_covers_the_data(tmp_path):
+    """With action_norm=mean_std the clip range derives from the statistics: a clean chunk at the data's largest
+    action (2.5+ std from the mean) is sampled back by DDIM instead of being clipped to mean + 1 std."""
+    # dim 0: mostly 0, one step in ten at 1.0 (= mean + 3 std); the others uniform
+    rng = np.random.default_rng(0)
+    st = _store_with(tmp_path, lambda e, t: np.r_[1.0 if t % 10 == 0 else 0.0, rng.uniform(-1, 1, 3)])
+    eps = st.episodes()
+    policy = build_policy(tiny_cfg(action_norm="mean_std"), st, eps).eval()
+    stats = policy.stats["action"]
+    z = (1.0 - stats["mean"][0]) / stats["std"][0]
+    assert z > 2.5 and policy.clip_sample_range >= z - 1e-6
+    with pytest.raises(ValueError, match="clips actions the data holds"):
+        build_policy(tiny_cfg(action_norm="mean_std", clip_sample_range=1.0), st, eps)
+
+    def ddim_from_oracle(sched, x0: torch.Tensor) -> torch.Tensor:
+        """DDIM with a denoiser that knows the clean chunk ``x0`` (epsilon consistent with it at every step)."""
+        sched.set_timesteps(10)
+        x = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
+        for t in sched.timesteps:
+            ab = sched.alphas_cumprod[t]
+            eps = (x - ab.sqrt() * x0) / (1 - ab).sqrt()
+            x = sched.step(eps, t, x).prev_sample
+        return x
+
+    x0 = torch.zeros(1, 8, 4)
+    x0[..., 0] = z                                                   # the largest action of the data, normalized
+    out = policy.normalizer.unnormalize("action", ddim_from_oracle(policy.inference_scheduler, x0))
+    torch.testing.assert_close(out[..., 0], torch.ones(1, 8), atol=1e-4, rtol=0)
+    from diffusers import DDIMScheduler
+
+    old = DDIMScheduler(**{**dict(policy.inference_scheduler.config), "clip_sample_range": 1.0})
+    clipped = policy.normalizer.unnormalize("action", ddim_from_oracle(old, x0))
+    assert clipped[..., 0].max() < 0.5                                # the old default: never above mean + 1 std
+    min_max = build_policy(tiny_cfg(), st, eps)
+    assert min_max.clip_sample_range == 1.0

@@ -79,7 +79,10 @@ class AEDDiffusionConfig:
     beta_schedule: str = "squaredcos_cap_v2"
     prediction_type: str = "epsilon"  # epsilon | sample
     clip_sample: bool = True
-    clip_sample_range: float = 1.0
+    # DDIM/DDPM clip of the predicted clean chunk, in normalized units. None: derived from the action statistics
+    # (1.0 for min_max; for mean_std the largest |min - mean| / std or |max - mean| / std of any dimension), so
+    # no action the data holds is clipped. An explicit value below that extent is refused.
+    clip_sample_range: float | None = None
     num_inference_steps: int = 10
     mask_action_padding: bool = False  # exclude actions past the episode end from the loss
     aed: AEDConfig = field(default_factory=AEDConfig)

@@ -386,6 +386,41 @@ class MTDecoder(nn.Module):
 
 
 # ----------------------------------------------------------------------------- the policy
+def action_clip_range(stats: dict, mode: str, given: float | None) -> float:
+    """The diffusion schedulers' ``clip_sample_range`` (normalized units) consistent with the action statistics.
+
+    ``min_max`` maps the data to [-1, 1], so the extent is 1.0; ``mean_std`` standardizes, so the extent is the
+    largest ``|min - mean| / std`` or ``|max - mean| / std`` over the action dimensions (a dimension with zero std
+    counts 0). ``given=None`` returns the extent; a given range is returned if it covers the extent.
+
+    Args:
+        stats: the action statistics ``{"min", "max", "mean", "std"}`` (per-dimension lists).
+        mode: ``"min_max"`` or ``"mean_std"``.
+        given: ``config.clip_sample_range``.
+    Raises:
+        ValueError: ``mean_std`` statistics without min/max; a given range that would clip actions the data holds
+            (e.g. the old default 1.0 with mean_std: nothing beyond mean + 1 std could be sampled).
+    """
+    if mode == "min_max":
+        extent = 1.0
+    else:
+        if "min" not in stats or "max" not in stats:
+            raise ValueError("clip_sample with action_norm=mean_std needs the action min/max statistics to derive "
+                             "clip_sample_range (or set clip_sample=false)")
+        mean, std = np.asarray(stats["mean"], np.float64), np.asarray(stats["std"], np.float64)
+        lo, hi = np.asarray(stats["min"], np.float64), np.asarray(stats["max"], np.float64)
+        ok = std >= 1e-6
+        z = np.maximum(np.abs(lo - mean), np.abs(hi - mean)) / np.where(ok, std, 1.0)
+        extent = float(np.max(np.where(ok, z, 0.0), initial=0.0))
+        extent = max(extent, 1e-3)
+    if given is None:
+        return extent
+    if not float(given) >= extent - 1e-6:
+        raise ValueError(f"clip_sample_range={given} clips actions the data holds: action_norm={mode} puts them up "
+                         f"to {extent:.3f} normalized units from the centre; use null (derived) or >= {extent:.3f}")
+    return float(given)
+
+
 class AEDDiffusionPolicy(nn.Module):
     """AED-conditioned diffusion policy (see module docstring).
 
@@ -436,8 +471,10 @@ class AEDDiffusionPolicy(nn.Module):
         if cfg.mt_loss.weight > 0:
             self.mt_features = FrozenFeatures(cfg)
             self.mt_decoder = MTDecoder(cfg, self.mt_features.dim)
+        self.clip_sample_range = (action_clip_range(self.stats["action"], cfg.action_norm, cfg.clip_sample_range)
+                                  if cfg.clip_sample else float(cfg.clip_sample_range or 1.0))
         sched = {"num_train_timesteps": cfg.num_train_timesteps, "beta_schedule": cfg.beta_schedule,
-                     "clip_sample": cfg.clip_sample, "clip_sample_range": cfg.clip_sample_range,
+                     "clip_sample": cfg.clip_sample, "clip_sample_range": self.clip_sample_range,
                      "prediction_type": cfg.prediction_type}
         self.noise_scheduler = DDPMScheduler(**sched)
         self.inference_scheduler = DDIMScheduler(**sched, set_alpha_to_one=True, steps_offset=0)

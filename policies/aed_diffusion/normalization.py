@@ -3,7 +3,8 @@
 Stats follow the store contract (docs/INTERFACES.md): ``{key: {"min", "max", "mean", "std", ...}}`` with
 per-dimension lists. ``min_max`` maps [min, max] to [-1, 1] (Diffusion Policy / LeRobot MIN_MAX);
 ``mean_std`` standardizes. Dimensions with (near) zero range or std are left centred but unscaled, as
-LeRobot does, so constant dims (e.g. an unused quaternion) do not blow up. Images are uint8 and scaled
+LeRobot does, so constant dims (e.g. an unused quaternion) do not blow up; ``unnormalize`` returns such a
+dimension's constant exactly (whatever the model predicts there). Images are uint8 and scaled
 to [-1, 1] without statistics.
 """
 
@@ -45,9 +46,11 @@ class Normalizer(nn.Module):
                 centre, half = (a + b) / 2, (b - a) / 2
             else:
                 centre, half = a, b
-            half = torch.where(half < _EPS, torch.ones_like(half), half)
+            const = half < _EPS
             self.register_buffer(f"centre_{i}", centre, persistent=False)
-            self.register_buffer(f"half_{i}", half, persistent=False)
+            self.register_buffer(f"half_{i}", torch.where(const, torch.ones_like(half), half), persistent=False)
+            # unnormalize: a constant dimension comes back as its constant (scale 0), not centre + prediction
+            self.register_buffer(f"out_{i}", torch.where(const, torch.zeros_like(half), half), persistent=False)
 
     def _ab(self, key: str):
         i = self.keys.index(key)
@@ -59,9 +62,9 @@ class Normalizer(nn.Module):
         return (x - c) / h
 
     def unnormalize(self, key: str, x: torch.Tensor) -> torch.Tensor:
-        """(..., d) normalized -> (..., d) raw."""
-        c, h = self._ab(key)
-        return x * h + c
+        """(..., d) normalized -> (..., d) raw; constant dimensions (zero range / std) give their constant."""
+        i = self.keys.index(key)
+        return x * getattr(self, f"out_{i}") + getattr(self, f"centre_{i}")
 
 
 def normalize_image(x: torch.Tensor) -> torch.Tensor:
