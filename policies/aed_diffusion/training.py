@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, default_collate
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from experience_dict.tokenizer import ActionTokenizer
 from policies.aed_diffusion.configuration_aed_diffusion import AEDDiffusionConfig
@@ -202,9 +202,45 @@ def build_policy(policy_cfg: AEDDiffusionConfig, reader, episodes) -> AEDDiffusi
     return AEDDiffusionPolicy(policy_cfg, stats, tok)
 
 
-def _cycle(loader):
-    while True:
-        yield from loader
+class StepBatchSampler(torch.utils.data.Sampler):
+    """Batches of dataset indices as a pure function of ``(seed, step)``, so that a resumed run sees exactly the
+    batches an uninterrupted one would (no sampler state to save).
+
+    Step ``s`` is batch ``s mod nb`` of epoch ``s // nb`` (``nb = n // batch_size`` with ``drop_last``, else
+    ``ceil(n / batch_size)``, at least 1); epoch ``e`` is the permutation ``numpy.random.default_rng([seed, e])``
+    of ``range(n)``. Iterating yields the batches of steps ``start .. stop - 1`` (lists of int).
+
+    Raises:
+        ValueError: ``n < 1``, ``batch_size < 1`` or ``stop < start``.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, start: int, stop: int, drop_last: bool = True):
+        if n < 1 or batch_size < 1 or stop < start:
+            raise ValueError(f"StepBatchSampler: n >= 1, batch_size >= 1, stop >= start expected, given n={n}, "
+                             f"batch_size={batch_size}, start={start}, stop={stop}")
+        self.n, self.batch_size, self.seed, self.start, self.stop = int(n), int(batch_size), int(seed), start, stop
+        self.per_epoch = max(1, self.n // self.batch_size if drop_last else -(-self.n // self.batch_size))
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def batch(self, step: int) -> list[int]:
+        """The dataset indices of training step ``step`` (0-based)."""
+        e, i = divmod(int(step), self.per_epoch)
+        if self._perm is None or self._perm[0] != e:
+            self._perm = (e, np.random.default_rng([self.seed, e]).permutation(self.n))
+        return self._perm[1][i * self.batch_size:(i + 1) * self.batch_size].tolist()
+
+    def __iter__(self):
+        for s in range(self.start, self.stop):
+            yield self.batch(s)
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The torch seed of training step ``step`` (diffusion noise, timesteps, dropout): a function of
+    ``(seed, step)`` only, so a resumed run draws what an uninterrupted one would."""
+    return int(np.random.default_rng([int(seed), 7, int(step)]).integers(2 ** 62))
 
 
 def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPolicy | None = None,
@@ -289,10 +325,12 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPo
         policy.obs_encoder.compile()
 
     drop_last = len(dataset) >= tc["batch_size"]
+    # batches and per-step noise are functions of (seed, step): a resumed run continues exactly where it stopped
+    steps_sampler = StepBatchSampler(len(dataset), tc["batch_size"], tc["seed"], step, max(step, tc["steps"]), drop_last)
     if callable(getattr(dataset, "fetch", None)):  # WindowDataset: one vectorised read per batch, no per-item collate
-        batching = {"sampler": BatchSampler(RandomSampler(dataset), tc["batch_size"], drop_last), "batch_size": None}
+        batching = {"sampler": steps_sampler, "batch_size": None}
     else:
-        batching = {"batch_size": tc["batch_size"], "shuffle": True, "drop_last": drop_last}
+        batching = {"batch_sampler": steps_sampler}
     loader = DataLoader(dataset, **batching, num_workers=tc["num_workers"], collate_fn=TokenizingCollate(policy.tokenizer),
                         pin_memory=dev.type == "cuda", persistent_workers=tc["num_workers"] > 0)
     wb = None
@@ -306,7 +344,7 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPo
              tc["steps"], step)
     from tqdm import tqdm
     bar = tqdm(total=tc["steps"], initial=step, disable=not tc["progress"], desc=str(tc["desc"]), dynamic_ncols=True)
-    batches = _cycle(loader)
+    batches = iter(loader)
     last_metrics, ckpt = {}, None
     val_curve: list[dict] = []
     val_batches = None
@@ -324,6 +362,7 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPo
     sps = 0.0
     while step < tc["steps"]:
         batch = next(batches)
+        torch.manual_seed(step_seed(tc["seed"], step))
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=tc["amp_bf16"]):
             loss, m = policy(batch)
         opt.zero_grad(set_to_none=True)
