@@ -147,27 +147,75 @@ class RunConfig:
                              f"given {self.episodes}, {self.max_steps}, {self.steps_after_success}")
 
 
-def safety_limits(cfg: Mapping[str, Any], joint_map: JointMap) -> SafetyLimits:
+# The conservative limits of configs/deploy/default.yaml's ``safety`` section: what the Python API applies for
+# every key it is not given (tests/test_safety.py checks that the two agree).
+SAFETY_DEFAULTS: dict[str, Any] = {
+    "joint_limits_deg": None,          # None: the SO-100 MJCF joint ranges
+    "max_step_deg": 15.0,              # degrees per control step, arm joints
+    "max_step_gripper": 50.0,          # gripper.pos units (0..100) per control step
+    "workspace_m": [[-0.05, 0.39, 0.005], [0.29, 0.81, 0.28]],   # tcp box, twin frame, metres
+    "deadline_s": 0.25,                # seconds per policy call before the watchdog holds the arm
+    "max_misses": 1,
+}
+# keys whose explicit null switches a protection off (logged as a warning)
+_SWITCHABLE = ("max_step_deg", "max_step_gripper", "workspace_m", "deadline_s")
+
+
+def safety_limits(cfg: Mapping[str, Any] | None, joint_map: JointMap) -> SafetyLimits:
     """``deploy.safety`` -> ``SafetyLimits`` in LeRobot units (``MOTOR_KEYS`` order).
 
-    ``joint_limits_deg``: ``{joint: [low, high]}`` overrides (others: the SO-100 MJCF ranges through
-    ``joint_map``); ``max_step_deg`` (arm joints) and ``max_step_gripper`` (0..100 units) per control step;
-    ``workspace_m``; ``deadline_s``; ``max_misses``.
+    Every key not given takes its value from ``SAFETY_DEFAULTS`` (the conservative limits of
+    ``configs/deploy/default.yaml``), so ``safety_limits({}, ...)`` is safe. ``joint_limits_deg``:
+    ``{joint: [low, high]}`` overrides (others: the SO-100 MJCF ranges through ``joint_map``); ``max_step_deg``
+    (arm joints, degrees) and ``max_step_gripper`` (0..100 units) per control step; ``workspace_m`` (metres);
+    ``deadline_s`` (seconds); ``max_misses``. Switching a protection off takes an explicit ``null`` for it and is
+    logged as a warning.
 
     Raises:
-        ValueError: an unknown joint name, and everything ``SafetyLimits`` checks.
+        ValueError: an unknown key or joint name; a step limit of 0 (it is not "no limit": give a positive limit,
+            or null to switch the limit off); and everything ``SafetyLimits`` checks (negative or NaN limits).
     """
+    cfg = dict(cfg or {})
+    known = set(SAFETY_DEFAULTS) | {"hang_s"}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ValueError(f"deploy.safety: unknown keys {unknown}; known: {sorted(known)}")
+    c = {**SAFETY_DEFAULTS, **cfg}
+    off = [k for k in _SWITCHABLE if c[k] is None]
+    if off:
+        log.warning("deploy.safety: protections switched off by an explicit null: %s", off)
     names = [k.removesuffix(".pos") for k in MOTOR_KEYS]
     limits = joint_map.limits()
-    for j, rng in dict(cfg.get("joint_limits_deg") or {}).items():
+    for j, rng in dict(c.get("joint_limits_deg") or {}).items():
         if j not in names:
             raise ValueError(f"deploy.safety.joint_limits_deg: unknown joint {j!r}; joints: {names}")
         limits[names.index(j)] = [float(rng[0]), float(rng[1])]
-    step = [float(cfg.get("max_step_deg", math.inf) or math.inf)] * 5 + [
-        float(cfg.get("max_step_gripper", math.inf) or math.inf)]
-    ws = cfg.get("workspace_m")
+
+    def step_limit(key: str) -> float:
+        v = c[key]
+        if v is None:
+            return math.inf
+        v = float(v)
+        if v == 0.0:
+            raise ValueError(f"deploy.safety.{key}=0: a step limit of 0 would hold the arm forever and is not "
+                             "'no limit'; give a positive limit, or null to switch the limit off (logged)")
+        return v
+
+    step = [step_limit("max_step_deg")] * 5 + [step_limit("max_step_gripper")]
+    ws = c["workspace_m"]
     return SafetyLimits(names, limits, step, workspace=None if ws is None else np.asarray(ws, dtype=np.float64),
-                        deadline_s=cfg.get("deadline_s"), max_misses=int(cfg.get("max_misses", 1)))
+                        deadline_s=c["deadline_s"], max_misses=int(c["max_misses"]))
+
+
+def describe_limits(limits: SafetyLimits) -> str:
+    """One line per protection of ``limits``, as logged before the first action of a deployment."""
+    step = {n: (None if not np.isfinite(s) else float(s)) for n, s in zip(limits.names, limits.max_step)}
+    lines = [f"joint limits: {dict(zip(limits.names, limits.joint_limits.round(1).tolist()))}",
+             f"max step per control step: {step}" + ("  (None: OFF)" if None in step.values() else ""),
+             "workspace (m): " + ("OFF" if limits.workspace is None else str(limits.workspace.tolist())),
+             "policy deadline (s): " + ("OFF" if limits.deadline_s is None else
+                                        f"{limits.deadline_s}, stop after {limits.max_misses} consecutive misses")]
+    return "\n  ".join(["safety limits in force:"] + lines)
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -223,7 +271,8 @@ class Deployer:
         runtime: has ``select_action(obs) -> (4,)``, ``reset()``, ``input_shapes``, ``control_hz`` and ``meta``
             (``export.json``); normally ``policies.runtime.PolicyRuntime``.
         robot: a LeRobot ``Robot`` (connected by ``run``/``connect`` here if it is not yet).
-        run: ``RunConfig``; safety: ``SafetyLimits`` (None: ``safety_limits({}, joint_map)``);
+        run: ``RunConfig``; safety: ``SafetyLimits`` (None: ``safety_limits({}, joint_map)``, the conservative
+            ``SAFETY_DEFAULTS``, the same as ``configs/deploy/default.yaml``);
         joint_map / cameras: the bridge's convention (``deploy.bridge``).
         export_dir: recorded in the report and the store.
         input_fn: the operator prompt (``input``; tests pass a scripted one).
@@ -260,7 +309,7 @@ class Deployer:
             raise ValueError(f"label=sim needs the simulated robot's success signal; robot type {rtype!r} has "
                              "none (use label=operator or label=classifier)")
         self.classifier = load_classifier(run.success_classifier) if run.label == "classifier" else None
-        self.limits = safety or safety_limits({}, self.joint_map)
+        self.limits = safety if safety is not None else safety_limits({}, self.joint_map)
         self.safety = SafetyFilter(self.limits, fk=self.bridge.fk, events=self.eventlog)
         self.watchdog = Watchdog(self.limits.deadline_s, hang_s=max(hang_s, self.limits.deadline_s or 0.0))
         source = meta.get("source") or {}
@@ -349,7 +398,17 @@ class Deployer:
                         break
                 else:
                     action = np.asarray(call.value, dtype=np.float32).reshape(-1)
-                    proposed = bridge.propose(action, obs, step)
+                    try:
+                        proposed = bridge.propose(action, obs, step)
+                    except ValueError as e:   # an action of the wrong dimension: hold the arm, end the episode
+                        self.eventlog.add(SafetyEvent(step, "bad_action", {"error": str(e),
+                                                                           "shape": list(action.shape)}))
+                        held = self.safety.stop(step, "bad_action", current)
+                        robot.send_action(bridge.robot_action(held))
+                        bridge.sent(held)
+                        self._record(res, current, np.full(6, np.nan), held, True)
+                        res.stop_reason = "bad_action"
+                        break
                     sent, _ev = self.safety.filter(proposed, current, step, action)
                     robot.send_action(bridge.robot_action(sent))
                     bridge.sent(sent)
@@ -451,6 +510,7 @@ class Deployer:
         try:
             if not self.robot.is_connected:
                 self.robot.connect()
+            log.info(describe_limits(self.limits))
             self.warmup()
             return [self.run_episode(i) for i in range(int(self.run.episodes))]
         finally:

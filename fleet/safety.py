@@ -44,7 +44,8 @@ import numpy as np
 
 log = logging.getLogger("fleetmind.safety")
 
-EVENT_KINDS = ("non_finite", "stopped", "action_range", "joint_limit", "max_step", "workspace", "deadline")
+EVENT_KINDS = ("non_finite", "bad_action", "stopped", "action_range", "joint_limit", "max_step", "workspace",
+               "deadline")
 
 
 @dataclasses.dataclass

@@ -22,7 +22,15 @@ pytest.importorskip("lerobot.robots")
 import torch
 from lerobot.robots import make_robot_from_config
 
-from fleet.deploy import Deployer, RunConfig, build_robot_config, export_path, safety_limits
+from fleet.deploy import (
+    SAFETY_DEFAULTS,
+    Deployer,
+    RunConfig,
+    build_robot_config,
+    describe_limits,
+    export_path,
+    safety_limits,
+)
 from fleet.lerobot_bridge import JointMap
 from fleet.so100_sim_robot import FleetmindSO100Sim, FleetmindSO100SimConfig
 
@@ -191,6 +199,20 @@ def test_nan_out_of_limit_and_missed_deadline_hold_the_arm(export_dir, tmp_path)
     np.testing.assert_allclose(list(hold.values()), res.current[-1])
     [ev] = [e for e in res.events if e.kind == "deadline"]
     assert ev.step == 4 and 0.49 <= ev.detail["held_after_s"] < 1.2
+
+    # 2b. an action of the wrong dimension at step 3: the arm is held where it is, the episode ends, the report
+    # is still written (and the episode committed with its 3 good steps)
+    inj = Injected(rt, {3: np.zeros(7, np.float32)})
+    dep = Deployer(inj, robot, RunConfig(max_steps=40, label="sim", realtime=False, store_url=str(tmp_path / "s2")),
+                   limits)
+    res = dep.run_episode(3)
+    dep.close()
+    assert res.stop_reason == "bad_action" and res.steps == 4 and res.held == [False] * 3 + [True]
+    np.testing.assert_array_equal(res.sent[-1], res.current[-1])
+    [ev] = [e for e in res.events if e.kind == "bad_action"]
+    assert ev.step == 3 and ev.detail["shape"] == [7]
+    report = json.loads(json.dumps(dep.report([res])))
+    assert report["episodes"][0]["stop_reason"] == "bad_action" and report["committed"] == [res.episode_id]
 
     # 3. out-of-range actions into a tight pan limit and a low workspace ceiling: clipped, capped and held there
     tight = safety_limits({"max_step_deg": 15, "max_step_gripper": 50, "deadline_s": 5.0,
@@ -362,3 +384,41 @@ def test_deploy_script_runs_an_export_on_the_simulated_robot(export_dir, tmp_pat
     bad = subprocess.run(cmd[:2] + [f"hydra.run.dir={tmp_path / 'run3'}"], cwd=REPO, capture_output=True, text=True,
                          timeout=600, env=env, check=False)
     assert bad.returncode != 0 and "deploy.run.export_dir is not set" in bad.stderr
+
+
+def test_safety_defaults_are_the_yaml_limits_and_off_needs_an_explicit_null(export_dir, tmp_path, caplog):
+    """The Python API's defaults are configs/deploy/default.yaml's; 0 is refused (it is not "no limit"); NaN and
+    negative limits are refused; switching a limit off takes an explicit null, which is logged; the limits in
+    force are logged before the first action."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    yaml = OmegaConf.to_container(OmegaConf.load(REPO / "configs/deploy/default.yaml"))["safety"]
+    assert {k: v for k, v in yaml.items() if k != "hang_s"} == SAFETY_DEFAULTS
+    jm = JointMap()
+    d, y = safety_limits({}, jm), safety_limits(yaml, jm)
+    assert d.to_dict() == y.to_dict()
+    assert np.all(np.isfinite(d.max_step)) and d.max_step[0] == 15.0 and d.max_step[5] == 50.0
+    assert d.workspace is not None and d.deadline_s == 0.25
+    for bad in ({"max_step_deg": 0}, {"max_step_gripper": 0}):
+        with pytest.raises(ValueError, match="=0: a step limit of 0"):
+            safety_limits(bad, jm)
+    for bad in ({"max_step_deg": float("nan")}, {"max_step_deg": -5}, {"deadline_s": -1.0}):
+        with pytest.raises(ValueError):
+            safety_limits(bad, jm)
+    with pytest.raises(ValueError, match="unknown keys"):
+        safety_limits({"max_step": 10}, jm)
+    caplog.set_level(logging.WARNING, logger="fleetmind.deploy")
+    off = safety_limits({"max_step_deg": None, "workspace_m": None}, jm)
+    assert np.all(np.isinf(off.max_step[:5])) and off.max_step[5] == 50.0 and off.workspace is None
+    assert "switched off" in caplog.text and "max_step_deg" in caplog.text and "workspace_m" in caplog.text
+    assert "OFF" in describe_limits(off) and "OFF" not in describe_limits(d)
+
+    robot = _robot(tmp_path)
+    caplog.set_level(logging.INFO, logger="fleetmind.deploy")
+    dep = Deployer(_runtime(export_dir), robot, RunConfig(max_steps=2, label="sim", realtime=False))
+    assert dep.limits.to_dict() == d.to_dict()                       # safety=None: the conservative defaults
+    dep.run_all()
+    robot.disconnect()
+    assert "safety limits in force" in caplog.text
