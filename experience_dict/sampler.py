@@ -103,11 +103,22 @@ class WindowDataset(Dataset):
         a = self._small.get(key)
         if a is None:
             parts = []
-            for shard in self.shard_order:
-                arr = self.store.array(shard, key)
-                if arr.shape[0] < self.shard_end[shard]:
-                    arr = self.store.array(shard, key, reopen=True)
-                parts.append(arr[:self.shard_end[shard]])
+            for j, shard in enumerate(self.shard_order):
+                # only the chunks this dataset's episodes touch are read (a corrupt chunk elsewhere in the shard,
+                # e.g. of an episode left out by store.on_corrupt=skip, is never decoded); a corrupt one raises
+                # CorruptChunkError naming store, shard, array, chunk and episodes
+                end, cr = self.shard_end[shard], self.chunk_rows(shard, key)
+                mine = self.ep_shard_id == j
+                need = np.unique(np.concatenate([np.arange(a // cr, (a + n - 1) // cr + 1) for a, n in
+                                                 zip(self.starts[mine], self.lengths[mine])]))
+                if len(need) == -(-end // cr):
+                    parts.append(self.store.read(shard, key, 0, end))
+                    continue
+                f = self.store.features[key]
+                buf = np.zeros((end, *f["shape"]), dtype=f["dtype"])
+                for c in need:
+                    buf[c * cr:min((c + 1) * cr, end)] = self.store.read(shard, key, c * cr, min((c + 1) * cr, end))
+                parts.append(buf)
             a = self._small[key] = np.concatenate(parts)
         return a
 
@@ -119,11 +130,8 @@ class WindowDataset(Dataset):
             self._chunks.move_to_end(ck)
             return chunk
         self.cache_misses += 1
-        arr = self.store.array(shard, key)
-        if arr.shape[0] < self.shard_end[shard]:
-            arr = self.store.array(shard, key, reopen=True)
-        cr = arr.chunks[0]
-        chunk = arr[c * cr:min((c + 1) * cr, self.shard_end[shard])]
+        cr = self.chunk_rows(shard, key)
+        chunk = self.store.read(shard, key, c * cr, min((c + 1) * cr, self.shard_end[shard]))
         if self.cache_bytes > 0:
             self._chunks[ck] = chunk
             self._chunk_bytes += chunk.nbytes

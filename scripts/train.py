@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experience_dict.store import ExperienceStore
+from experience_dict.store import CorruptChunkError, ExperienceStore
 from policies.aed_diffusion import AEDDiffusionConfig, AEDDiffusionPolicy
 from policies.aed_diffusion.training import input_shapes_from_store, train_policy
 
@@ -51,6 +51,16 @@ def main(cfg: DictConfig) -> None:
     episodes = reader.episodes(task=list(cfg.task.tasks), **{k: v for k, v in ep_filter.items() if v is not None})
     if not episodes:
         raise SystemExit(f"no episodes in store {cfg.store.url!r} for tasks {list(cfg.task.tasks)} with {ep_filter}")
+    n_all = len(episodes)
+    try:
+        episodes = reader.readable(episodes, on_corrupt=str(cfg.store.get("on_corrupt", "raise")))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if len(episodes) < n_all:
+        log.warning("store.on_corrupt=skip: training on %d of %d episodes (%d skipped: unreadable chunks)",
+                    len(episodes), n_all, n_all - len(episodes))
+    if not episodes:
+        raise SystemExit(f"every episode of {cfg.store.url!r} selected for training has an unreadable chunk")
     log.info("%d episodes (%d steps) from %s", len(episodes), sum(e.length for e in episodes), cfg.store.url)
     policy, policy_cfg = None, None
     if init_from:
@@ -58,9 +68,12 @@ def main(cfg: DictConfig) -> None:
     else:
         policy_cfg = policy_config_from_hydra(OmegaConf.to_container(cfg.policy, resolve=True), reader)
     t0 = time.time()
-    res = train_policy(tcfg, out_dir, policy=policy, policy_cfg=policy_cfg, reader=reader, episodes=episodes,
-                       device=str(cfg.device), run_config={"task": OmegaConf.to_container(cfg.task, resolve=True),
-                                                           "store": str(cfg.store.url)})
+    try:
+        res = train_policy(tcfg, out_dir, policy=policy, policy_cfg=policy_cfg, reader=reader, episodes=episodes,
+                           device=str(cfg.device), run_config={"task": OmegaConf.to_container(cfg.task, resolve=True),
+                                                               "store": str(cfg.store.url)})
+    except CorruptChunkError as e:   # names store, shard, array, chunk and episodes; checkpoints so far are kept
+        raise SystemExit(f"train: {e}") from None
     tok = res["policy"].tokenizer
     summary = {"checkpoint": str(res["checkpoint"]), "step": res["step"], "wall_s": round(time.time() - t0, 1),
                "episodes": len(episodes), "parameters": res["policy"].num_parameters(),

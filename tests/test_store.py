@@ -24,6 +24,7 @@ from experience_dict.store import (
     SCHEMA_VERSION,
     EpisodeMeta,
     ExperienceStore,
+    NonFiniteError,
     SchemaVersionError,
     SpecMismatchError,
     StoreError,
@@ -201,7 +202,7 @@ def test_two_writer_processes_commit_concurrently(tmp_path):
 def test_writer_id_is_exclusive(tmp_path):
     store = new_store(tmp_path / "s")
     w = store.writer("unit-7")
-    with pytest.raises(WriterBusyError, match="unit-7"):
+    with pytest.raises(WriterBusyError, match=rf"unit-7.*pid {os.getpid()} on "):   # names who holds it
         new_store(tmp_path / "s").writer("unit-7")
     w.close()
     new_store(tmp_path / "s").writer("unit-7").close()  # free again
@@ -671,3 +672,102 @@ def test_zero_or_one_progress_key(tmp_path, progress_keys):
     np.testing.assert_array_equal(got["reward"], np.array([s[2] for s in steps], np.float32))
     for k in progress_keys:
         np.testing.assert_array_equal(got[f"progress.{k}"], np.array([s[3][k] for s in steps], np.float32))
+
+
+@pytest.mark.parametrize("where", ["observation.state", "observation.environment_state", "action", "reward"])
+def test_non_finite_steps_are_refused_or_quarantined(tmp_path, where):
+    """The writer refuses NaN/inf observation or action values (and an infinite reward), naming the key, with
+    nothing buffered; ``non_finite="quarantine"`` commits the episode as a quarantined failure that readers
+    and statistics leave out; ``verify`` reports non-finite rows of a non-quarantined episode."""
+    url = tmp_path / "s"
+    store = new_store(url)
+    w = store.writer("u0")
+    write_episode(w, 0, 0)
+
+    def bad_step(t, value):
+        obs, act, rew, prog = make_step(0, 1, t)
+        if where == "action":
+            act = act.copy()
+            act[2] = value
+        elif where == "reward":
+            rew = value
+        else:
+            obs = {**obs, where: obs[where].copy()}
+            obs[where][1] = value
+        return obs, act, rew, prog
+
+    w.begin_episode(unit_id=0, embodiment="sawyer", task="push-v3", policy_version=0, seed=1)
+    w.add_step(*make_step(0, 1, 0))
+    for value in ([np.inf] if where == "reward" else [np.nan, np.inf, -np.inf]):
+        with pytest.raises(NonFiniteError, match=rf"step 1 .*seed 1.*\['{where}'\]"):
+            w.add_step(*bad_step(1, value))
+    assert w.open_steps == 1                                          # the bad step was not buffered
+    if where == "reward":                                              # NaN reward = "no signal" (real arms)
+        obs, act, _, prog = make_step(0, 1, 1)
+        w.add_step(obs, act, float("nan"), prog)
+    assert w.commit(success=True, termination="truncated") == "u0-000001"
+    w.close()
+    q = store.writer("u0", non_finite="quarantine")
+    q.begin_episode(unit_id=0, embodiment="sawyer", task="push-v3", policy_version=0, seed=2)
+    q.add_step(*make_step(0, 2, 0))
+    q.add_step(*bad_step(1, np.nan if where != "reward" else np.inf))
+    q.add_step(*make_step(0, 2, 2))
+    qid = q.commit(success=True)
+    q.close()
+    r = ExperienceStore.open(str(url))
+    meta = r.episode(qid)
+    assert meta.quarantined and not meta.success and meta.termination == "non_finite"
+    assert r.episode("u0-000001").termination == "truncated" and r.episode("u0-000000").termination is None
+    assert qid not in [e.episode_id for e in r.episodes()] and [e.episode_id for e in r.episodes(quarantined=True)] == [qid]
+    st = r.stats(["action", "observation.state", "observation.environment_state"])
+    assert all(np.isfinite(st[k][m]).all() for k in st for m in ("min", "max", "mean", "std"))
+    v = r.verify()
+    assert v["ok"] and v["quarantined_episodes"] == [qid] and v["non_finite_episodes"] == []
+    if where != "reward":
+        assert [p["episodes"] for p in v["non_finite"]] == [[qid]] and v["non_finite"][0]["key"] == where
+        # the same record without its quarantine flag (as an older writer would have left it): verify fails
+        rec_path = next((url / "commits" / "u0").glob("*2*.json"))
+        rec = json.loads(rec_path.read_text())
+        assert rec["episode"]["episode_id"] == qid
+        rec["episode"]["quarantined"] = False
+        rec_path.write_text(json.dumps(rec))
+        v = ExperienceStore.open(str(url)).verify()
+        assert not v["ok"] and v["non_finite_episodes"] == [qid]
+    with pytest.raises(ValueError, match="non_finite"):
+        store.writer("u1", non_finite="drop")
+
+
+def test_truncated_lowdim_chunk_is_named_by_readers_and_skipped_on_request(tmp_path):
+    """A truncated lowdim chunk: load_episode and the training sampler name store, shard, array, chunk and
+    episodes; ``readable(on_corrupt="skip")`` leaves exactly the affected episodes out."""
+    from experience_dict.sampler import WindowDataset
+    from experience_dict.store import CorruptChunkError
+
+    url = tmp_path / "s"
+    w = new_store(url).writer("u0")
+    ids = [write_episode(w, 0, e) for e in range(8)]
+    w.close()
+    reader = ExperienceStore.open(str(url))
+    arr = reader._array("u0", LOWDIM)
+    cr = arr.chunks[0]
+    target = reader.episode(ids[5])
+    c = target.start // cr
+    path = url / "shards/u0" / LOWDIM / arr.metadata.encode_chunk_key((c, 0))
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])          # truncated
+    hit = [e.episode_id for e in reader.episodes() if e.start < (c + 1) * cr and e.start + e.length > c * cr]
+    assert ids[5] in hit and len(hit) < len(ids)
+    r = ExperienceStore.open(str(url))
+    with pytest.raises(CorruptChunkError, match=rf"shard 'u0', array '{LOWDIM}': chunk {c} .*{ids[5]}") as ei:
+        r.load_episode(ids[5], ["action"])
+    assert str(url) in str(ei.value) and "verify" in str(ei.value)
+    ds = WindowDataset(r, r.episodes(), windows={"action": ("action", [0, 1])})
+    with pytest.raises(CorruptChunkError, match=rf"chunk {c} "):
+        ds.fetch([0, 1])
+    assert r.readable(r.episodes()) == r.episodes()                       # raise: nothing read up front
+    ok = r.readable(r.episodes(), on_corrupt="skip")
+    assert sorted(e.episode_id for e in ok) == sorted(set(ids) - set(hit))
+    assert sorted(r.corrupt_episodes()) == sorted(hit)
+    ds = WindowDataset(r, ok, windows={"action": ("action", [0, 1])})
+    assert ds.fetch(list(range(len(ds))))["action"].shape == (len(ds), 2, 4)
+    with pytest.raises(ValueError, match="on_corrupt"):
+        r.readable(r.episodes(), on_corrupt="ignore")

@@ -52,11 +52,13 @@ import json
 import operator
 import os
 import re
+import socket
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import Any, Self
 
 import fsspec
@@ -95,6 +97,15 @@ class SpecMismatchError(StoreError, ValueError):
     """A step, or a spec given to ``create_or_open``, does not match the store's spec."""
 
 
+class NonFiniteError(SpecMismatchError):
+    """A step holds a NaN/inf observation or action value (or an infinite reward/progress value)."""
+
+
+class CorruptChunkError(StoreError, ValueError):
+    """A chunk of a store array cannot be read (checksum mismatch, truncated or missing file). The message names
+    the store, shard, array, chunk (and its rows) and the episodes with rows in it."""
+
+
 class WriterBusyError(StoreError):
     """Another live process holds the writer id (its shard) of this store."""
 
@@ -118,6 +129,10 @@ class EpisodeMeta:
         shard: writer id whose arrays hold the steps.
         start: first row of the episode in the shard's arrays (rows ``start .. start+length-1``).
         extra: free-form JSON-able metadata given to ``begin_episode`` (e.g. the unit's variation).
+        termination: why the episode ended, given to ``commit`` (e.g. ``"terminated"``, ``"truncated"``,
+            ``"non_finite_observation"``, ``"sim_unstable"``; None: not recorded, as in older stores).
+        quarantined: the episode holds non-finite observation/action values accepted by a writer opened with
+            ``non_finite="quarantine"``; it is never a success and ``episodes()`` leaves it out by default.
     """
 
     episode_id: str
@@ -134,6 +149,8 @@ class EpisodeMeta:
     shard: str
     start: int
     extra: dict = dataclasses.field(default_factory=dict)
+    termination: str | None = None
+    quarantined: bool = False
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -600,11 +617,14 @@ class ExperienceStore:
 
     def episodes(self, task: str | Iterable[str] | None = None, unit_id: int | Iterable[int] | None = None,
                  success: bool | None = None, is_demo: bool | None = None,
-                 policy_version: int | Iterable[int] | None = None, shard: str | None = None) -> list[EpisodeMeta]:
+                 policy_version: int | Iterable[int] | None = None, shard: str | None = None,
+                 quarantined: bool | None = False) -> list[EpisodeMeta]:
         """Committed episodes of the snapshot matching every given filter (``None`` = any).
 
-        ``task``, ``unit_id`` and ``policy_version`` accept one value or a collection of values. Order:
-        by shard, then commit order.
+        ``task``, ``unit_id`` and ``policy_version`` accept one value or a collection of values.
+        ``quarantined``: by default (False) episodes holding non-finite values (written with
+        ``non_finite="quarantine"``) are left out; True lists only them, None both. Order: by shard, then
+        commit order.
         """
         def _set(v):
             return None if v is None else ({v} if isinstance(v, (str, int)) else set(v))
@@ -613,7 +633,8 @@ class ExperienceStore:
         return [e for e in self._episodes.values()
                 if (tasks is None or e.task in tasks) and (units is None or e.unit_id in units)
                 and (success is None or e.success == success) and (is_demo is None or e.is_demo == is_demo)
-                and (versions is None or e.policy_version in versions) and (shard is None or e.shard == shard)]
+                and (versions is None or e.policy_version in versions) and (shard is None or e.shard == shard)
+                and (quarantined is None or e.quarantined == quarantined)]
 
     def episode(self, episode_id: str) -> EpisodeMeta:
         """Metadata of one episode. Raises ``KeyError`` if it is not in the snapshot."""
@@ -643,7 +664,8 @@ class ExperienceStore:
 
         Raises:
             KeyError: unknown episode or key.
-            ValueError: a chunk fails its crc32c checksum (corruption).
+            CorruptChunkError (a ValueError): a chunk fails its crc32c checksum or is missing; the message names
+                store, shard, array, chunk and episodes.
         """
         ep = self.episode(episode_id)
         keys = list(keys) if keys is not None else self.keys
@@ -655,16 +677,110 @@ class ExperienceStore:
         for key in keys:
             name, cols = self._where[key]
             if name not in rows:
-                arr = self._array(ep.shard, name)
-                if arr.shape[0] < ep.start + ep.length:
-                    arr = self._array(ep.shard, name, reopen=True)
-                rows[name] = arr[ep.start:ep.start + ep.length]
+                rows[name] = self._read_array(ep.shard, name, ep.start, ep.start + ep.length)
             if cols is None:
                 out[key] = rows[name]
             else:
                 lo, hi, scalar = cols
                 out[key] = np.ascontiguousarray(rows[name][:, lo] if scalar else rows[name][:, lo:hi])
         return out
+
+    # -- guarded reads --------------------------------------------------------------------------
+    def read(self, shard: str, key: str, lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo .. hi-1`` of feature ``key`` in ``shard`` (the spec's dtype; packed keys as their columns).
+
+        Raises:
+            CorruptChunkError: a chunk cannot be read; the message names store, shard, array, chunk and the
+                episodes with rows in it.
+        """
+        arr = self.array(shard, key)
+        if arr.shape[0] < hi:
+            arr = self.array(shard, key, reopen=True)
+        try:
+            return arr[lo:hi]
+        except Exception as e:  # noqa: BLE001 - named and re-raised
+            raise self._corrupt(shard, self._where[key][0], lo, hi, e) from None
+
+    def _read_array(self, shard: str, name: str, lo: int, hi: int) -> np.ndarray:
+        arr = self._array(shard, name)
+        if arr.shape[0] < hi:
+            arr = self._array(shard, name, reopen=True)
+        try:
+            return arr[lo:hi]
+        except Exception as e:  # noqa: BLE001 - named and re-raised
+            raise self._corrupt(shard, name, lo, hi, e) from None
+
+    def _bad_chunks(self, shard: str, name: str, lo: int, hi: int) -> list[tuple[int, int, int, str]]:
+        """``[(chunk, first row, end row, error)]`` of the chunks of array ``name`` over rows ``lo .. hi-1`` that
+        fail to read."""
+        arr = self._array(shard, name, reopen=True)
+        cr, out = arr.chunks[0], []
+        for c in range(lo // cr, (max(hi, lo + 1) - 1) // cr + 1):
+            a, b = c * cr, min((c + 1) * cr, arr.shape[0])
+            try:
+                arr[a:b]
+            except Exception as e:  # noqa: BLE001 - collected
+                out.append((c, a, b, f"{type(e).__name__}: {e}"))
+        return out
+
+    def _corrupt(self, shard: str, name: str, lo: int, hi: int, err: BaseException) -> CorruptChunkError:
+        try:
+            bad = self._bad_chunks(shard, name, lo, hi)
+        except Exception:  # noqa: BLE001 - the array itself cannot be opened
+            bad = []
+        bad = bad or [(None, lo, hi, f"{type(err).__name__}: {err}")]
+        eps = self.episodes(shard=shard, quarantined=None)
+        where = "; ".join(
+            f"chunk {c} (rows {a}..{b - 1}): {e} - episodes "
+            f"{[x.episode_id for x in eps if x.start < b and x.start + x.length > a]}" for c, a, b, e in bad)
+        return CorruptChunkError(f"store {self.url!r}, shard {shard!r}, array {name!r}: {where}. Check the store with "
+                                 f"`python -m experience_dict.store verify {self.url}`; store.on_corrupt=skip leaves "
+                                 "such episodes out of training")
+
+    def corrupt_episodes(self, episodes: Sequence[EpisodeMeta] | None = None,
+                         keys: Sequence[str] | None = None) -> dict[str, str]:
+        """``{episode_id: reason}`` for the ``episodes`` (default: all) with rows in a chunk of ``keys``'
+        arrays (default: all) that cannot be read. Reads every chunk those episodes touch."""
+        eps = list(self.episodes(quarantined=None) if episodes is None else episodes)
+        names = sorted({self._where[k][0] for k in (keys if keys is not None else self.keys)})
+        out: dict[str, str] = {}
+        for shard in sorted({e.shard for e in eps}):
+            mine = [e for e in eps if e.shard == shard]
+            lo, hi = min(e.start for e in mine), max(e.start + e.length for e in mine)
+            for name in names:
+                try:
+                    bad = self._bad_chunks(shard, name, lo, hi)
+                except Exception as e:  # noqa: BLE001 - the array cannot be opened: every episode of it
+                    bad = [(None, lo, hi, f"cannot open array: {e}")]
+                for c, a, b, err in bad:
+                    for x in mine:
+                        if x.start < b and x.start + x.length > a:
+                            out.setdefault(x.episode_id, f"shard {shard!r}, array {name!r}, chunk {c}: {err}")
+        return out
+
+    def readable(self, episodes: Sequence[EpisodeMeta], keys: Sequence[str] | None = None,
+                 on_corrupt: str = "raise") -> list[EpisodeMeta]:
+        """``episodes`` whose data can be read (``store.on_corrupt``): ``"raise"`` returns them all (a corrupt
+        chunk then raises ``CorruptChunkError`` naming itself when read); ``"skip"`` reads every chunk they touch
+        first, leaves out the episodes with rows in a bad one and logs how many and why.
+
+        Raises:
+            ValueError: an unknown ``on_corrupt``.
+        """
+        if on_corrupt not in ("raise", "skip"):
+            raise ValueError(f"store.on_corrupt: expected 'raise' or 'skip', given {on_corrupt!r}")
+        episodes = list(episodes)
+        if on_corrupt == "raise":
+            return episodes
+        bad = self.corrupt_episodes(episodes, keys)
+        if bad:
+            import logging
+
+            first = next(iter(bad.items()))
+            logging.getLogger("fleetmind.store").warning(
+                "store.on_corrupt=skip: %d of %d episodes left out (unreadable chunks), e.g. %s: %s",
+                len(bad), len(episodes), *first)
+        return [e for e in episodes if e.episode_id not in bad]
 
     # -- annotations ----------------------------------------------------------------------------
     def set_failure_onset(self, episode_id: str, step: int | None) -> None:
@@ -695,7 +811,7 @@ class ExperienceStore:
         Args:
             keys: feature keys (default: every key). Scalar keys give lists of length 1; image keys give
                 per-channel statistics in pixel units (0..255).
-            episodes: subset to use (default: every episode of the snapshot).
+            episodes: subset to use (default: every episode of the snapshot but the quarantined ones).
 
         Returns:
             ``{key: {"min", "max", "mean", "std", "q01", "q99": per-dimension lists, "count": int}}``;
@@ -704,7 +820,7 @@ class ExperienceStore:
         Raises:
             KeyError: unknown key. ValueError: no episodes.
         """
-        eps = list(self._episodes.values()) if episodes is None else list(episodes)
+        eps = self.episodes() if episodes is None else list(episodes)
         out = {}
         for key in keys if keys is not None else self.keys:
             if key not in self.features:
@@ -713,8 +829,13 @@ class ExperienceStore:
         return out
 
     # -- writing --------------------------------------------------------------------------------
-    def writer(self, writer_id: str) -> EpisodeWriter:
+    def writer(self, writer_id: str, non_finite: str = "raise") -> EpisodeWriter:
         """The writer of shard ``writer_id`` (one per fleet unit); recovers the shard after a crash.
+
+        ``non_finite``: what ``add_step`` does with a NaN/inf observation or action value (or an infinite
+        reward/progress value; NaN reward/progress means "no signal", e.g. on a real arm, and is accepted):
+        ``"raise"`` (default) refuses the step with ``NonFiniteError``; ``"quarantine"`` accepts it and commits
+        the episode as a quarantined failure (``EpisodeMeta.quarantined``).
 
         Raises:
             StoreError: the store was opened read-only. ValueError: bad writer id.
@@ -724,7 +845,7 @@ class ExperienceStore:
         if self.read_only:
             raise StoreError(f"store {self.url!r} was opened read-only; use ExperienceStore.create_or_open")
         self._check_writable()
-        return EpisodeWriter(self, writer_id)
+        return EpisodeWriter(self, writer_id, non_finite=non_finite)
 
     # -- summaries ------------------------------------------------------------------------------
     def info(self) -> dict:
@@ -757,14 +878,19 @@ class ExperienceStore:
 
         Returns:
             ``{"ok": bool, "episodes": n, "chunks_checked": n, "problems": [{"shard", "key", "chunk",
-            "error", "episodes": [ids]}], "corrupt_episodes": [ids]}``; a problem's ``key`` is the array
-            (a feature key, or ``"lowdim"``, which holds the packed keys in schema 2) and it lists every
-            committed episode with rows in the bad chunk.
+            "error", "episodes": [ids]}], "corrupt_episodes": [ids], "non_finite": [{"shard", "key", "rows",
+            "episodes"}], "non_finite_episodes": [ids], "quarantined_episodes": [ids]}``; a problem's ``key``
+            is the array (a feature key, or ``"lowdim"``, which holds the packed keys in schema 2) and it lists
+            every committed episode with rows in the bad chunk. ``non_finite`` lists observation/action values
+            that are NaN/inf; ``ok`` is False when a chunk is bad or a non-quarantined episode holds them.
         """
         problems: list[dict] = []
+        non_finite: list[dict] = []
         checked = 0
         for shard in self.shards():
-            eps = self.episodes(shard=shard)
+            eps = self.episodes(shard=shard, quarantined=None)
+            if not eps:
+                continue
             end = max(e.start + e.length for e in eps)
             starts = np.array([e.start for e in eps])
             ends = starts + np.array([e.length for e in eps])
@@ -795,9 +921,33 @@ class ExperienceStore:
                     except Exception as e:  # noqa: BLE001 - reported, not raised
                         problems.append({"shard": shard, "key": name, "chunk": c, "error": f"{type(e).__name__}: {e}",
                                          "episodes": hit})
+            non_finite += self._non_finite_rows(shard, eps, starts, ends, end, problems)
         bad = sorted({i for p in problems for i in p["episodes"]})
-        return {"ok": not problems, "episodes": len(self._episodes), "chunks_checked": checked,
-                "problems": problems, "corrupt_episodes": bad}
+        unflagged = sorted({i for p in non_finite for i in p["episodes"] if not self._episodes[i].quarantined})
+        return {"ok": not problems and not unflagged, "episodes": len(self._episodes), "chunks_checked": checked,
+                "problems": problems, "corrupt_episodes": bad, "non_finite": non_finite,
+                "non_finite_episodes": unflagged,
+                "quarantined_episodes": sorted(e.episode_id for e in self._episodes.values() if e.quarantined)}
+
+    def _non_finite_rows(self, shard: str, eps: list[EpisodeMeta], starts: np.ndarray, ends: np.ndarray,
+                         end: int, problems: list[dict]) -> list[dict]:
+        """``[{"shard", "key", "rows", "episodes"}]``: committed rows of float observation keys and the action
+        holding NaN/inf (read from readable arrays; unreadable ones are already in ``problems``)."""
+        out = []
+        broken = {p["key"] for p in problems if p["shard"] == shard}
+        for key in [k for k in self.features if k.startswith("observation.") or k == "action"]:
+            if not np.issubdtype(np.dtype(self.features[key]["dtype"]), np.floating) or self._where[key][0] in broken:
+                continue
+            try:
+                col = np.asarray(self.array(shard, key, reopen=True)[0:end])
+            except Exception:  # noqa: BLE001 - an unreadable chunk: reported by the checksum pass
+                continue
+            rows = np.flatnonzero(~np.isfinite(col.reshape(len(col), -1)).all(axis=1))
+            rows = rows[np.isin(rows, np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)]))]
+            if len(rows):
+                hit = sorted({eps[i].episode_id for r in rows for i in np.nonzero((starts <= r) & (ends > r))[0]})
+                out.append({"shard": shard, "key": key, "rows": int(len(rows)), "episodes": hit})
+        return out
 
 
 # ----------------------------------------------------------------------------- writer
@@ -891,9 +1041,12 @@ class EpisodeWriter:
     _ALIGN = True  # start episodes on image chunk boundaries (False: right after the previous episode)
     _MIN_ROWS = 16384  # capacity of a new array (rows past the commits are never read; shape is metadata)
 
-    def __init__(self, store: ExperienceStore, writer_id: str):
+    def __init__(self, store: ExperienceStore, writer_id: str, non_finite: str = "raise"):
         if not isinstance(writer_id, str) or not _WRITER_ID_RE.match(writer_id):
             raise ValueError(f"writer_id must match {_WRITER_ID_RE.pattern}, given {writer_id!r}")
+        if non_finite not in ("raise", "quarantine"):
+            raise ValueError(f"non_finite: expected 'raise' or 'quarantine', given {non_finite!r}")
+        self.non_finite = non_finite
         self.store, self.writer_id = store, writer_id
         self.fs = store.fs
         self._lock = None
@@ -901,12 +1054,23 @@ class EpisodeWriter:
             import fcntl
 
             os.makedirs(store._p("locks"), exist_ok=True)
-            self._lock = open(store._p("locks", f"{writer_id}.lock"), "w")  # noqa: SIM115 - held while open
+            lock_path = store._p("locks", f"{writer_id}.lock")
+            self._lock = open(lock_path, "a+")  # noqa: SIM115 - held while open; "a+": the holder's note survives
             try:
                 fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 self._lock.close()
-                raise WriterBusyError(f"writer {writer_id!r} of {store.url!r} is held by another live process") from None
+                try:
+                    holder = Path(lock_path).read_text().strip() or "unknown"
+                except OSError:
+                    holder = "unknown"
+                raise WriterBusyError(f"writer {writer_id!r} of {store.url!r} is held by another live process "
+                                      f"({holder})") from None
+            self._lock.seek(0)
+            self._lock.truncate()
+            self._lock.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                             f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            self._lock.flush()
         feats = store.features
         # validation tables, built once (add_step runs per step)
         self._obs_keys = [k for k in feats if k.startswith("observation.")]
@@ -943,6 +1107,13 @@ class EpisodeWriter:
         if any(where[k][0] != LOWDIM for k in self._scalar_keys) or cols != list(range(cols[0], cols[0] + len(cols))):
             raise StoreError(f"store {store.url!r}: reward and progress keys are not consecutive lowdim columns")
         self._sc_sl = slice(cols[0], cols[0] + len(cols))
+        # lowdim row columns that must be finite (float observation keys and the action, when packed)
+        fin = [c for k, sl in self._obs_low if np.issubdtype(self._dtype[k], np.floating)
+               for c in range(sl.start, sl.stop)]
+        if self._act_sl is not None:
+            fin += list(range(self._act_sl.start, self._act_sl.stop))
+        self._fin_idx = np.array(sorted(fin), np.intp)
+        self._fin_own = [k for k, _ in self._obs_own if np.issubdtype(self._dtype[k], np.floating)]
         self._plan()
 
     # -- recovery -------------------------------------------------------------------------------
@@ -1099,9 +1270,26 @@ class EpisodeWriter:
         else:
             self._act_col.buf[row - self._act_col.lo] = action
         lr[self._sc_sl] = scalars
+        if not (np.isfinite(lr[self._fin_idx]).all() and (self._act_col is None or np.isfinite(action).all())
+                and all(np.isfinite(obs[k]).all() for k in self._fin_own)
+                and not np.isinf(lr[self._sc_sl]).any()):
+            self._non_finite(obs, action, scalars)     # raises, or flags the episode (quarantine)
         self._n = n = n + 1
         if n >= self._next_full:  # this step filled a chunk of some array: write it in the background
             self._stream()
+
+    def _non_finite(self, obs: dict, action: np.ndarray, scalars: tuple) -> None:
+        """A step with a non-finite value: raise ``NonFiniteError`` naming it, or quarantine the episode."""
+        bad = [k for k in self._obs_keys if np.issubdtype(self._dtype[k], np.floating) and not np.isfinite(obs[k]).all()]
+        bad += ["action"] if not np.isfinite(action).all() else []
+        bad += [k for k, v in zip(self._scalar_keys, scalars) if np.isinf(v)]
+        if self.non_finite == "quarantine":
+            self._episode["quarantined"] = True
+            return
+        ep = self._episode
+        raise NonFiniteError(f"writer {self.writer_id!r}: step {self._n} of the open episode (unit {ep['unit_id']}, "
+                             f"task {ep['task']!r}, seed {ep['seed']}) holds non-finite values in {bad}; nothing was "
+                             "buffered (end the episode, or open the writer with non_finite='quarantine')")
 
     def _check(self, key: str, value: Any) -> None:  # raises the error naming key, expected and given
         if not isinstance(value, np.ndarray):
@@ -1220,11 +1408,13 @@ class EpisodeWriter:
         """Steps buffered in the open episode (0 if none)."""
         return self._n if self._episode is not None else 0
 
-    def commit(self, success: bool) -> str:
+    def commit(self, success: bool, termination: str | None = None) -> str:
         """Write the rest of the open episode to the shard and make it visible (atomic commit record).
 
         Args:
-            success: whether the task succeeded.
+            success: whether the task succeeded (a quarantined episode is committed as a failure).
+            termination: why the episode ended (``EpisodeMeta.termination``; a quarantined episode without one
+                gets ``"non_finite"``).
 
         Returns:
             the new episode id ``"<writer_id>-<counter:06d>"``.
@@ -1258,8 +1448,13 @@ class EpisodeWriter:
                 wait(self._pending)  # every chunk written (or failed) before anything else happens
             for f in self._pending:
                 f.result()  # re-raises a failed chunk write: no commit record, the episode stays open
+            ep = dict(self._episode)
+            quarantined = bool(ep.pop("quarantined", False))
+            if quarantined:
+                success, termination = False, termination or "non_finite"
             meta = EpisodeMeta(episode_id=episode_id, length=length, success=bool(success), failure_onset=None,
-                               shard=self.writer_id, start=start, **self._episode)
+                               shard=self.writer_id, start=start, termination=termination, quarantined=quarantined,
+                               **ep)
             record = json.dumps({"episode": dataclasses.asdict(meta), "sketch": sketch}).encode()
             self._write_record(episode_id, record)  # 2) the commit point
         except BaseException:
