@@ -132,6 +132,20 @@ class FleetResult:
     interrupted: bool = False
     wall_s: float = 0.0
     dropped_units: list[int] = field(default_factory=list)
+    faulted: list[dict] = field(default_factory=list)     # trials that committed nothing (error, NaN at step 0)
+    terminations: dict[str, int] = field(default_factory=dict)   # why every trial ended, counted
+
+    def summary(self) -> str:
+        """One paragraph: committed episodes, terminations, faulted trials and given-up units, and why."""
+        parts = [f"{len(self.episodes)} episodes committed ({self.steps} steps)",
+                 "terminations " + ", ".join(f"{k} {v}" for k, v in sorted(self.terminations.items()))]
+        if self.faulted:
+            errs = Counter(f.get("error") or f["termination"] for f in self.faulted)
+            parts.append(f"{len(self.faulted)} trials committed nothing: " +
+                         "; ".join(f"{n} x {e[:160]}" for e, n in errs.most_common(3)))
+        if self.dropped_units:
+            parts.append(f"units given up: {self.dropped_units}")
+        return "; ".join(parts)
 
     @property
     def steps(self) -> int:
@@ -315,9 +329,16 @@ class Fleet:
         Ctrl-C (KeyboardInterrupt) stops the workers and returns with ``interrupted=True``; committed
         episodes stay in the store, the running ones are dropped.
 
+        A trial that raised inside the env or the policy, or hit a NaN/inf, is not a crash: the worker records
+        it (``termination``; a fault's finite prefix is committed as a failed episode) and goes on; one that
+        committed nothing goes to ``result.faulted`` and is tried again (a plan trial once,
+        ``fleet.trial_retries``); after ``fleet.max_trial_faults`` such trials in a row the unit is given up.
+
         Raises:
             fleet.registry.RegistryError / experience_dict.store.StoreError (not WriterBusyError): a missing
                 or tampered checkpoint, or data that does not fit the store; restarting cannot fix those.
+            fleet.worker.PolicyLoadError: the acting policy cannot be built (e.g. a checkpoint of the wrong
+                shape): raised once, not retried.
             ValueError: no budget given or configured; a plan trial names a unit this fleet does not run or a
                 task that unit does not run.
         """
@@ -326,6 +347,7 @@ class Fleet:
 
         from experience_dict.store import StoreError, WriterBusyError
         from fleet.registry import RegistryError
+        from fleet.worker import PolicyLoadError
 
         if not self.actors:
             self.start()
@@ -368,6 +390,10 @@ class Fleet:
         recovering_since: dict[int, float] = {}
         active = set(self.units)
         stopping = False
+        faults_in_row: Counter = Counter()  # unit -> trials in a row that committed nothing
+        max_faults = int(self.fcfg.get("max_trial_faults", 3))
+        trial_retries = int(self.fcfg.get("trial_retries", 1))
+        terminations: Counter = Counter()
 
         def next_task(unit: int) -> tuple[bool, str | None]:
             if stopping or (deadline is not None and time.monotonic() >= deadline):
@@ -456,6 +482,8 @@ class Fleet:
                     trial = trial_of.pop(ref, None)
                     try:
                         summaries = ray.get(ref)
+                    except PolicyLoadError:
+                        raise  # every trial would fail alike: once, clearly
                     except (RegistryError, StoreError) as err:
                         if not isinstance(err, WriterBusyError):
                             raise  # a missing or tampered checkpoint, bad data: restarting cannot help
@@ -470,7 +498,28 @@ class Fleet:
                         requeue(unit, trial)
                         recover(unit, err, kill=True)
                         continue
+                    gave_up = False
                     for s in summaries:
+                        terminations[s.get("termination") or "unknown"] += 1
+                        if s.get("episode_id") is None:   # the trial committed nothing (error, NaN at step 0)
+                            result.faulted.append(s)
+                            faults_in_row[unit] += 1
+                            why = s.get("error") or s.get("termination")
+                            if pbar is not None:
+                                pbar.write(f"[fleet] unit {unit} trial (task {s['task']}, seed {s['seed']}) "
+                                           f"committed nothing: {why}")
+                            if faults_in_row[unit] >= max_faults:
+                                active.discard(unit)
+                                result.dropped_units.append(unit)
+                                result.failures.append(f"unit {unit}: given up after {faults_in_row[unit]} trials in a "
+                                                       f"row committed nothing (last: {why})")
+                                gave_up = True
+                            elif trial is not None:
+                                trial["_faults"] = trial.get("_faults", 0) + 1
+                                if trial["_faults"] <= trial_retries:
+                                    requeue(unit, trial)   # once more; then it counts as a failed trial
+                            continue   # per_unit / per_task not spent: handed out again
+                        faults_in_row[unit] = 0
                         result.episodes.append(s)
                         per_unit_done[unit] += 1
                         if per_unit[unit] is not None:
@@ -480,8 +529,10 @@ class Fleet:
                         if on_episode is not None:
                             on_episode(s)
                     if pbar is not None:
-                        self._update_pbar(pbar, result, per_unit_done, t_start, len(summaries))
-                    submit(unit)
+                        self._update_pbar(pbar, result, per_unit_done, t_start,
+                                          sum(s.get("episode_id") is not None for s in summaries))
+                    if not gave_up:
+                        submit(unit)
                 now = time.monotonic()
                 for ref, (unit, kind, task, t0) in list(inflight.items()):
                     if kind == "episode" and now - t0 > timeout_s:  # hung: kill it; its ref then fails
@@ -508,6 +559,7 @@ class Fleet:
             if pbar is not None:
                 pbar.close()
         result.wall_s = time.monotonic() - t_start
+        result.terminations = dict(terminations)
         for u, q in (queues or {}).items():
             if q and not result.interrupted:
                 result.failures.append(f"unit {u}: {len(q)} planned trials not run (unit given up)")

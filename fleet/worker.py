@@ -36,6 +36,23 @@ class WorkerEpisodeError(RuntimeError):
     """An exception inside a worker's episode (env, policy), carried as text; the episode was dropped."""
 
 
+class PolicyLoadError(RuntimeError):
+    """The unit cannot build its acting policy (e.g. a checkpoint of the wrong shape for this robot's
+    features): every trial would fail the same way, so the run stops once, with this message, instead of
+    restarting the worker."""
+
+
+# why an episode ended (``EpisodeMeta.termination`` / the summary's ``termination``)
+ENDED = ("terminated", "truncated", "max_steps")          # the episode ran its course
+FAULTS = ("non_finite_observation", "non_finite_action", "non_finite_reward", "sim_unstable", "error")
+
+
+def _finite_obs(obs: dict) -> bool:
+    """Every float array of ``obs`` is finite (images are uint8)."""
+    return all(np.isfinite(v).all() for v in obs.values()
+               if isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.floating))
+
+
 def writer_id(unit_id: int) -> str:
     """The store shard / writer id of a unit: ``unit-0003``."""
     return f"unit-{int(unit_id):04d}"
@@ -146,18 +163,26 @@ class RobotWorker:
         spec = self._env(self.tasks[0]).spec_dict()
         self.store = ExperienceStore.create_or_open(store_url, spec=spec, control_hz=spec.get("control_hz"))
         self.writer = self._open_writer()  # recovers a crashed shard
-        # resume the episode count (and so the seeds) from the shard's committed episodes
-        self.episode_index = len(self.store.episodes(shard=writer_id(self.unit_id)))
+        # resume the episode count (and so the seeds) from the shard's committed episodes, as they are now that
+        # this process holds the shard (another process may have committed while this one waited for the lock)
+        self.store.refresh()
+        self.episode_index = len(self.store.episodes(shard=writer_id(self.unit_id), quarantined=None))
 
     def _open_writer(self, wait_s: float = 30.0):
         """The unit's shard writer; waits while a killed predecessor process still holds the shard lock."""
         from experience_dict.store import WriterBusyError
 
-        deadline = time.monotonic() + wait_s
+        import logging
+
+        deadline, told = time.monotonic() + wait_s, False
         while True:
             try:
                 return self.store.writer(writer_id(self.unit_id))
-            except WriterBusyError:
+            except WriterBusyError as e:
+                if not told:   # say that it waits, and for whom (the lock holder's pid and host)
+                    logging.getLogger("fleetmind.worker").warning("unit %d waits up to %.0f s for its shard: %s",
+                                                                  self.unit_id, wait_s, e)
+                    told = True
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
@@ -199,12 +224,36 @@ class RobotWorker:
         if kind != "checkpoint":
             raise ValueError(f"policy kind {kind!r} unknown; expected 'expert', 'random' or 'checkpoint'")
         self._refresh_checkpoint()
+        self._check_fits(task)
         # the denoising noise follows the episode seed: one policy on one seed acts the same every time
         # (local inference; a policy server draws its own noise)
         import torch
 
         torch.manual_seed(int(seed))
         return self.policy
+
+    def _check_fits(self, task: str) -> None:
+        """Raise ValueError (naming feature, expected and given shapes) unless the loaded policy reads features
+        this unit's env has, with the same shapes, and writes actions of the env's width."""
+        model = getattr(self.policy, "model", None)
+        cfg = getattr(model, "config", None)
+        if cfg is None or getattr(self, "_fits", None) == (self.policy_version, task):
+            return
+        spec = self._env(task).spec_dict()
+        shapes = getattr(cfg, "input_shapes", None) or (
+            {k: [int(d)] for k, d in zip(cfg.state_keys, cfg.state_dims)} if hasattr(cfg, "state_dims") else {})
+        for k, shape in shapes.items():
+            if k not in spec:
+                raise ValueError(f"the policy reads {k!r}, which task {task!r} on unit {self.unit_id} does not "
+                                 f"have (features: {sorted(x for x in spec if x.startswith('observation.'))})")
+            if list(spec[k]["shape"]) != list(shape):
+                raise ValueError(f"the policy reads {k!r} of shape {list(shape)}; task {task!r} on unit "
+                                 f"{self.unit_id} gives {list(spec[k]['shape'])} (a checkpoint trained for "
+                                 "another robot or observation config)")
+        adim = getattr(cfg, "action_dim", None)
+        if adim is not None and [int(adim)] != list(spec["action"]["shape"]):
+            raise ValueError(f"the policy writes {adim}-d actions; the env takes {list(spec['action']['shape'])}")
+        self._fits = (self.policy_version, task)
 
     def _staleness(self, version: int) -> int | None:
         """``latest published version - version`` when following ``"latest"`` (else None; None when the
@@ -284,7 +333,16 @@ class RobotWorker:
     def run_episode(self, task: str | None = None, seed: int | None = None,
                     explore: dict | None = None) -> dict[str, Any]:
         """Run and commit one episode; returns its summary ``{"episode_id", "unit_id", "task", "seed",
-        "success", "length", "policy_version", "is_demo", "episode_index", "wall_s", "return", "staleness"}``.
+        "success", "length", "policy_version", "is_demo", "episode_index", "wall_s", "return", "staleness",
+        "termination"}`` (plus ``"error"`` for a trial that raised).
+
+        ``termination`` says why it ended: ``terminated`` (after the task's success), ``truncated`` /
+        ``max_steps`` (out of time), or a fault: ``non_finite_observation`` / ``non_finite_action`` /
+        ``non_finite_reward`` (a NaN/inf from the env or the policy: the step is not stored and the episode
+        ends), ``sim_unstable`` (the physics diverged, ``sim.stability``), ``error`` (an exception in the env or
+        the policy). A fault is never a success. The steps before a fault are committed as a failed episode
+        with its termination; with no step to commit (``episode_id`` None) nothing is written and the unit's
+        episode count (and so its next seed) does not advance. An ``error`` trial's partial steps are dropped.
 
         ``staleness``: how many policy versions behind the newest published one the episode was when it was
         committed (``latest - policy_version``; versions published while it ran), for a unit following
@@ -294,20 +352,34 @@ class RobotWorker:
 
         ``seed`` (the env reset seed) defaults to ``episode_seed(seed, unit, episode_index)``; an explicit one
         lets an evaluation give every policy arm the same initial states (common random numbers).
-        An exception inside the episode aborts the open episode (nothing is committed) and is re-raised.
 
         ``explore``: a failure-guided exploration trial (:class:`Exploration` keys ``action_noise_std``,
         ``hold_steps``, ``retry_of``, ``attempt``): the policy's end-effector actions get temporally correlated
         Gaussian noise, and the episode is tagged in the store's ``extra`` with ``retry_of`` (the failed
-        episode it re-attempts), ``attempt`` and ``exploration``. The stored action is the executed one (noise
-        included, clipped to [-1, 1]).
+        episode it re-attempts), ``attempt`` and ``exploration``.
+
+        The stored ``action`` is the command the robot took at that step: clipped to [-1, 1] by the env
+        (``info["action"]``), noise included; on a unit with latency L it executes L steps later.
+
+        Raises:
+            PolicyLoadError: the acting policy cannot be built (not retryable).
+            fleet.registry.RegistryError, experience_dict.store.StoreError: as raised (not retryable).
         """
+        from experience_dict.store import StoreError
+        from fleet.registry import RegistryError
+
         task = task or self.tasks[self.episode_index % len(self.tasks)]
         if seed is None:
             seed = episode_seed(self.cfg.get("seed", 0), self.unit_id, self.episode_index)
         seed = int(seed)
         env = self._env(task)
-        policy = self._acting_policy(task, seed)
+        try:
+            policy = self._acting_policy(task, seed)
+        except (RegistryError, StoreError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a policy that cannot be built fails every trial alike
+            raise PolicyLoadError(f"unit {self.unit_id}: cannot build the acting policy {self._policy_name()}: "
+                                  f"{type(e).__name__}: {e}") from None
         ex = Exploration.from_dict(explore) if explore else None
         if ex is not None:
             import torch
@@ -315,44 +387,84 @@ class RobotWorker:
             torch.manual_seed(int(seed) * 1009 + ex.attempt + 1)  # a retry draws fresh denoising noise too
         version = int(policy.version)
         t0 = time.perf_counter()
-        obs, info = env.reset(seed=seed)
-        policy.reset()
         extra = {"unit": env.unit.to_dict()} if hasattr(env.unit, "to_dict") else {}
         if ex is not None:
             extra.update(ex.tags())
-        self.writer.begin_episode(unit_id=self.unit_id, embodiment=str(env.unit.embodiment), task=task,
-                                  policy_version=version, seed=seed, is_demo=self.is_demo, extra=extra or None)
         self.progress_state.update(task=task, step=0, in_episode=True)
-        success, ret, length = False, 0.0, 0
+        success, ret, length, termination, error = False, 0.0, 0, "max_steps", None
+        ep_id = None
         try:
-            for t in range(self.max_steps):
-                self._maybe_fault(t)
-                action = policy.select_action(obs)
-                if ex is not None:
-                    action = ex.perturb(action, t, seed)
-                next_obs, reward, terminated, truncated, info = env.step(action)
-                self.writer.add_step(obs, action, float(reward), info["progress"])
-                success |= bool(info["success"])
-                ret += float(reward)
-                length = t + 1
-                self.progress_state["step"] = length
-                obs = next_obs
-                if terminated or truncated:
-                    break
-            ep_id = self.writer.commit(success=success)
-        except BaseException:
+            obs, info = env.reset(seed=seed)
+            policy.reset()
+            self.writer.begin_episode(unit_id=self.unit_id, embodiment=str(env.unit.embodiment), task=task,
+                                      policy_version=version, seed=seed, is_demo=self.is_demo, extra=extra or None)
+            if not _finite_obs(obs):
+                termination = "non_finite_observation"
+            else:
+                for t in range(self.max_steps):
+                    self._maybe_fault(t)
+                    action = np.asarray(policy.select_action(obs), dtype=np.float32)
+                    if ex is not None:
+                        action = ex.perturb(action, t, seed)
+                    if not np.all(np.isfinite(action)):
+                        termination = "non_finite_action"
+                        break
+                    next_obs, reward, terminated, truncated, info = env.step(action)
+                    if not np.isfinite(reward):
+                        termination = "non_finite_reward"
+                        break
+                    taken = np.asarray(info.get("action", np.clip(action, -1.0, 1.0)), dtype=np.float32)
+                    self.writer.add_step(obs, taken, float(reward), info["progress"])
+                    length = t + 1
+                    self.progress_state["step"] = length
+                    if info.get("termination"):           # e.g. sim_unstable: the env ended the episode
+                        termination = str(info["termination"])
+                        break
+                    success |= bool(info["success"])
+                    ret += float(reward)
+                    obs = next_obs
+                    if not _finite_obs(obs):
+                        termination = "non_finite_observation"
+                        break
+                    if terminated or truncated:
+                        termination = "terminated" if terminated else "truncated"
+                        break
+            if termination in FAULTS:
+                success = False
+            if length:
+                ep_id = self.writer.commit(success=success, termination=termination)
+            else:
+                self.writer.abort()
+        except (RegistryError, StoreError, KeyboardInterrupt, SystemExit):
             self.writer.abort()
             self.progress_state["in_episode"] = False
             raise
+        except Exception as e:  # noqa: BLE001 - an error inside this trial: a failed trial, the unit goes on
+            self.writer.abort()
+            ep_id, success, termination = None, False, "error"
+            error = f"{type(e).__name__}: {e}"
+            import logging
+
+            logging.getLogger("fleetmind.worker").warning(
+                "unit %d episode %d (task %s, seed %d) raised at step %d: %s\n%s", self.unit_id, self.episode_index,
+                task, seed, length, error, traceback.format_exc())
         summary = {"episode_id": ep_id, "unit_id": self.unit_id, "task": task, "seed": seed, "success": success,
-                   "length": length, "policy_version": version, "is_demo": self.is_demo,
+                   "length": length if ep_id else 0, "policy_version": version, "is_demo": self.is_demo,
                    "episode_index": self.episode_index, "wall_s": time.perf_counter() - t0, "return": ret,
-                   "staleness": self._staleness(version)}
+                   "staleness": self._staleness(version) if ep_id else None, "termination": termination}
+        if error is not None:
+            summary["error"] = error
         if ex is not None:
             summary.update(ex.tags())
-        self.episode_index += 1
+        if ep_id is not None:
+            self.episode_index += 1
         self.progress_state.update(episode_index=self.episode_index, in_episode=False)
         return summary
+
+    def _policy_name(self) -> str:
+        p = self.policy_cfg
+        return str(p.get("path") or (f"version {p.get('version', 'latest')} of {p.get('registry_url')}"
+                                     if p.get("kind") == "checkpoint" else p.get("kind")))
 
     def run_episodes(self, n: int = 1, task: str | None = None, policy: dict | None = None,
                      seed: int | None = None, explore: dict | None = None) -> list[dict[str, Any]]:
@@ -361,9 +473,11 @@ class RobotWorker:
         see :meth:`run_episode`.
 
         Raises:
-            fleet.registry.RegistryError, experience_dict.store.StoreError: as raised (not retryable).
-            WorkerEpisodeError: any other exception inside an episode (type, message and traceback as text,
-                so that exceptions holding unpicklable objects, e.g. EGL errors, reach the coordinator).
+            PolicyLoadError, fleet.registry.RegistryError, experience_dict.store.StoreError: as raised (not
+                retryable).
+            WorkerEpisodeError: any other exception outside the trial itself (type, message and traceback as
+                text, so that exceptions holding unpicklable objects, e.g. EGL errors, reach the coordinator).
+                An exception inside a trial is not raised: its summary says ``termination="error"``.
         """
         if policy is not None and policy != self.policy_cfg:
             # a new acting policy for this and later calls (the coordinator passes it with every call, so a
@@ -382,7 +496,7 @@ class RobotWorker:
         for _ in range(n):
             try:
                 out.append(self.run_episode(task, seed, explore))
-            except (RegistryError, StoreError):
+            except (RegistryError, StoreError, PolicyLoadError):
                 raise
             except Exception as e:  # noqa: BLE001 - re-raised as text
                 raise WorkerEpisodeError(f"unit {self.unit_id} episode {self.episode_index}: {type(e).__name__}: {e}\n"

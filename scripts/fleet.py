@@ -8,6 +8,11 @@
 
 Prints per-task and per-unit success tables and writes them, with every episode summary, to
 ``<output_dir>/fleet_result.json``. Ctrl-C stops the fleet; committed episodes stay in the store.
+
+Exit status: 0 when every unit ran its budget; 1 (with a summary saying why) when the run committed nothing,
+gave up a unit (its trials kept committing nothing: an error in the env or the policy, a NaN at the first
+step) or the store's ``verify`` fails; 2 when the acting policy cannot be built (e.g. a checkpoint of the wrong
+shape; said once, not retried).
 """
 
 from __future__ import annotations
@@ -26,9 +31,16 @@ from fleet.coordinator import Fleet
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    with Fleet(cfg) as fleet:
-        result = fleet.run()
-        server = fleet.server_stats()
+    from fleet.worker import PolicyLoadError
+
+    try:
+        with Fleet(cfg) as fleet:
+            result = fleet.run()
+            server = fleet.server_stats()
+    except PolicyLoadError as e:
+        cause = getattr(e, "cause", None) or e   # Ray wraps the worker's exception; its cause is ours
+        print(f"fleet: {cause}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"\n{len(result.episodes)} episodes, {result.steps} steps in {result.wall_s:.1f} s "
           f"({result.steps / max(result.wall_s, 1e-9):.0f} steps/s); restarts {result.restarts}"
           + (" (interrupted)" if result.interrupted else ""))
@@ -45,8 +57,17 @@ def main(cfg: DictConfig) -> None:
                                "interrupted": result.interrupted, "wall_s": result.wall_s,
                                "success_by_task": {k: list(v) for k, v in result.success_by("task").items()},
                                "success_by_unit": {str(k): list(v) for k, v in result.success_by("unit_id").items()},
-                               "policy_server": server, "store_verify_ok": check["ok"]}, indent=1))
+                               "policy_server": server, "store_verify_ok": check["ok"],
+                               "terminations": result.terminations, "faulted": result.faulted,
+                               "dropped_units": result.dropped_units}, indent=1))
     print(f"results: {out}")
+    print(f"summary: {result.summary()}")
+    bad = [why for why, hit in [("no episode was committed", not result.episodes and not result.interrupted),
+                                (f"units {result.dropped_units} were given up", bool(result.dropped_units)),
+                                ("the store's verify failed", not check["ok"])] if hit]
+    if bad:
+        print(f"fleet: FAILED: {'; '.join(bad)}; {'; '.join(result.failures[-3:])}", file=sys.stderr)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import numpy as np
 from gymnasium import spaces
 
 from sim.gl import CameraRenderer
+from sim.stability import SIM_UNSTABLE, StepMonitor
 from sim.units import CAMERAS, ModelVariation, RobotUnit, as_dict, check_unit, feature_spec
 
 PROGRESS_KEYS = ("near_object", "grasp_success", "grasp_reward", "in_place_reward", "obj_to_target",
@@ -58,7 +59,11 @@ class MetaWorldEnv(gym.Env):
         (``HOLD_ACTION`` for the first L steps).
     Reward: Meta-World v3's dense reward (0..10) of the executed action.
     info: ``success`` (bool, Meta-World's success test this step), ``episode_success`` (bool, any success so
-        far) and ``progress`` (dict with exactly ``PROGRESS_KEYS``: Meta-World's reward components; floats).
+        far), ``progress`` (dict with exactly ``PROGRESS_KEYS``: Meta-World's reward components; floats) and,
+        from ``step``, ``action``: the command taken this step, (4,) float32 clipped to [-1, 1] (what the
+        store keeps; with latency L it executes L steps later). A step whose physics diverged (MuJoCo's
+        bad qpos/qvel/qacc reset, ``sim.stability``) ends the episode: ``terminated``, ``success`` False,
+        ``info["termination"] = "sim_unstable"``.
     Episodes terminate ``steps_after_success`` steps after the first success and truncate after
     ``max_episode_steps`` steps. ``reset(seed=s)`` makes the episode a function of (task, unit, s) and the
     actions only: object/goal placement, observation noise and physics are reproduced bit for bit.
@@ -140,6 +145,7 @@ class MetaWorldEnv(gym.Env):
         self._first_success: int | None = None
         self._done = True
         self._queue: deque = deque()
+        self._monitor = StepMonitor()
         self._noise_rng = np.random.default_rng(0)
 
     # ------------------------------------------------------------------ gym API
@@ -176,15 +182,25 @@ class MetaWorldEnv(gym.Env):
         a = np.clip(a, -1.0, 1.0)
         self._queue.append(a)
         executed = self._queue.popleft()
+        self._monitor.before(self._mw.data)
         raw, reward, _, _, mw_info = self._mw.step(executed.astype(np.float64))
+        diverged = self._monitor.after(self._mw.data)
         self._raw = np.asarray(raw, dtype=np.float64)
         self._t += 1
+        if diverged is not None:   # MuJoCo reset the simulation: this is not the episode any more
+            info = {**self._info(mw_info), "success": False, "termination": SIM_UNSTABLE, "sim_unstable": diverged}
+            info["episode_success"] = self._first_success is not None
+            info["action"] = a
+            self._done = True
+            return self._observation(), float(reward), True, False, info
         if mw_info["success"] and self._first_success is None:
             self._first_success = self._t
         terminated = self._first_success is not None and self._t - self._first_success >= self.steps_after_success
         truncated = not terminated and self._t >= self.max_episode_steps
         self._done = terminated or truncated
-        return self._observation(), float(reward), bool(terminated), bool(truncated), self._info(mw_info)
+        info = self._info(mw_info)
+        info["action"] = a
+        return self._observation(), float(reward), bool(terminated), bool(truncated), info
 
     def render(self) -> np.ndarray | None:
         """(H, W, 3) uint8 image of the first configured camera (``render_mode='rgb_array'``), else None."""

@@ -30,6 +30,7 @@ import numpy as np
 from gymnasium import spaces
 
 from sim.gl import CameraRenderer
+from sim.stability import SIM_UNSTABLE, StepMonitor
 from sim.units import RobotUnit, as_dict, check_unit, feature_spec
 
 PROGRESS_KEYS = ("near_object", "grasp_success", "grasp_reward", "in_place_reward", "obj_to_target",
@@ -265,6 +266,7 @@ class SO100Env(gym.Env):
         self.action_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
         self._t, self._done, self._first_success = 0, True, None
         self._queue: deque = deque()
+        self._monitor = StepMonitor()
         self._noise_rng = np.random.default_rng(0)
 
     # ------------------------------------------------------------------ unit variation
@@ -333,10 +335,13 @@ class SO100Env(gym.Env):
             raise ValueError(f"action: expected shape (4,) [dx, dy, dz, gripper], given {a.shape}")
         if not np.all(np.isfinite(a)):
             raise ValueError(f"action: expected finite values, given {a}")
-        self._queue.append(np.clip(a, -1.0, 1.0))
+        command = np.clip(a, -1.0, 1.0)
+        self._queue.append(command)
         a = self._queue.popleft().astype(np.float64)
         q_cmd, jaw = self._ctl.step(a, self.tcp)
-        return self.step_joint_targets(q_cmd, jaw)
+        out = self.step_joint_targets(q_cmd, jaw)
+        out[4]["action"] = command      # the command taken this step, clipped (what the store keeps)
+        return out
 
     def step_joint_targets(self, q_arm: np.ndarray, jaw: float):
         """Apply joint position targets for one control step (``FRAME_SKIP`` physics steps) without the EE
@@ -357,9 +362,16 @@ class SO100Env(gym.Env):
         d = self.data
         d.ctrl[:5] = q
         d.ctrl[5] = jaw
+        self._monitor.before(d)
         mujoco.mj_step(self.model, d, nstep=FRAME_SKIP)
+        diverged = self._monitor.after(d)
         self._t += 1
         info = self._info()
+        if diverged is not None:   # MuJoCo reset the simulation (sim.stability): end the episode
+            info.update(success=False, episode_success=self._first_success is not None, termination=SIM_UNSTABLE,
+                        sim_unstable=diverged)
+            self._done = True
+            return self._observation(), float(info["progress"]["unscaled_reward"]), True, False, info
         if info["success"] and self._first_success is None:
             self._first_success = self._t
             info["episode_success"] = True

@@ -1,0 +1,228 @@
+"""Faults inside one trial, tried on a real MuJoCo env, a real Zarr store and a real (tiny) policy: a NaN from the
+env or the policy, an action out of range, a diverging simulation, an exception in a trial, a policy that does
+not fit the robot, and a second process waiting for a unit's shard. Each must end as the right, named outcome;
+nothing non-finite reaches the store; nothing loops."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from experience_dict.store import ExperienceStore
+from fleet.coordinator import _plain
+from fleet.worker import PolicyLoadError, RobotWorker
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = str(REPO / "configs")
+sys.path.insert(0, str(REPO / "tests"))
+from test_fleet import tiny_aed_checkpoint  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def cfg_for(tmp_path, *overrides) -> dict:
+    with initialize_config_dir(config_dir=CONFIGS, version_base=None):
+        c = compose("config", overrides=["task=mw_quick", "robot=nominal", f"store.url={tmp_path}/store",
+                                         f"fleet.registry_url={tmp_path}/registry", f"fleet.cache_dir={tmp_path}/cache",
+                                         "task.max_episode_steps=40", *overrides])
+    return _plain(c)
+
+
+def worker(tmp_path, task="reach-v3", policy=None, unit=0, **kw) -> RobotWorker:
+    c = cfg_for(tmp_path)
+    return RobotWorker(unit, [task], c, str(tmp_path / "store"), policy or {"kind": "expert"}, **kw)
+
+
+class _Corrupt:
+    """Wraps an env: ``fn(step, out) -> out`` rewrites the ``step``-th ``step()`` result."""
+
+    def __init__(self, env, fn):
+        self.env, self.fn, self.n = env, fn, 0
+
+    def __getattr__(self, k):
+        return getattr(self.env, k)
+
+    def reset(self, **kw):
+        self.n = 0
+        return self.env.reset(**kw)
+
+    def step(self, a):
+        out = self.fn(self.n, list(self.env.step(a)))
+        self.n += 1
+        return tuple(out)
+
+
+def test_non_finite_observation_or_reward_ends_the_episode_as_a_failure(tmp_path):
+    w = worker(tmp_path)
+
+    def nan_obs(n, out):
+        if n == 4:   # the observation after step 4 (seen at step 5)
+            out[0] = {**out[0], "observation.state": np.full(4, np.nan, np.float32)}
+        return out
+
+    w.envs["reach-v3"] = _Corrupt(w._env("reach-v3"), nan_obs)
+    s = w.run_episode()
+    assert s["termination"] == "non_finite_observation" and not s["success"] and s["length"] == 5
+    w.envs["reach-v3"] = _Corrupt(w.envs["reach-v3"].env, lambda n, out: out[:1] + [float("nan")] + out[2:]
+                                  if n == 2 else out)
+    s2 = w.run_episode()
+    assert s2["termination"] == "non_finite_reward" and not s2["success"] and s2["length"] == 2
+    w.close()
+    store = ExperienceStore.open(str(tmp_path / "store"))
+    [a, b] = store.episodes()
+    assert (a.termination, a.length, a.success, b.termination, b.length) == (
+        "non_finite_observation", 5, False, "non_finite_reward", 2)
+    st = store.stats(["observation.state", "action", "reward"])
+    assert all(np.isfinite(st[k]["mean"]).all() for k in st)
+    assert store.verify()["ok"]
+
+
+def test_stored_action_is_the_executed_one(tmp_path):
+    class Huge:
+        version = 0
+
+        def reset(self):
+            pass
+
+        def select_action(self, obs):
+            return np.array([1e6, -1e6, 0.5, 3.0], np.float32)
+
+    w = worker(tmp_path)
+    w._acting_policy = lambda task, seed: Huge()
+    s = w.run_episode()
+    w.close()
+    store = ExperienceStore.open(str(tmp_path / "store"))
+    act = store.load_episode(s["episode_id"], ["action"])["action"]
+    np.testing.assert_array_equal(act, np.tile(np.array([1.0, -1.0, 0.5, 1.0], np.float32), (len(act), 1)))
+    assert store.stats(["action"])["action"]["max"] == [1.0, -1.0, 0.5, 1.0]
+
+
+def test_diverging_physics_ends_the_episode_as_sim_unstable(tmp_path):
+    w = worker(tmp_path, task="push-v3")
+    env = w._env("push-v3")
+
+    real_step = env.step
+
+    def step(a):
+        if env._t == 10:
+            env._mw.data.qvel[:] = np.nan          # the physics diverges during step 10
+        return real_step(a)
+
+    env.step = step
+    s = w.run_episode()
+    w.close()
+    assert s["termination"] == "sim_unstable" and not s["success"] and s["length"] == 11
+    meta = ExperienceStore.open(str(tmp_path / "store")).episode(s["episode_id"])
+    assert meta.termination == "sim_unstable" and meta.length == 11
+    # the env itself: the step that diverged says so; MuJoCo's reset did not go on as an ordinary step
+    from sim import make_env
+
+    e = make_env("push-v3", unit_id=0)
+    e.reset(seed=1)
+    e.step(np.zeros(4, np.float32))
+    e._mw.data.qvel[:] = np.nan
+    _, _, term, trunc, info = e.step(np.zeros(4, np.float32))
+    assert term and not trunc and info["termination"] == "sim_unstable" and "BADQVEL" in info["sim_unstable"]
+    with pytest.raises(RuntimeError, match="reset"):
+        e.step(np.zeros(4, np.float32))
+    e.close()
+
+
+def test_nan_action_and_raising_trial_are_failed_trials_not_crashes(tmp_path):
+    class Nan:
+        version = 0
+
+        def reset(self):
+            pass
+
+        def select_action(self, obs):
+            return np.full(4, np.nan, np.float32)
+
+    w = worker(tmp_path)
+    w._acting_policy = lambda task, seed: Nan()
+    s = w.run_episode()
+    assert s["termination"] == "non_finite_action" and s["episode_id"] is None and w.episode_index == 0
+    w._acting_policy = RobotWorker._acting_policy.__get__(w)
+    w.faults = [{"kind": "raise", "episode": 0, "step": 3}]
+    s = w.run_episode()
+    assert s["termination"] == "error" and "injected env fault" in s["error"] and s["episode_id"] is None
+    w.faults = []
+    s = w.run_episode()                                # the unit goes on: same seed, now committed
+    assert s["termination"] in ("terminated", "truncated") and s["episode_index"] == 0 and s["episode_id"]
+    w.close()
+    assert [e.length for e in ExperienceStore.open(str(tmp_path / "store")).episodes()] == [s["length"]]
+
+
+def test_policy_of_the_wrong_shape_fails_once_clearly(tmp_path):
+    ckpt = tiny_aed_checkpoint(tmp_path / "ck", env_dim=6)               # trained for another robot
+    w = worker(tmp_path, policy={"kind": "checkpoint", "path": str(ckpt), "device": "cpu"})
+    with pytest.raises(PolicyLoadError, match=r"observation.environment_state.*\[6\].*\[17\]"):
+        w.run_episodes(1)
+    w.close()
+
+
+@pytest.mark.slow
+def test_fleet_script_exits_nonzero_and_says_why(tmp_path):
+    """scripts/fleet.py: a policy whose every action is NaN gives up its unit and exits 1 with the reason; a
+    checkpoint of the wrong shape exits 2 at once with the feature named."""
+    nan_ckpt = tiny_aed_checkpoint(tmp_path / "nan")
+    from safetensors.torch import load_file, save_file
+
+    wfile = next(Path(nan_ckpt).glob("*.safetensors"))
+    w = load_file(str(wfile))
+    w = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in w.items()}
+    save_file(w, str(wfile))
+    base = [sys.executable, "scripts/fleet.py", "task=mw_quick", "task.tasks=[reach-v3]", "robot=nominal",
+            "policy=aed_diffusion", "fleet.units=1", "fleet.episodes_per_unit=2", "task.max_episode_steps=20",
+            f"store.url={tmp_path}/store", f"fleet.registry_url={tmp_path}/reg", f"fleet.cache_dir={tmp_path}/c",
+            f"hydra.run.dir={tmp_path}/out"]
+    env = {**os.environ, "WANDB_MODE": "disabled", "RAY_AUTH_MODE": "disabled"}
+    p = subprocess.run(base + [f"fleet.checkpoint={nan_ckpt}"], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "given up" in p.stderr and "non_finite_action" in p.stderr
+    res = json.loads((tmp_path / "out" / "fleet_result.json").read_text())
+    assert res["terminations"] == {"non_finite_action": 3} and res["dropped_units"] == [0]
+    bad = tiny_aed_checkpoint(tmp_path / "bad", env_dim=6)
+    t0 = time.monotonic()
+    p = subprocess.run(base + [f"fleet.checkpoint={bad}", f"hydra.run.dir={tmp_path}/out2"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2 and "cannot build the acting policy" in p.stderr, p.stderr[-2000:]
+    assert p.stderr.count("cannot build the acting policy") == 1 and time.monotonic() - t0 < 300
+
+
+def test_second_process_waits_for_the_shard_then_continues_the_seeds(tmp_path, caplog):
+    """Two fleets on one store: the second unit-0 worker says it waits and for whom, and once it holds the shard
+    it continues from the episodes committed meanwhile: no (unit, seed) runs twice."""
+    a = worker(tmp_path)
+    a.run_episode()
+    got = {}
+    caplog.set_level(logging.WARNING, logger="fleetmind.worker")
+
+    def second():
+        got["w"] = worker(tmp_path)
+
+    th = threading.Thread(target=second)
+    th.start()
+    time.sleep(1.5)
+    assert "w" not in got and f"pid {os.getpid()}" in caplog.text and "waits up to" in caplog.text
+    a.run_episode()                                   # committed while the second one waits
+    a.close()
+    th.join(60)
+    b = got["w"]
+    assert b.episode_index == 2
+    b.run_episode()
+    b.close()
+    eps = ExperienceStore.open(str(tmp_path / "store")).episodes()
+    assert len(eps) == 3 and len({(e.unit_id, e.seed) for e in eps}) == 3
