@@ -4,6 +4,7 @@ method without re-running demonstrations, base training or the fleet.
     python scripts/ablate.py ablate.run_dir=outputs/run/seed_0
     python scripts/ablate.py ablate.run_dir=outputs/run/seed_0 'ablate.arms=[fert]' fert.gate.beta=0.1 \\
         learner.updates_per_version=1200 'ablate.seeds=[0,1,2]' hydra.run.dir=outputs/ablate_beta
+    python scripts/ablate.py 'ablate.pool=[outputs/abl_s0,outputs/abl_s1]' hydra.run.dir=outputs/abl_pooled
 
 The run directory's store is opened read-only for the data (its failures, retries and successes as the fleet
 left them) and its base checkpoints are the starting points; every variant (``fleet.arms`` names, with the
@@ -61,6 +62,8 @@ def main(cfg: DictConfig) -> None:
     )
 
     a = cfg.ablate
+    if a.get("pool"):
+        return pool([Path(p) for p in a.pool], Path(cfg.output_dir).resolve(), str(a.baseline))
     if not a.run_dir:
         raise SystemExit("ablate.run_dir: give a finished scripts/run.py seed directory, e.g. outputs/<run>/seed_0")
     run_dir = Path(a.run_dir).resolve()
@@ -108,6 +111,54 @@ def main(cfg: DictConfig) -> None:
     write_paired(paired, out, "ablate_paired")
     print("\nheld-out success (Wilson 95% interval):\n" + table_markdown(table), flush=True)
     print("\npaired differences (bootstrap over fine-tuning seeds, then trials):\n" + paired_markdown(paired), flush=True)
+    print(f"outputs in {out}: ablate.md/json, ablate_paired.md/json", flush=True)
+
+
+def pool(dirs: list[Path], out: Path, baseline: str) -> None:
+    """Pool finished ablation directories (one per frozen run, e.g. the seeds of an experiment): every
+    ``<dir>/seed_<s>/episodes/<arm>.json`` is one unit of the bootstrap (frozen run x fine-tuning seed), and the
+    arms that all of them ran are compared with ``baseline``, bootstrapped over those units, then trials.
+    Writes ``ablate.md/json`` and ``ablate_paired.md/json`` into ``out``.
+
+    Raises:
+        SystemExit: a directory without evaluated arms, or no arm common to all of them.
+    """
+    from fleet.report import (
+        paired_markdown,
+        paired_over_seeds,
+        success_table,
+        table_markdown,
+        write_paired,
+        write_table,
+    )
+
+    results: dict[int, dict] = {}
+    units = []
+    for d in dirs:
+        for sd in sorted(Path(d).glob("seed_*")):
+            eps = {f.stem: json.loads(f.read_text()) for f in sorted((sd / "episodes").glob("*.json"))}
+            if eps:
+                units.append(f"{d}/{sd.name}")
+                results[len(results)] = eps
+    if not results:
+        raise SystemExit(f"ablate.pool: no evaluated arms under {[str(d) for d in dirs]} (<dir>/seed_<s>/episodes)")
+    common = set.intersection(*(set(r) for r in results.values()))
+    if baseline not in common or len(common) < 2:
+        raise SystemExit(f"ablate.pool: arms common to every directory: {sorted(common)}; need {baseline!r} and another")
+    names = [baseline] + sorted(common - {baseline})
+    out.mkdir(parents=True, exist_ok=True)
+    table = success_table({n: [e for r in results.values() for e in r[n]] for n in names})
+    table["meta"] = {"pooled": units}
+    pairs = [(n, baseline) for n in names if n != baseline]
+    pairs += [(n, m) for n in names for m in names if n != m and baseline not in (n, m) and n.startswith("fert")
+              and not m.startswith("fert")]
+    paired = paired_over_seeds(results, pairs)
+    paired["units"] = units
+    write_table(table, out, "ablate")
+    write_paired(paired, out, "ablate_paired")
+    print("pooled: " + ", ".join(units))
+    print("\nheld-out success (Wilson 95% interval):\n" + table_markdown(table), flush=True)
+    print("\npaired differences (bootstrap over the pooled runs, then trials):\n" + paired_markdown(paired), flush=True)
     print(f"outputs in {out}: ablate.md/json, ablate_paired.md/json", flush=True)
 
 

@@ -226,3 +226,16 @@ def test_second_process_waits_for_the_shard_then_continues_the_seeds(tmp_path, c
     b.close()
     eps = ExperienceStore.open(str(tmp_path / "store")).episodes()
     assert len(eps) == 3 and len({(e.unit_id, e.seed) for e in eps}) == 3
+
+
+@pytest.mark.slow
+def test_chaos_run_loses_and_repeats_nothing(tmp_path):
+    """scripts/chaos.py, short: workers, the learner and the policy server SIGKILLed at random; the fleet comes
+    back, nothing committed is lost, no (unit, seed) runs twice, the store verifies."""
+    p = subprocess.run([sys.executable, "scripts/chaos.py", "chaos.kills=5", "chaos.interval_s=3", "chaos.settle_s=20",
+                        "chaos.max_wall_s=300", f"hydra.run.dir={tmp_path}/chaos"], cwd=REPO, capture_output=True,
+                       text=True, timeout=1200, env={**os.environ, "WANDB_MODE": "disabled", "RAY_AUTH_MODE": "disabled"})
+    rep = json.loads((tmp_path / "chaos" / "chaos.json").read_text())
+    assert p.returncode == 0, (rep, p.stderr[-3000:])
+    assert rep["kills_total"] == 5 and rep["survived"] and rep["lost_count"] == 0 and rep["duplicated_count"] == 0
+    assert rep["verify_ok"] and rep["episodes_after_last_kill"] > 0 and rep["policy_versions"] >= 1

@@ -57,3 +57,33 @@ def test_paired_differences_match_trials_and_count_discordant_pairs(tmp_path):
     assert write_paired(p, tmp_path)[1].is_file()
     with pytest.raises(ValueError, match="two episodes of task a"):
         paired_differences({"x": eps([1, 1]) * 2, "base": base}, [("x", "base")])
+
+
+def test_ablate_pool_bootstraps_over_the_pooled_runs(tmp_path):
+    """scripts/ablate.py ablate.pool: each <dir>/seed_<s>/episodes/<arm>.json is one bootstrap unit; the
+    pooled difference is the mean over all matched trials; arms missing from a directory are left out."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from scripts.ablate import pool
+
+    def eps(succ):
+        return [{"task": "reach-v3", "unit_id": 100, "seed": i, "success": bool(s)} for i, s in enumerate(succ)]
+
+    runs = {"a": ([0, 0, 1, 1], [1, 1, 1, 1]), "b": ([0, 1, 0, 1], [0, 1, 1, 1])}
+    for name, (base, fert) in runs.items():
+        d = tmp_path / name / "seed_0" / "episodes"
+        d.mkdir(parents=True)
+        (d / "base.json").write_text(json.dumps(eps(base)))
+        (d / "fert.json").write_text(json.dumps(eps(fert)))
+    (tmp_path / "a" / "seed_0" / "episodes" / "filtered_bc.json").write_text(json.dumps(eps([0, 0, 0, 0])))
+    pool([tmp_path / "a", tmp_path / "b"], tmp_path / "out", "base")
+    paired = json.loads((tmp_path / "out" / "ablate_paired.json").read_text())
+    [p] = paired["pairs"]                                    # filtered_bc ran in one directory only
+    assert (p["arm"], p["baseline"]) == ("fert", "base")
+    assert p["average"]["diff"] == pytest.approx(3 / 8) and p["average"]["wins"] == 3 and p["average"]["losses"] == 0
+    assert p["per_seed"] == {"0": 0.5, "1": 0.25} or p["per_seed"] == {0: 0.5, 1: 0.25}
+    assert len(paired["units"]) == 2
+    with pytest.raises(SystemExit, match="no evaluated arms"):
+        pool([tmp_path / "nothing"], tmp_path / "o2", "base")
