@@ -170,9 +170,9 @@ class RobotWorker:
 
     def _open_writer(self, wait_s: float = 30.0):
         """The unit's shard writer; waits while a killed predecessor process still holds the shard lock."""
-        from experience_dict.store import WriterBusyError
-
         import logging
+
+        from experience_dict.store import WriterBusyError
 
         deadline, told = time.monotonic() + wait_s, False
         while True:

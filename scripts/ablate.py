@@ -29,6 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from fleet.report import (
+    paired_markdown,
+    paired_over_seeds,
+    success_table,
+    table_markdown,
+    write_paired,
+    write_table,
+)
+
 
 def frozen_run(run_dir: Path) -> tuple[dict, dict]:
     """``(config, job_state)`` of a finished ``scripts/run.py`` seed directory.
@@ -52,14 +61,6 @@ def main(cfg: DictConfig) -> None:
     from experience_dict.store import ExperienceStore
     from fleet.arms import fert_config, get_arms, train_offline_arm
     from fleet.evaluation import evaluate_arms
-    from fleet.report import (
-        paired_markdown,
-        paired_over_seeds,
-        success_table,
-        table_markdown,
-        write_paired,
-        write_table,
-    )
 
     a = cfg.ablate
     if a.get("pool"):
@@ -123,14 +124,6 @@ def pool(dirs: list[Path], out: Path, baseline: str) -> None:
     Raises:
         SystemExit: a directory without evaluated arms, or no arm common to all of them.
     """
-    from fleet.report import (
-        paired_markdown,
-        paired_over_seeds,
-        success_table,
-        table_markdown,
-        write_paired,
-        write_table,
-    )
 
     results: dict[int, dict] = {}
     units = []

@@ -73,10 +73,8 @@ def prepare(c: dict, ch: dict, out: Path, full_cfg) -> str:
     from experience_dict.store import ExperienceStore
     from fleet.protocol import collect_demos
     from fleet.registry import CheckpointRegistry
-    from policies.aed_diffusion.training import train_policy
+    from policies.aed_diffusion.training import last_checkpoint, train_policy
     from scripts.train import policy_config_from_hydra
-
-    from policies.aed_diffusion.training import last_checkpoint
 
     reg = CheckpointRegistry(c["fleet"]["registry_url"])
     if reg.latest_version() is not None and last_checkpoint(out / "base") is not None:   # a re-run in the same dir

@@ -5,10 +5,10 @@ CLI: ``python -m experience_dict.store info|verify|stats URL``.
 
 from experience_dict.store.store import (
     DEFAULT_PROGRESS_KEYS,
-    CorruptChunkError,
     LOWDIM,
     READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
+    CorruptChunkError,
     EpisodeMeta,
     EpisodeWriter,
     ExperienceStore,
@@ -19,6 +19,18 @@ from experience_dict.store.store import (
     WriterBusyError,
 )
 
-__all__ = ["CorruptChunkError", "DEFAULT_PROGRESS_KEYS", "LOWDIM", "READABLE_SCHEMA_VERSIONS", "SCHEMA_VERSION", "EpisodeMeta",
-           "EpisodeWriter", "ExperienceStore", "NonFiniteError", "SchemaVersionError", "SpecMismatchError", "StoreError",
-           "WriterBusyError"]
+__all__ = [
+    "DEFAULT_PROGRESS_KEYS",
+    "LOWDIM",
+    "READABLE_SCHEMA_VERSIONS",
+    "SCHEMA_VERSION",
+    "CorruptChunkError",
+    "EpisodeMeta",
+    "EpisodeWriter",
+    "ExperienceStore",
+    "NonFiniteError",
+    "SchemaVersionError",
+    "SpecMismatchError",
+    "StoreError",
+    "WriterBusyError",
+]

@@ -693,18 +693,18 @@ class ExperienceStore:
             CorruptChunkError: a chunk cannot be read; the message names store, shard, array, chunk and the
                 episodes with rows in it.
         """
-        arr = self.array(shard, key)
-        if arr.shape[0] < hi:
-            arr = self.array(shard, key, reopen=True)
-        try:
-            return arr[lo:hi]
-        except Exception as e:  # noqa: BLE001 - named and re-raised
-            raise self._corrupt(shard, self._where[key][0], lo, hi, e) from None
+        return self._guarded_read(lambda reopen: self.array(shard, key, reopen=reopen), shard, self._where[key][0],
+                                  lo, hi)
 
     def _read_array(self, shard: str, name: str, lo: int, hi: int) -> np.ndarray:
-        arr = self._array(shard, name)
+        return self._guarded_read(lambda reopen: self._array(shard, name, reopen=reopen), shard, name, lo, hi)
+
+    def _guarded_read(self, get, shard: str, name: str, lo: int, hi: int) -> np.ndarray:
+        """``get(reopen)[lo:hi]``, reopening an array that has fewer rows (a newer commit); a failed read raises
+        ``CorruptChunkError`` naming the bad chunks of array ``name``."""
+        arr = get(False)
         if arr.shape[0] < hi:
-            arr = self._array(shard, name, reopen=True)
+            arr = get(True)
         try:
             return arr[lo:hi]
         except Exception as e:  # noqa: BLE001 - named and re-raised
@@ -946,7 +946,7 @@ class ExperienceStore:
             rows = rows[np.isin(rows, np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)]))]
             if len(rows):
                 hit = sorted({eps[i].episode_id for r in rows for i in np.nonzero((starts <= r) & (ends > r))[0]})
-                out.append({"shard": shard, "key": key, "rows": int(len(rows)), "episodes": hit})
+                out.append({"shard": shard, "key": key, "rows": len(rows), "episodes": hit})
         return out
 
 
