@@ -215,6 +215,29 @@ def record_rollouts(cfg: dict, checkpoint: str | Path, out_dir: str | Path, unit
 
 
 # ---------------------------------------------------------------------------------------------------- vectorised
+def _step_trial(env, action: np.ndarray, obs: dict, steps: list) -> str | None:
+    """One step of one trial with the worker's fault rules (``fleet.worker.RobotWorker.run_episode``): a
+    non-finite action, reward or next observation, or a step the env ends as ``sim_unstable``, returns the
+    termination (the faulty step is not stored, the sim_unstable one is); otherwise appends
+    ``(obs, executed action, reward, progress, step result)`` to ``steps`` and returns None."""
+    from fleet.worker import _finite_obs
+
+    if not np.all(np.isfinite(action)):
+        return "non_finite_action"
+    nxt, r, term, trunc, info = env.step(action)
+    if not np.isfinite(r):
+        return "non_finite_reward"
+    taken = np.asarray(info.get("action", np.clip(action, -1.0, 1.0)), dtype=np.float32)
+    steps.append((obs, taken, float(r), info["progress"], (nxt, r, term, trunc, info)))
+    if info.get("termination"):
+        steps[-1] = steps[-1][:4]
+        return str(info["termination"])
+    if not _finite_obs(nxt):
+        steps[-1] = steps[-1][:4]
+        return "non_finite_observation"
+    return None
+
+
 def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], store_url: str | Path,
                         batch_size: int = 32, torch_threads: int = 1, progress: bool = False,
                         desc: str = "eval") -> list[dict]:
@@ -290,6 +313,7 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
         done = np.zeros(B, bool)
         success, ret, length = np.zeros(B, bool), np.zeros(B), np.zeros(B, np.int64)
         steps: list[list] = [[] for _ in range(B)]
+        why = ["max_steps"] * B   # termination, as fleet.worker.RobotWorker.run_episode records it
         last_obs = list(obs)
         with torch.inference_mode():
             for t in range(max_steps):
@@ -297,17 +321,19 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
                 a = model.select_action(batch, generators=gens) if takes_generators else model.select_action(batch)
                 acts = a.detach().cpu().numpy().astype(np.float32).reshape(B, -1)
                 for i in np.flatnonzero(~done):
-                    if not np.all(np.isfinite(acts[i])):
-                        raise RuntimeError(f"policy {checkpoint}: non-finite action {acts[i]} at step {t} of trial "
-                                           f"{wave[i]}")
-                    nxt, r, term, trunc, info = envs[i].step(acts[i])
-                    steps[i].append((last_obs[i], acts[i], float(r), info["progress"]))
+                    fault = _step_trial(envs[i], acts[i], last_obs[i], steps[i])
+                    if fault is not None:    # a NaN/inf or diverging physics: the trial ends as a failure
+                        why[i], done[i], success[i] = fault, True, False
+                        length[i] = len(steps[i])
+                        continue
+                    nxt, r, term, trunc, info = steps[i][-1][4]
+                    steps[i][-1] = steps[i][-1][:4]
                     success[i] |= bool(info["success"])
                     ret[i] += float(r)
                     length[i] = t + 1
                     last_obs[i] = nxt
                     if term or trunc:
-                        done[i] = True
+                        done[i], why[i] = True, "terminated" if term else "truncated"
                 if done.all():
                     break
         wall = (time.perf_counter() - t0) / B
@@ -322,10 +348,14 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
                             extra={"unit": env.unit.to_dict()} if hasattr(env.unit, "to_dict") else None)
             for o, act, r, prog in steps[i]:
                 w.add_step(o, act, r, prog)
-            ep_id = w.commit(success=bool(success[i]))
+            if steps[i]:
+                ep_id = w.commit(success=bool(success[i]), termination=why[i])
+            else:
+                w.abort()
+                ep_id = None
             out.append({"episode_id": ep_id, "unit_id": u, "task": str(tr["task"]), "seed": int(tr["seed"]),
                         "success": bool(success[i]), "length": int(length[i]), "policy_version": int(version),
-                        "is_demo": False, "return": float(ret[i]), "wall_s": wall})
+                        "is_demo": False, "return": float(ret[i]), "wall_s": wall, "termination": why[i]})
         if bar is not None:
             bar.update(B)
             bar.set_postfix_str(f"success={np.mean([e['success'] for e in out]):.2f}", refresh=False)

@@ -236,3 +236,20 @@ def test_chaos_run_loses_and_repeats_nothing(tmp_path):
     assert p.returncode == 0, (rep, p.stderr[-3000:])
     assert rep["kills_total"] == 5 and rep["survived"] and rep["lost_count"] == 0 and rep["duplicated_count"] == 0
     assert rep["verify_ok"] and rep["episodes_after_last_kill"] > 0 and rep["policy_versions"] >= 1
+
+
+def test_vectorised_evaluation_counts_a_nan_policy_as_failed_trials(tmp_path):
+    """The held-out evaluation applies the worker's fault rules: a policy answering NaN fails its trials
+    (termination non_finite_action), nothing non-finite is committed, the evaluation does not crash."""
+    from safetensors.torch import load_file, save_file
+
+    from fleet.evaluation import evaluation_plan, run_plan_vectorised
+
+    ckpt = tiny_aed_checkpoint(tmp_path / "nan")
+    wfile = next(Path(ckpt).glob("*.safetensors"))
+    save_file({k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+               for k, v in load_file(str(wfile)).items()}, str(wfile))
+    plan = evaluation_plan(["reach-v3"], [100], 2, seed=3)
+    out = run_plan_vectorised(cfg_for(tmp_path), str(ckpt), plan, tmp_path / "eval", batch_size=2)
+    assert [e["termination"] for e in out] == ["non_finite_action"] * 2
+    assert not any(e["success"] for e in out) and all(e["episode_id"] is None for e in out)
