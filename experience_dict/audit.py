@@ -186,6 +186,10 @@ def retrieval_audit(retrieval: Retrieval, index: SuccessIndex, round_idx: int = 
             entry["own_retry_share"] = float(retrieval.own_retry[rows].mean())
         if index.size(task) and len(rows):
             entry["hindsight"] = _hindsight(retrieval, index, task, ctx, set(counts))
+        if task in index.tasks:   # exact (flat) or approximate (IVF, above SuccessIndex.approx_above) search
+            ti = index.tasks[task]
+            entry["index"] = {"kind": "ivf" if ti.approx else "exact", "windows": int(ti.index.ntotal),
+                              "recall_at_8": index.recall(task, retrieval.query[ctx[:64]], 8) if len(ctx) else None}
         per_task[task] = entry
     all_counts = Counter(retrieval.episode_id)
     n_all = len(index.episode_ids)

@@ -222,6 +222,7 @@ class RelativeEmbedder:
 @dataclass
 class _TaskIndex:
     index: faiss.Index
+    approx: bool = False                                   # an IVF index (``SuccessIndex.approx_above``)
     episode: list[int] = field(default_factory=list)     # per window: position in SuccessIndex.episode_ids
     step: list[int] = field(default_factory=list)
     gain: list[float] = field(default_factory=list)      # per window: progress gain of its segment (nan: unknown)
@@ -262,14 +263,23 @@ class SuccessIndex:
         gate_horizon: segment length in steps for the progress gains (None: no gains).
         tail_steps: anchors in the last ``tail_steps`` steps are not indexed (>= 0).
         signals: progress signals for the score (:data:`experience_dict.failure.DEFAULT_SIGNALS`).
+        approx_above: when a task holds this many windows its exact flat index is replaced, once, by an
+            inverted-file index (faiss ``IndexIVFFlat``, ``nlist = sqrt(n)`` k-means lists trained on at most
+            64 windows per list of those it has; Jegou et al. 2011) and later windows are added to it without retraining; None:
+            always exact. Measured on this machine (``scripts/bench_retrieval.py``): at 1M windows exact search
+            takes tens of ms per query, IVF probing 32 lists well under 1 ms.
+        nprobe: inverted lists probed per query (recall against speed; :meth:`recall` measures it).
     """
 
     def __init__(self, embedder, stride: int = 1, include_demos: bool = True,
                  exclude_units: Iterable[int] = (), units: Iterable[int] | None = None,
                  include_retries: bool = True, gate_horizon: int | None = None, tail_steps: int = 0,
-                 signals: Mapping | None = None):
+                 signals: Mapping | None = None, approx_above: int | None = 100_000, nprobe: int = 32):
         if stride < 1 or tail_steps < 0:
             raise ValueError(f"stride: expected >= 1 and tail_steps >= 0, given {stride}, {tail_steps}")
+        if approx_above is not None and int(approx_above) < 64:
+            raise ValueError(f"approx_above: expected >= 64 windows (k-means needs data) or None, given {approx_above}")
+        self.approx_above, self.nprobe = (None if approx_above is None else int(approx_above)), int(nprobe)
         self.embedder, self.stride, self.include_demos = embedder, stride, include_demos
         self.metric = getattr(embedder, "metric", "ip")
         self.exclude_units = {int(u) for u in exclude_units}
@@ -338,7 +348,45 @@ class SuccessIndex:
         ti.episode.extend([pos] * len(anchors))
         ti.step.extend(anchors.tolist())
         ti.gain.extend(gains.tolist())
+        if not ti.approx and self.approx_above is not None and ti.index.ntotal >= self.approx_above:
+            self._to_ivf(ti)
         return len(anchors)
+
+    def _metric(self) -> int:
+        return faiss.METRIC_L2 if self.metric == "l2" else faiss.METRIC_INNER_PRODUCT
+
+    def _to_ivf(self, ti: _TaskIndex) -> None:
+        """Replace ``ti``'s exact index by an IVF index over the same windows, in the same order."""
+        x = ti.index.reconstruct_n(0, ti.index.ntotal)
+        nlist = max(1, int(np.sqrt(len(x))))
+        quantizer = faiss.IndexFlatL2(x.shape[1]) if self.metric == "l2" else faiss.IndexFlatIP(x.shape[1])
+        ivf = faiss.IndexIVFFlat(quantizer, x.shape[1], nlist, self._metric())
+        rng = np.random.default_rng(0)
+        sample = x if len(x) <= 64 * nlist else x[rng.choice(len(x), 64 * nlist, replace=False)]
+        ivf.train(np.ascontiguousarray(sample))
+        ivf.add(x)
+        ivf.nprobe = min(self.nprobe, nlist)
+        ti.index, ti.approx = ivf, True
+
+    def task_vectors(self, task: str) -> np.ndarray:
+        """(n, E) float32: every indexed window embedding of ``task``, in index order."""
+        ti = self.tasks[task]
+        order = list(dict.fromkeys(ti.episode))
+        return np.concatenate([self.windows_of[self.episode_ids[p]][1] for p in order]).astype(np.float32)
+
+    def recall(self, task: str, queries: np.ndarray, k: int = 8) -> float:
+        """recall@k of ``task``'s index against exact search for ``queries`` (N, E): the mean share of the
+        exact top-k windows the index returns (1.0 for an exact index)."""
+        ti = self.tasks.get(task)
+        if ti is None or not ti.approx or len(queries) == 0:
+            return 1.0
+        q = np.ascontiguousarray(np.asarray(queries, np.float32).reshape(len(queries), -1))
+        exact = faiss.IndexFlatL2(q.shape[1]) if self.metric == "l2" else faiss.IndexFlatIP(q.shape[1])
+        exact.add(self.task_vectors(task))
+        kk = min(k, ti.index.ntotal)
+        _, want = exact.search(q, kk)
+        _, got = ti.index.search(q, kk)
+        return float(np.mean([len(set(w) & set(g)) / kk for w, g in zip(want, got)]))
 
     def refresh(self, reader, tasks: Iterable[str] | None = None) -> int:
         """Add every committed successful episode not indexed yet (call ``reader.refresh()`` first to see
@@ -942,7 +990,7 @@ def policy_encoder(policy, pool: str = "mean") -> Encoder:
 # keys of configs/fert/default.yaml ("rounds" and "audit" are read by the learner / scripts/run.py)
 FERT_CONFIG_KEYS = {"key", "aed_key_scale_m", "gate", "retry", "include_retries", "own_retries_first", "rounds", "replay_all", "segment_steps", "window", "frame_stride", "embed_keys", "encoder", "pool", "index_stride",
                     "include_demos", "top_k", "temperature", "min_similarity", "max_contexts_per_task",
-                    "confidence_scale_m", "replay", "replay_ratio", "weighting", "onset", "priority", "audit"}
+                    "confidence_scale_m", "replay", "replay_ratio", "approx_above", "nprobe", "weighting", "onset", "priority", "audit"}
 
 
 class FertData:
@@ -1014,7 +1062,8 @@ class FertData:
                                   include_retries=bool(cfg.get("include_retries", True)),
                                   gate_horizon=self.horizon if self.gate is not None else None,
                                   tail_steps=int(gcfg.get("tail_steps") or 0) if self.gate is not None else 0,
-                                  signals=self.signals)
+                                  signals=self.signals, approx_above=cfg.get("approx_above", 100_000),
+                                  nprobe=int(cfg.get("nprobe", 32)))
         pcfg = cfg.get("priority") or {}
         self.priority = TaskPriority(str(pcfg.get("method", "learnability")), int(pcfg.get("window", 50)),
                                      float(pcfg.get("floor", 0.02)), exclude_units=self.exclude_units)

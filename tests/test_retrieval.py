@@ -355,3 +355,39 @@ def test_context_confidence_moves_far_contexts_mass_to_replay(world):
     assert sw.mean() == pytest.approx(mass, rel=1e-4)              # replay windows keep weight 1
     with pytest.raises(ValueError, match="confidence_scale"):
         retrieve(conf.index, np.zeros((0, 1), np.float32), [], None, confidence_scale=0.0)
+
+
+def test_index_switches_to_ivf_above_the_threshold_and_keeps_recall(world):
+    """Above ``approx_above`` windows a task's index becomes an IVF index (trained once, then added to
+    incrementally); its neighbours match exact search (recall@k measured against it) and the audit says so."""
+    from experience_dict.audit import retrieval_audit
+
+    url, ids = world
+    reader = ExperienceStore.open(url)
+    stats = reader.stats(list(STATE_KEYS))
+    exact = FertData(reader, {**FERT_CFG, "approx_above": None}, stats=stats, exclude_units=[HELDOUT])
+    exact.update()
+    approx = FertData(reader, {**FERT_CFG, "approx_above": 64, "nprobe": 64}, stats=stats, exclude_units=[HELDOUT])
+    approx.update()
+    for task in ("push-v3", "reach-v3"):
+        assert approx.index.tasks[task].approx and not exact.index.tasks[task].approx
+        assert approx.index.size(task) == exact.index.size(task)
+        np.testing.assert_array_equal(approx.index.task_vectors(task), exact.index.task_vectors(task))
+    ra, re_ = approx.retrieve(), exact.retrieve()
+    assert ra.episode_id == re_.episode_id and np.array_equal(ra.step, re_.step)   # nprobe = every list: exact
+    q = ra.query[[i for i, c in enumerate(ra.contexts) if c.task == "push-v3"]]
+    assert approx.index.recall("push-v3", q, 4) == 1.0
+    approx.index.tasks["push-v3"].index.nprobe = 1                                   # probing one list of many
+    assert 0.0 < approx.index.recall("push-v3", q, 4) <= 1.0
+    audit = retrieval_audit(ra, approx.index)
+    assert audit["per_task"]["reach-v3"]["index"]["kind"] == "ivf"
+    assert retrieval_audit(re_, exact.index)["per_task"]["reach-v3"]["index"] == {
+        "kind": "exact", "windows": exact.index.size("reach-v3"), "recall_at_8": 1.0}
+    n0 = approx.index.size("push-v3")                                                # incremental adds, no retrain
+    meta = reader.episode(next(iter(ids["success"])))
+    approx.index.windows_of.pop(meta.episode_id)
+    approx.index._pos.pop(meta.episode_id)
+    approx.index.add_episode(meta, reader.load_episode(meta.episode_id, keys=list(STATE_KEYS)))
+    assert approx.index.size(meta.task) == (n0 if meta.task == "push-v3" else exact.index.size(meta.task)) + meta.length
+    with pytest.raises(ValueError, match="approx_above"):
+        SuccessIndex(approx.embedder, approx_above=10)
