@@ -49,6 +49,7 @@ import base64
 import ctypes
 import dataclasses
 import json
+import math
 import operator
 import os
 import re
@@ -1112,7 +1113,10 @@ class EpisodeWriter:
                for c in range(sl.start, sl.stop)]
         if self._act_sl is not None:
             fin += list(range(self._act_sl.start, self._act_sl.stop))
-        self._fin_idx = np.array(sorted(fin), np.intp)
+        fin = sorted(fin)
+        # a contiguous run of columns is checked through a view (no per-step allocation)
+        self._fin_idx = (slice(fin[0], fin[-1] + 1) if fin and fin == list(range(fin[0], fin[-1] + 1))
+                         else np.array(fin, np.intp))
         self._fin_own = [k for k, _ in self._obs_own if np.issubdtype(self._dtype[k], np.floating)]
         self._plan()
 
@@ -1270,9 +1274,11 @@ class EpisodeWriter:
         else:
             self._act_col.buf[row - self._act_col.lo] = action
         lr[self._sc_sl] = scalars
-        if not (np.isfinite(lr[self._fin_idx]).all() and (self._act_col is None or np.isfinite(action).all())
-                and all(np.isfinite(obs[k]).all() for k in self._fin_own)
-                and not np.isinf(lr[self._sc_sl]).any()):
+        # finite observations/actions: a NaN or inf anywhere makes the sum non-finite (one reduction per step)
+        if not (math.isfinite(np.add.reduce(lr[self._fin_idx], dtype=np.float64))
+                and (self._act_col is None or math.isfinite(np.add.reduce(action, None, np.float64)))
+                and (not self._fin_own or all(np.isfinite(obs[k]).all() for k in self._fin_own))
+                and not any(map(math.isinf, scalars))):
             self._non_finite(obs, action, scalars)     # raises, or flags the episode (quarantine)
         self._n = n = n + 1
         if n >= self._next_full:  # this step filled a chunk of some array: write it in the background
