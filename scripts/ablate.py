@@ -58,6 +58,9 @@ def frozen_run(run_dir: Path) -> tuple[dict, dict]:
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from configs.schema import check_or_exit
+
+    check_or_exit(cfg)   # every value against its rule, before any work
     from experience_dict.store import ExperienceStore
     from fleet.arms import fert_config, get_arms, train_offline_arm
     from fleet.evaluation import evaluate_arms

@@ -119,7 +119,7 @@ def main(argv=None) -> dict:
         print(f"{size:>9,} windows: exact {r['exact']['median_ms']:.3f} ms, IVF {r['ivf']['median_ms']:.3f} ms "
               f"(x{r['speedup_median']:.1f}), recall@8 {r['ivf']['recall_at_k']:.3f}, IVF build {r['ivf']['build_s']:.1f} s",
               flush=True)
-    out = {"source_windows": int(len(windows)), "episodes": a.episodes, "jitter_m": 0.002, "threads": 1, "rows": rows}
+    out = {"source_windows": len(windows), "episodes": a.episodes, "jitter_m": 0.002, "threads": 1, "rows": rows}
     p = Path(a.out)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(out, indent=1))

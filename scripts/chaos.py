@@ -257,6 +257,9 @@ def main() -> None:
 
     @hydra.main(version_base=None, config_path="../configs", config_name="config")
     def _main(cfg) -> None:
+        from configs.schema import check_or_exit
+
+        check_or_exit(cfg)   # every value against its rule, before any work
         report = run(cfg)
         print(json.dumps({k: v for k, v in report.items() if k not in ("verify_problems",)}, indent=1))
         ok = report["lost_count"] == 0 and report["duplicated_count"] == 0 and report["verify_ok"] \

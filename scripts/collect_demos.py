@@ -55,6 +55,9 @@ def run_episode(env, expert, writer, task: str, unit, seed: int) -> tuple[bool, 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from configs.schema import check_or_exit
+
+    check_or_exit(cfg)   # every value against its rule, before any work
     from sim import make_env, make_expert
 
     dcfg = cfg.store.demos

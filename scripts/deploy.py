@@ -56,6 +56,9 @@ def sim_robot_defaults(fields: dict, input_shapes: dict, meta: dict) -> dict:
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from configs.schema import check_or_exit
+
+    check_or_exit(cfg)   # every value against its rule, before any work
     d = cfg.deploy
     run_fields = OmegaConf.to_container(d.run, resolve=True)
     try:

@@ -66,6 +66,9 @@ def resolve_arms(ecfg: dict) -> dict[str, str]:
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from configs.schema import check_or_exit
+
+    check_or_exit(cfg)   # every value against its rule, before any work
     from fleet.evaluation import evaluate_arms, record_rollouts
     from fleet.report import (
         paired_differences,

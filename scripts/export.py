@@ -58,6 +58,9 @@ def store_control_hz(ckpt: Path) -> float | None:
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from configs.schema import check_or_exit
+
+    check_or_exit(cfg)   # every value against its rule, before any work
     if "deploy" not in cfg:
         raise SystemExit("compose the deploy group: python scripts/export.py deploy.export....")
     ecfg = cfg.deploy.export

@@ -31,6 +31,9 @@ from fleet.coordinator import Fleet
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from configs.schema import check_or_exit
+
+    check_or_exit(cfg)   # every value against its rule, before any work
     from fleet.worker import PolicyLoadError
 
     try:

@@ -386,6 +386,9 @@ def unit_table(c: dict, units: list[int]) -> str:
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from configs.schema import check_or_exit
+
+    check_or_exit(cfg)   # every value against its rule, before any work
     from fleet.arms import PAIRS, get_arms
     from fleet.report import (
         paired_markdown,

@@ -93,6 +93,9 @@ def format_table(rates: dict, units: list[int], heldout: set[int]) -> str:
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from configs.schema import check_or_exit
+
+    check_or_exit(cfg)   # every value against its rule, before any work
     s = sim_settings(cfg)["check"]
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)

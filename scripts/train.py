@@ -44,6 +44,9 @@ def policy_config_from_hydra(pcfg: dict, reader) -> AEDDiffusionConfig:
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from configs.schema import check_or_exit
+
+    check_or_exit(cfg)   # every value against its rule, before any work
     tcfg = OmegaConf.to_container(cfg.train, resolve=True)
     out_dir = Path(tcfg.pop("out_dir") or cfg.output_dir)
     init_from, ep_filter = tcfg.pop("init_from"), tcfg.pop("episodes") or {}

@@ -1,0 +1,166 @@
+"""The config's value rules, checked before any work: every script calls :func:`check` on its composed config.
+
+A wrong value fails at once, with one line per problem naming the key, what it expects and what it was given
+(``fleet.units: expected an integer >= 1, given 'two'``), instead of deep inside Ray, torch or zarr. Keys not
+listed here are free (their owners check them); a listed key missing from the config is skipped (scripts compose
+the whole tree, tests sometimes part of it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """One or more config values break their rule; the message lists each as ``key: expected ..., given ...``."""
+
+
+Rule = Callable[[Any], str | None]   # value -> None (fine) or what was expected
+
+
+def integer(lo: int | None = None) -> Rule:
+    def rule(v):
+        if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
+            return "an integer" + (f" >= {lo}" if lo is not None else "")
+        return None
+    return rule
+
+
+def number(lo: float | None = None, hi: float | None = None, open_lo: bool = False) -> Rule:
+    def rule(v):
+        ok = not isinstance(v, bool) and isinstance(v, int | float) and not math.isnan(v)
+        if ok and lo is not None:
+            ok = v > lo if open_lo else v >= lo
+        if ok and hi is not None:
+            ok = v <= hi
+        if ok:
+            return None
+        rng = (f" > {lo}" if open_lo else f" >= {lo}") if lo is not None else ""
+        return "a number" + rng + (f" and <= {hi}" if hi is not None else "")
+    return rule
+
+
+def one_of(*choices: str) -> Rule:
+    return lambda v: None if v in choices else f"one of {list(choices)}"
+
+
+def optional(rule: Rule) -> Rule:
+    return lambda v: None if v is None else (None if rule(v) is None else f"null or {rule(v)}")
+
+
+def int_list(lo: int = 0) -> Rule:
+    def rule(v):
+        if isinstance(v, list | tuple) and v and all(integer(lo)(x) is None for x in v):
+            return None
+        return f"a non-empty list of integers >= {lo}"
+    return rule
+
+
+def store_url(v) -> str | None:
+    """A URL with a scheme passes (fsspec checks it when opened); a local path must be a directory or creatable:
+    its nearest existing ancestor a writable directory."""
+    if not isinstance(v, str) or not v:
+        return "a store URL or directory path"
+    if "://" in v and not v.startswith("file://"):
+        return None
+    p = Path(v.removeprefix("file://")).expanduser().absolute()
+    if p.exists():
+        return None if p.is_dir() else "a directory (a file is in the way)"
+    anc = next((a for a in p.parents if a.exists()), None)
+    if anc is None or not anc.is_dir():
+        return f"a creatable directory ({anc} is not a directory)"
+    try:   # a real test (os.access says yes to root on read-only or virtual filesystems); leaves nothing behind
+        os.rmdir(tempfile.mkdtemp(prefix=".fleetmind-check-", dir=anc))
+    except OSError as e:
+        return f"a creatable directory (cannot create anything in {anc}: {e.strerror})"
+    return None
+
+
+POS = integer(1)
+RULES: dict[str, Rule] = {
+    "seed": integer(0),
+    "device": one_of("auto", "cpu", "cuda"),
+    "store.url": store_url,
+    "store.on_corrupt": one_of("raise", "skip"),
+    "train.steps": POS, "train.batch_size": POS, "train.save_every": POS, "train.log_every": POS,
+    "train.warmup_steps": integer(0), "train.num_workers": integer(0), "train.lr": number(0, open_lo=True),
+    "train.weight_decay": number(0), "train.grad_clip": number(0, open_lo=True),
+    "train.num_threads": optional(integer(0)),
+    "fleet.units": POS, "fleet.episodes_per_unit": optional(POS), "fleet.wall_time_s": optional(number(0, open_lo=True)),
+    "fleet.episode_timeout_s": optional(number(0, open_lo=True)), "fleet.max_restarts": integer(-1),
+    "fleet.max_recreates": integer(0), "fleet.max_trial_faults": POS, "fleet.trial_retries": integer(0),
+    "fleet.torch_threads": POS,
+    "job.fleet_units": POS, "job.base_steps": POS, "job.demos_per_task": POS, "job.seeds": int_list(0),
+    "job.trials_per_task": POS,
+    "eval.trials_per_task": POS, "eval.batch_size": POS, "eval.processes": POS, "eval.backend": one_of("vector", "ray"),
+    "learner.updates_per_version": POS, "learner.batch_size": POS, "learner.lr": number(0, open_lo=True),
+    "learner.warmup_steps": integer(0),
+    "fert.rounds": integer(0), "fert.window": POS, "fert.top_k": POS, "fert.segment_steps": POS,
+    "fert.temperature": number(0, open_lo=True), "fert.replay_ratio": number(0, 1),
+    "fert.key": one_of("relative", "relative+aed", "absolute"), "fert.replay": one_of("demos", "successes"),
+    "fert.confidence_scale_m": optional(number(0, open_lo=True)), "fert.approx_above": optional(integer(64)),
+    "fert.nprobe": POS, "fert.max_contexts_per_task": POS,
+    "chaos.kills": integer(0), "chaos.units": POS, "chaos.interval_s": number(0, open_lo=True),
+}
+
+
+def _get(cfg: Mapping, dotted: str) -> tuple[bool, Any]:
+    cur: Any = cfg
+    for part in dotted.split("."):
+        try:
+            if part not in cur:
+                return False, None
+            cur = cur[part]
+        except TypeError:
+            return False, None
+    return True, cur
+
+
+def problems(cfg: Mapping) -> list[str]:
+    """Every rule a value of ``cfg`` (an OmegaConf config or a plain dict) breaks, one line each."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=False)
+    out = []
+    for key, rule in RULES.items():
+        found, v = _get(cfg, key)
+        if not found:
+            continue
+        if isinstance(v, str) and "${" in v:      # an interpolation: check what it resolves to
+            continue
+        why = rule(v)
+        if why is not None:
+            out.append(f"{key}: expected {why}, given {v!r}")
+    return out
+
+
+def check(cfg: Mapping) -> None:
+    """Raise :class:`ConfigError` listing every broken rule of ``cfg`` (resolving interpolations first).
+
+    Raises:
+        ConfigError: one line per problem, ``key: expected ..., given ...``.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        try:
+            cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        except Exception:  # noqa: BLE001 - e.g. ${hydra:...} outside a Hydra app: check the raw values
+            cfg = OmegaConf.to_container(cfg, resolve=False)
+    bad = problems(cfg)
+    if bad:
+        raise ConfigError("invalid config (nothing was run):\n  " + "\n  ".join(bad))
+
+
+def check_or_exit(cfg: Mapping) -> None:
+    """:func:`check`, turned into ``SystemExit`` with the message (scripts: a clear error, no traceback)."""
+    try:
+        check(cfg)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
