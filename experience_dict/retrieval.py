@@ -590,10 +590,11 @@ class Retrieval:
 
     Per entry (a retrieved window): ``context`` (index into ``contexts``), ``episode_id``/``step`` of the
     successful window's anchor, ``similarity`` (cosine), and ``weight`` = context priority x softmax of the
-    context's similarities at ``temperature``; entry weights sum to 1 over the round.
+    context's similarities at ``temperature``; entry weights sum to 1 over the round (less with
+    ``retrieve(confidence_scale=...)``: the mass of far contexts goes to replay).
     """
     contexts: list[FailureContext]
-    context_weight: np.ndarray           # (C,) float64, sums to 1 over contexts that retrieved anything
+    context_weight: np.ndarray           # (C,) float64, sums to 1 over the contexts that retrieved (less: confidence)
     context: np.ndarray                  # (N,) int64
     episode_id: list[str]
     step: np.ndarray                     # (N,) int64

@@ -215,29 +215,6 @@ def record_rollouts(cfg: dict, checkpoint: str | Path, out_dir: str | Path, unit
 
 
 # ---------------------------------------------------------------------------------------------------- vectorised
-def _step_trial(env, action: np.ndarray, obs: dict, steps: list) -> str | None:
-    """One step of one trial with the worker's fault rules (``fleet.worker.RobotWorker.run_episode``): a
-    non-finite action, reward or next observation, or a step the env ends as ``sim_unstable``, returns the
-    termination (the faulty step is not stored, the sim_unstable one is); otherwise appends
-    ``(obs, executed action, reward, progress, step result)`` to ``steps`` and returns None."""
-    from fleet.worker import _finite_obs
-
-    if not np.all(np.isfinite(action)):
-        return "non_finite_action"
-    nxt, r, term, trunc, info = env.step(action)
-    if not np.isfinite(r):
-        return "non_finite_reward"
-    taken = np.asarray(info.get("action", np.clip(action, -1.0, 1.0)), dtype=np.float32)
-    steps.append((obs, taken, float(r), info["progress"], (nxt, r, term, trunc, info)))
-    if info.get("termination"):
-        steps[-1] = steps[-1][:4]
-        return str(info["termination"])
-    if not _finite_obs(nxt):
-        steps[-1] = steps[-1][:4]
-        return "non_finite_observation"
-    return None
-
-
 def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], store_url: str | Path,
                         batch_size: int = 32, torch_threads: int = 1, progress: bool = False,
                         desc: str = "eval") -> list[dict]:
@@ -262,7 +239,8 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
         "policy_version", "is_demo", "return", "wall_s"}``.
 
     Raises:
-        ValueError: ``batch_size < 1``. RuntimeError: a non-finite action from the policy (names the trial).
+        ValueError: ``batch_size < 1``. (A non-finite action or observation, or diverging physics, ends that
+        trial as a failure with its ``termination``, as on a fleet worker.)
     """
     import inspect
     import time
@@ -271,7 +249,7 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
 
     from experience_dict.store import ExperienceStore
     from fleet.policies import load_checkpoint
-    from fleet.worker import writer_id
+    from fleet.worker import step_trial, writer_id
     from sim import make_env
 
     if int(batch_size) < 1:
@@ -321,13 +299,14 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
                 a = model.select_action(batch, generators=gens) if takes_generators else model.select_action(batch)
                 acts = a.detach().cpu().numpy().astype(np.float32).reshape(B, -1)
                 for i in np.flatnonzero(~done):
-                    fault = _step_trial(envs[i], acts[i], last_obs[i], steps[i])
+                    row, fault, stepped = step_trial(envs[i], last_obs[i], acts[i])   # the worker's fault rules
+                    if row is not None:
+                        steps[i].append(row)
                     if fault is not None:    # a NaN/inf or diverging physics: the trial ends as a failure
                         why[i], done[i], success[i] = fault, True, False
                         length[i] = len(steps[i])
                         continue
-                    nxt, r, term, trunc, info = steps[i][-1][4]
-                    steps[i][-1] = steps[i][-1][:4]
+                    nxt, r, term, trunc, info = stepped
                     success[i] |= bool(info["success"])
                     ret[i] += float(r)
                     length[i] = t + 1

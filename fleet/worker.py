@@ -42,8 +42,7 @@ class PolicyLoadError(RuntimeError):
     restarting the worker."""
 
 
-# why an episode ended (``EpisodeMeta.termination`` / the summary's ``termination``)
-ENDED = ("terminated", "truncated", "max_steps")          # the episode ran its course
+# terminations that are faults (``EpisodeMeta.termination``): such an episode is never a success
 FAULTS = ("non_finite_observation", "non_finite_action", "non_finite_reward", "sim_unstable", "error")
 
 
@@ -51,6 +50,34 @@ def _finite_obs(obs: dict) -> bool:
     """Every float array of ``obs`` is finite (images are uint8)."""
     return all(np.isfinite(v).all() for v in obs.values()
                if isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.floating))
+
+
+def step_trial(env, obs: dict, action: np.ndarray) -> tuple[tuple | None, str | None, tuple | None]:
+    """One control step under the fleet's fault rules (the worker and the vectorised evaluation both use it).
+
+    Args:
+        env: the trial's env; obs: the observation the action was chosen on; action: (A,) float32 policy action.
+    Returns:
+        ``(row, fault, out)``: ``row`` = ``(obs, taken action (A,) float32, reward, progress)`` to store (the
+        env's clipped command ``info["action"]``), or None; ``fault`` = the termination when this step ends the
+        episode as a fault (``non_finite_action``: nothing stepped; ``non_finite_reward``: not stored;
+        ``sim_unstable`` from the env, ``non_finite_observation`` for the next observation: stored), else None;
+        ``out`` = ``env.step``'s ``(next_obs, reward, terminated, truncated, info)`` or None. A faulty step adds
+        nothing to the episode's success or return.
+    """
+    if not np.all(np.isfinite(action)):
+        return None, "non_finite_action", None
+    out = env.step(action)
+    nxt, reward, _, _, info = out
+    if not np.isfinite(reward):
+        return None, "non_finite_reward", out
+    row = (obs, np.asarray(info.get("action", np.clip(action, -1.0, 1.0)), dtype=np.float32), float(reward),
+           info["progress"])
+    if info.get("termination"):           # e.g. sim_unstable: the env ended the episode
+        return row, str(info["termination"]), out
+    if not _finite_obs(nxt):
+        return row, "non_finite_observation", out
+    return row, None, out
 
 
 def writer_id(unit_id: int) -> str:
@@ -406,26 +433,17 @@ class RobotWorker:
                     action = np.asarray(policy.select_action(obs), dtype=np.float32)
                     if ex is not None:
                         action = ex.perturb(action, t, seed)
-                    if not np.all(np.isfinite(action)):
-                        termination = "non_finite_action"
+                    row, fault, out = step_trial(env, obs, action)
+                    if row is not None:
+                        self.writer.add_step(*row)
+                        length = t + 1
+                        self.progress_state["step"] = length
+                    if fault is not None:
+                        termination = fault
                         break
-                    next_obs, reward, terminated, truncated, info = env.step(action)
-                    if not np.isfinite(reward):
-                        termination = "non_finite_reward"
-                        break
-                    taken = np.asarray(info.get("action", np.clip(action, -1.0, 1.0)), dtype=np.float32)
-                    self.writer.add_step(obs, taken, float(reward), info["progress"])
-                    length = t + 1
-                    self.progress_state["step"] = length
-                    if info.get("termination"):           # e.g. sim_unstable: the env ended the episode
-                        termination = str(info["termination"])
-                        break
+                    obs, reward, terminated, truncated, info = out
                     success |= bool(info["success"])
                     ret += float(reward)
-                    obs = next_obs
-                    if not _finite_obs(obs):
-                        termination = "non_finite_observation"
-                        break
                     if terminated or truncated:
                         termination = "terminated" if terminated else "truncated"
                         break

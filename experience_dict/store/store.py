@@ -888,6 +888,11 @@ class ExperienceStore:
         problems: list[dict] = []
         non_finite: list[dict] = []
         checked = 0
+        finite_cols: dict[str, list] = {}   # array -> [(float observation / action key, its columns or None)]
+        for k, (name, cols) in self._where.items():
+            if (k.startswith("observation.") or k == "action") and \
+                    np.issubdtype(np.dtype(self.features[k]["dtype"]), np.floating):
+                finite_cols.setdefault(name, []).append((k, None if cols is None else cols[:2]))
         for shard in self.shards():
             eps = self.episodes(shard=shard, quarantined=None)
             if not eps:
@@ -895,6 +900,7 @@ class ExperienceStore:
             end = max(e.start + e.length for e in eps)
             starts = np.array([e.start for e in eps])
             ends = starts + np.array([e.length for e in eps])
+            bad_rows: dict[str, list] = {}   # key -> [non-finite rows, episode ids]
             for name in self._layout:
                 try:
                     arr = self._array(shard, name, reopen=True)
@@ -918,37 +924,28 @@ class ExperienceStore:
                     try:
                         if not self.fs.exists(self._p(ckey)):
                             raise FileNotFoundError(f"chunk file {ckey} is missing")
-                        arr[lo:hi]
+                        block = arr[lo:hi]
                     except Exception as e:  # noqa: BLE001 - reported, not raised
                         problems.append({"shard": shard, "key": name, "chunk": c, "error": f"{type(e).__name__}: {e}",
                                          "episodes": hit})
-            non_finite += self._non_finite_rows(shard, eps, starts, ends, end, problems)
+                        continue
+                    # the block just read: its float observation / action columns must be finite
+                    for key, cols in finite_cols.get(name, ()):
+                        sub = block if cols is None else block[:, cols[0]:cols[1]]
+                        for r in lo + np.flatnonzero(~np.isfinite(sub.reshape(len(sub), -1)).all(axis=1)):
+                            ep = np.flatnonzero((starts <= r) & (ends > r))
+                            if len(ep):   # rows outside committed episodes (alignment padding) do not count
+                                nf = bad_rows.setdefault(key, [0, set()])
+                                nf[0] += 1
+                                nf[1].add(eps[ep[0]].episode_id)
+            non_finite += [{"shard": shard, "key": k, "rows": n, "episodes": sorted(ids)}
+                           for k in self.features if k in bad_rows for n, ids in [bad_rows[k]]]
         bad = sorted({i for p in problems for i in p["episodes"]})
         unflagged = sorted({i for p in non_finite for i in p["episodes"] if not self._episodes[i].quarantined})
         return {"ok": not problems and not unflagged, "episodes": len(self._episodes), "chunks_checked": checked,
                 "problems": problems, "corrupt_episodes": bad, "non_finite": non_finite,
                 "non_finite_episodes": unflagged,
                 "quarantined_episodes": sorted(e.episode_id for e in self._episodes.values() if e.quarantined)}
-
-    def _non_finite_rows(self, shard: str, eps: list[EpisodeMeta], starts: np.ndarray, ends: np.ndarray,
-                         end: int, problems: list[dict]) -> list[dict]:
-        """``[{"shard", "key", "rows", "episodes"}]``: committed rows of float observation keys and the action
-        holding NaN/inf (read from readable arrays; unreadable ones are already in ``problems``)."""
-        out = []
-        broken = {p["key"] for p in problems if p["shard"] == shard}
-        for key in [k for k in self.features if k.startswith("observation.") or k == "action"]:
-            if not np.issubdtype(np.dtype(self.features[key]["dtype"]), np.floating) or self._where[key][0] in broken:
-                continue
-            try:
-                col = np.asarray(self.array(shard, key, reopen=True)[0:end])
-            except Exception:  # noqa: BLE001 - an unreadable chunk: reported by the checksum pass
-                continue
-            rows = np.flatnonzero(~np.isfinite(col.reshape(len(col), -1)).all(axis=1))
-            rows = rows[np.isin(rows, np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)]))]
-            if len(rows):
-                hit = sorted({eps[i].episode_id for r in rows for i in np.nonzero((starts <= r) & (ends > r))[0]})
-                out.append({"shard": shard, "key": key, "rows": len(rows), "episodes": hit})
-        return out
 
 
 # ----------------------------------------------------------------------------- writer
