@@ -103,6 +103,7 @@ RULES: dict[str, Rule] = {
     "fert.rounds": integer(0), "fert.window": POS, "fert.top_k": POS, "fert.segment_steps": POS,
     "fert.temperature": number(0, open_lo=True), "fert.replay_ratio": number(0, 1),
     "fert.key": one_of("relative", "relative+aed", "absolute"), "fert.replay": one_of("demos", "successes"),
+    "fert.neighbours": one_of("fleet", "own_retries"),
     "fert.confidence_scale_m": optional(number(0, open_lo=True)), "fert.approx_above": optional(integer(64)),
     "fert.nprobe": POS, "fert.max_contexts_per_task": POS,
     "chaos.kills": integer(0), "chaos.units": POS, "chaos.interval_s": number(0, open_lo=True),

@@ -640,12 +640,16 @@ def softmax_weights(sims: np.ndarray, temperature: float) -> np.ndarray:
 def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[FailureContext],
              priority: TaskPriority | None = None, top_k: int = 8, temperature: float = 0.1,
              min_similarity: float | None = None, gate: Mapping | None = None,
-             own_retries_first: bool = True, confidence_scale: float | None = None) -> Retrieval:
+             own_retries_first: bool = True, confidence_scale: float | None = None,
+             neighbours: str = "fleet") -> Retrieval:
     """Top-k successful windows of the same task for every failure context, with sampling weights.
 
     Candidates per context: the nearest window of each of its own successful retries first (same task, unit
     and reset seed, re-attempted with exploration; ``own_retries_first``), then the nearest windows of the
-    task's index over the whole fleet. With ``gate`` (``{"min_gain", "beta", "max_weight"}``,
+    task's index over the whole fleet. With ``neighbours="own_retries"`` only the own successful retries are
+    candidates: a failure is supervised by the exploration that recovered it, and a failure that no retry
+    recovered retrieves nothing (its share goes to the replay), so no far-away fleet success supervises it.
+    With ``gate`` (``{"min_gain", "beta", "max_weight"}``,
     :func:`experience_dict.failure.progress_advantage`), a candidate whose segment does not make more progress
     than the failure did after its onset is dropped, and the survivors are weighted by
     ``exp(advantage / beta)``; without it, by ``softmax(similarity / temperature)``.
@@ -674,10 +678,11 @@ def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[Failur
         gate: progress gate settings, or None for no gate.
         own_retries_first: put the context's own successful retries first.
         confidence_scale: kernel width ``sigma`` of the context confidence (> 0), or None for confidence 1.
+        neighbours: ``"fleet"`` (own retries, then the whole fleet's index) or ``"own_retries"`` (only them).
 
     Raises:
-        ValueError: ``len(queries) != len(contexts)`` or bad ``top_k``/``temperature``/gate/``confidence_scale``
-            values.
+        ValueError: ``len(queries) != len(contexts)`` or bad ``top_k``/``temperature``/gate/``confidence_scale``/
+            ``neighbours`` values.
     """
     from experience_dict.failure import progress_advantage
 
@@ -687,6 +692,8 @@ def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[Failur
         raise ValueError(f"top_k: expected >= 1, given {top_k}")
     if temperature <= 0:
         raise ValueError(f"temperature: expected > 0, given {temperature}")
+    if neighbours not in ("fleet", "own_retries"):
+        raise ValueError(f"neighbours: expected 'fleet' or 'own_retries', given {neighbours!r}")
     if confidence_scale is not None and not confidence_scale > 0:
         raise ValueError(f"confidence_scale: expected > 0 (key-distance units) or None, given {confidence_scale}")
     by_task: dict[str, list[int]] = {}
@@ -697,9 +704,10 @@ def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[Failur
     oversample = 4 if gate is not None else 1
     for task, idx in by_task.items():
         for i, nb in zip(idx, index.search(task, queries[idx], top_k * oversample)):
-            own = index.own_retries(contexts[i].episode_id, queries[i]) if own_retries_first else []
+            own_only = neighbours == "own_retries"
+            own = index.own_retries(contexts[i].episode_id, queries[i]) if (own_retries_first or own_only) else []
             seen = {(n.episode_id, n.step) for n in own}
-            cand = own + [n for n in nb if (n.episode_id, n.step) not in seen]
+            cand = own + ([] if own_only else [n for n in nb if (n.episode_id, n.step) not in seen])
             cand = [n for n in cand if min_similarity is None or n.similarity >= min_similarity]
             if gate is not None:
                 gains = np.array([n.gain for n in cand], np.float64)
@@ -991,7 +999,7 @@ def policy_encoder(policy, pool: str = "mean") -> Encoder:
 # keys of configs/fert/default.yaml ("rounds" and "audit" are read by the learner / scripts/run.py)
 FERT_CONFIG_KEYS = {"key", "aed_key_scale_m", "gate", "retry", "include_retries", "own_retries_first", "rounds", "replay_all", "segment_steps", "window", "frame_stride", "embed_keys", "encoder", "pool", "index_stride",
                     "include_demos", "top_k", "temperature", "min_similarity", "max_contexts_per_task",
-                    "confidence_scale_m", "replay", "replay_ratio", "approx_above", "nprobe", "weighting", "onset", "priority", "audit"}
+                    "confidence_scale_m", "neighbours", "replay", "replay_ratio", "approx_above", "nprobe", "weighting", "onset", "priority", "audit"}
 
 
 class FertData:
@@ -1092,7 +1100,8 @@ class FertData:
                         temperature=float(self.cfg.get("temperature", 0.1)),
                         min_similarity=self.cfg.get("min_similarity"), gate=self.gate,
                         own_retries_first=bool(self.cfg.get("own_retries_first", True)),
-                        confidence_scale=self.cfg.get("confidence_scale_m"))
+                        confidence_scale=self.cfg.get("confidence_scale_m"),
+                        neighbours=str(self.cfg.get("neighbours", "fleet")))
 
     def _with_gain(self, c: FailureContext) -> FailureContext:
         """``c`` with ``gain``: the failed episode's progress over the gate horizon after its onset."""

@@ -24,6 +24,10 @@ fert_confidence           base         FERT whose failure contexts weigh exp(-d^
                                        neighbours' distance d; the mass lost goes to replay
 fert_replay_fleet         base         FERT replaying every fleet success (filtered BC's data) at 50%
 fert_conf_replay          base         both of the above
+fert_own_retries          base         FERT whose failures retrieve only their own successful retries: no
+                                       fleet neighbour (an unrecovered failure's share goes to replay)
+bc_retries_focus          base         filtered_bc_retries with the successful retries tiled to 50% of
+                                       the windows (exploration data concentrated, no retrieval)
 ========================  ===========  =================================================================
 
 ``in_loop`` arms are trained round by round by their own ``fleet.learner.FertLearner`` while the fleet
@@ -43,13 +47,16 @@ from typing import Any
 class Arm:
     """One compared policy: ``name``, ``init`` (``"base"``/``"base_no_aed"``: the base checkpoint it starts
     from, or is), ``data`` (``"none"``, ``"successes"``, ``"successes+retries"``, ``"fert"``), ``fert``
-    (overrides of ``cfg.fert`` for ``data="fert"``), ``in_loop`` and a one-line ``description``."""
+    (overrides of ``cfg.fert`` for ``data="fert"``), ``in_loop``, a one-line ``description`` and
+    ``retry_share`` (``data="successes+retries"`` only: the successful retries' share of the training windows,
+    reached by repeating the retry episodes; None: each window once)."""
     name: str
     init: str
     data: str
     description: str
     fert: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     in_loop: bool = False
+    retry_share: float | None = None
 
 
 ARMS: dict[str, Arm] = {a.name: a for a in [
@@ -72,6 +79,10 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
         fert={"replay": "successes", "replay_ratio": 0.5}),
     Arm("fert_conf_replay", "base", "fert", "FERT with context confidence and fleet-success replay",
         fert={"confidence_scale_m": 0.05, "replay": "successes", "replay_ratio": 0.5}),
+    Arm("fert_own_retries", "base", "fert", "FERT retrieving only each failure's own successful retries",
+        fert={"neighbours": "own_retries"}),
+    Arm("bc_retries_focus", "base", "successes+retries", "filtered BC + retries, retries tiled to 50% of windows",
+        retry_share=0.5),
 ]}
 
 # (arm, baseline) pairs reported trial by trial, in this order, when both arms ran
@@ -80,7 +91,9 @@ PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retrie
          ("fert_aed_key", "fert"), ("fert_confidence", "base"), ("fert_replay_fleet", "base"),
          ("fert_conf_replay", "base"), ("fert_confidence", "fert"), ("fert_replay_fleet", "fert"),
          ("fert_conf_replay", "fert"), ("fert_confidence", "filtered_bc"), ("fert_replay_fleet", "filtered_bc"),
-         ("fert_conf_replay", "filtered_bc"), ("fert_no_aed", "base_no_aed"), ("fert", "fert_no_aed"), ("base", "base_no_aed")]
+         ("fert_conf_replay", "filtered_bc"), ("fert_own_retries", "base"), ("fert_own_retries", "fert"),
+         ("fert_own_retries", "filtered_bc_retries"), ("bc_retries_focus", "base"),
+         ("bc_retries_focus", "filtered_bc_retries"), ("fert_own_retries", "bc_retries_focus"), ("fert_no_aed", "base_no_aed"), ("fert", "fert_no_aed"), ("base", "base_no_aed")]
 
 
 def get_arms(names: Iterable[str]) -> list[Arm]:
@@ -127,6 +140,27 @@ def make_learner(cfg: dict, arm: Arm, work_dir: Path, init_ckpt: str, registry_u
                        publish=registry_url is not None, validator=validator)
 
 
+def with_retry_share(episodes: list, share: float) -> list:
+    """``episodes`` with the retry episodes (``extra.retry_of`` set) repeated ``k`` times, ``k >= 1`` the integer
+    that brings their steps nearest to ``share`` of all steps (uniform window sampling then draws retries at
+    about that rate). Unchanged when there are no retries or no other episodes.
+
+    Raises:
+        ValueError: ``share`` outside (0, 1).
+    """
+    from experience_dict.retrieval import retry_of
+
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"retry_share: expected a value in (0, 1), given {share}")
+    retries = [m for m in episodes if retry_of(m)]
+    others = [m for m in episodes if not retry_of(m)]
+    n_r, n_o = sum(int(m.length) for m in retries), sum(int(m.length) for m in others)
+    if not n_r or not n_o:
+        return list(episodes)
+    k = max(1, round(share / (1.0 - share) * n_o / n_r))
+    return others + retries * k
+
+
 def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path, heldout: list[int],
                       seed: int) -> str:
     """Fine-tune one arm that is not trained in the fleet loop on the final store; returns its
@@ -150,6 +184,8 @@ def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path
     reader.refresh()
     eps = [m for m in reader.episodes(success=True) if int(m.unit_id) not in set(heldout)
            and (arm.data == "successes+retries" or not retry_of(m))]
+    if arm.retry_share is not None:
+        eps = with_retry_share(eps, float(arm.retry_share))
     updates = finetune_budget(cfg)
     tcfg = {k: v for k, v in cfg["train"].items() if k not in ("out_dir", "init_from", "episodes")}
     tcfg.update(steps=updates, lr=float(cfg["learner"]["lr"]), warmup_steps=0, seed=int(seed),

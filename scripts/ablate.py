@@ -127,6 +127,7 @@ def pool(dirs: list[Path], out: Path, baseline: str) -> None:
     Raises:
         SystemExit: a directory without evaluated arms, or no arm common to all of them.
     """
+    from fleet.arms import PAIRS
 
     results: dict[int, dict] = {}
     units = []
@@ -148,6 +149,7 @@ def pool(dirs: list[Path], out: Path, baseline: str) -> None:
     pairs = [(n, baseline) for n in names if n != baseline]
     pairs += [(n, m) for n in names for m in names if n != m and baseline not in (n, m) and n.startswith("fert")
               and not m.startswith("fert")]
+    pairs += [p for p in PAIRS if p[0] in common and p[1] in common and p not in pairs]   # e.g. variant - fert
     paired = paired_over_seeds(results, pairs)
     paired["units"] = units
     write_table(table, out, "ablate")

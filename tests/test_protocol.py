@@ -143,6 +143,26 @@ def test_own_retry_ranks_first_and_gate_drops_stalled_segments():
     # no gate: a neighbour at the end of an episode (no progress left) may be retrieved
     r0 = retrieve(idx, q, [ctx], top_k=40, own_retries_first=False)
     assert not r0.own_retry.any() and (r0.gain <= 0.02).any()
+    # own retries only: the recovered failure gets its retry alone, an unrecovered one retrieves nothing
+    other = FailureContext("unit-0000-000004", "reach-v3", 0, 1, 10, gain=0.0)
+    r1 = retrieve(idx, np.r_[q, q], [ctx, other], top_k=3, neighbours="own_retries")
+    assert set(r1.episode_id) == {"unit-0000-000009"} and r1.own_retry.all() and (r1.context == 0).all()
+    assert r1.context_weight[1] == 0.0 and np.isclose(r1.weight.sum(), 1.0)
+    with pytest.raises(ValueError, match="neighbours"):
+        retrieve(idx, q, [ctx], neighbours="nearby")
+
+
+def test_retry_share_repeats_retries_to_the_asked_share():
+    from fleet.arms import with_retry_share
+
+    eps = [_Meta(f"unit-0000-{i:06d}", length=100) for i in range(9)]
+    eps += [_Meta("unit-0000-000009", length=50, extra={"retry_of": "unit-0000-000003"})]
+    out = with_retry_share(eps, 0.5)
+    n_retry = sum(m.length for m in out if m.extra.get("retry_of"))
+    assert n_retry == 50 * 18 and sum(m.length for m in out) == 900 + 900    # 18 copies: half the windows
+    assert with_retry_share(eps[:9], 0.5) == eps[:9]                          # no retries: unchanged
+    with pytest.raises(ValueError, match="retry_share"):
+        with_retry_share(eps, 1.0)
 
 
 def test_arm_registry_refuses_unknown_arms_and_merges_overrides():
