@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from policies.factory import POLICY_TYPES
+
 
 class ConfigError(ValueError):
     """One or more config values break their rule; the message lists each as ``key: expected ..., given ...``."""
@@ -87,6 +89,7 @@ RULES: dict[str, Rule] = {
     "device": one_of("auto", "cpu", "cuda"),
     "store.url": store_url,
     "store.on_corrupt": one_of("raise", "skip"),
+    "policy.type": one_of(*POLICY_TYPES, "expert", "random"),   # learned types: policies.factory
     "train.steps": POS, "train.batch_size": POS, "train.save_every": POS, "train.log_every": POS,
     "train.warmup_steps": integer(0), "train.num_workers": integer(0), "train.lr": number(0, open_lo=True),
     "train.weight_decay": number(0), "train.grad_clip": number(0, open_lo=True),

@@ -172,8 +172,8 @@ def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path
         ValueError: an arm without fine-tuning (``data="none"``) or an unknown ``data``.
     """
     from experience_dict.retrieval import retry_of
-    from policies.aed_diffusion import AEDDiffusionPolicy
     from policies.aed_diffusion.training import train_policy
+    from policies.factory import load_policy
 
     if arm.data == "fert":
         lrn = make_learner(cfg, arm, out_dir, init_ckpt, None, seed, offline=True)
@@ -191,6 +191,6 @@ def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path
     tcfg.update(steps=updates, lr=float(cfg["learner"]["lr"]), warmup_steps=0, seed=int(seed),
                 batch_size=int(cfg["learner"]["batch_size"]), save_every=updates, progress=False)
     tcfg["wandb"] = {**tcfg.get("wandb", {}), "name": arm.name}
-    res = train_policy(tcfg, out_dir, policy=AEDDiffusionPolicy.from_pretrained(init_ckpt), reader=reader,
+    res = train_policy(tcfg, out_dir, policy=load_policy(init_ckpt), reader=reader,
                        episodes=eps, device=cfg["device"])
     return str(res["checkpoint"])

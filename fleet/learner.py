@@ -121,9 +121,9 @@ class FertLearner:
         aed_key = None
         if fert_cfg.get("key") == "relative+aed":   # the key's AED part: the (fixed) initial policy's dictionary
             from experience_dict.retrieval import aed_history_encoder
-            from policies.aed_diffusion import AEDDiffusionPolicy
+            from policies.factory import load_policy
 
-            self._key_policy = AEDDiffusionPolicy.from_pretrained(self.init_checkpoint).eval()
+            self._key_policy = load_policy(self.init_checkpoint)
             aed_key = aed_history_encoder(self._key_policy, float(fert_cfg.get("aed_key_scale_m", 0.05)))
         self._fert = FertData(self._reader, fert_cfg, stats=stats, exclude_units=self.heldout, aed_key=aed_key)
 
@@ -166,8 +166,8 @@ class FertLearner:
     def run_round(self, should_stop: Callable[[], bool] | None = None) -> dict:
         """Run the next FERT round (wait for data, retrieve, train, audit, publish); returns its record."""
         from experience_dict.audit import write_retrieval_audit
-        from policies.aed_diffusion import AEDDiffusionPolicy
         from policies.aed_diffusion.training import train_policy
+        from policies.factory import load_policy
 
         self._setup()
         r = int(self.state["round"])
@@ -175,7 +175,7 @@ class FertLearner:
         t0 = time.perf_counter()
         upd = self._fert.update()
         retrieval = self._fert.retrieve()
-        policy = AEDDiffusionPolicy.from_pretrained(self.init_checkpoint)
+        policy = load_policy(self.init_checkpoint).train()
         demos = self.replay_episodes()
         round_seed = 1000 * int(self.lcfg.get("seed") or 0) + r
         dataset = self._fert.dataset(retrieval, demos, policy.window_spec(), seed=round_seed)

@@ -11,19 +11,16 @@ Policy versions recorded in the store: registry versions are 1, 2, 3 ...; the no
 negative constants (``EXPERT_VERSION = -1``, ``RANDOM_VERSION = -2``) and a checkpoint loaded from a plain
 directory with no registry manifest records ``UNVERSIONED = 0``.
 
-Trained policies follow the LeRobot-style contract of ``policies/`` (``from_pretrained``, ``select_action``,
-``predict_action_chunk``, ``reset``): the action chunk is executed over several steps by the policy's own
-``select_action`` queue (local inference) or by ``ChunkQueuePolicy`` here (policy-server inference).
-``fleet.mlp_policy.MLPChunkPolicy`` is a tiny real torch policy (state -> action chunk) used for benchmarks and tests; the
-fleet's learned policy is ``policies.aed_diffusion.AEDDiffusionPolicy``.
+Trained policies implement ``policies.base.Policy`` and load through ``policies.factory.load_policy`` (any
+registered type: the AED diffusion policy, the MLP chunk policy): the action chunk is executed over several
+steps by the policy's own ``select_action`` queue (local inference) or by ``ChunkQueuePolicy`` here
+(policy-server inference).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,29 +68,10 @@ class RandomPolicy:
 
 
 # ---------------------------------------------------------------------------------------------------- loading
-def _aed_cls():
-    from policies.aed_diffusion import AEDDiffusionPolicy
-
-    return AEDDiffusionPolicy
-
-
-def _mlp_cls():
-    from fleet.mlp_policy import MLPChunkPolicy
-
-    return MLPChunkPolicy
-
-
-# config.json "type" -> loader of the policy class (lazy: expert/random workers never import torch)
-POLICY_CLASSES: dict[str, Callable[[], type]] = {
-    "mlp_chunk": _mlp_cls,
-    "aed_diffusion": _aed_cls,
-}
-
-
 def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[Any, int]:
     """Load a saved policy directory; returns ``(model in eval mode on device, policy version)``.
 
-    The class comes from ``config.json``'s ``"type"`` (``POLICY_CLASSES``; a config without one is taken as
+    The class comes from ``config.json``'s ``"type"`` (``policies.factory``; a config without one is taken as
     ``aed_diffusion``). When the directory holds a registry ``MANIFEST.json`` every file is first verified
     against it (``fleet.registry.verify_checkpoint_dir``) and the version comes from it; otherwise the version
     is ``UNVERSIONED`` (0).
@@ -104,19 +82,18 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[Any, int]:
         fleet.registry.ChecksumMismatchError: a file differs from the manifest.
     """
     from fleet.registry import MANIFEST, verify_checkpoint_dir
+    from policies.factory import load_policy, policy_class, policy_type
 
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} has no config.json")
+    ptype = policy_type(path)                        # FileNotFoundError without config.json
+    try:
+        policy_class(ptype)
+    except KeyError as e:
+        raise KeyError(f"checkpoint {str(path)!r}: {e.args[0]}") from None
     version = UNVERSIONED
     if (path / MANIFEST).is_file():
         version = int(verify_checkpoint_dir(path)["version"])
-    ptype = json.loads(cfg_file.read_text()).get("type", "aed_diffusion")
-    if ptype not in POLICY_CLASSES:
-        raise KeyError(f"checkpoint {str(path)!r}: unknown policy type {ptype!r}; known: {sorted(POLICY_CLASSES)}")
-    model = POLICY_CLASSES[ptype]().from_pretrained(path)
-    return model.to(device).eval(), version
+    return load_policy(path, device), version
 
 
 def resolve_device(device: str = "auto") -> str:
@@ -154,52 +131,40 @@ class TorchPolicy:
 
 # ---------------------------------------------------------------------------------------------------- server
 class ObservationHistory:
-    """Builds one inference sample from the steps seen so far, following a policy's ``window_spec``.
+    """One episode's inference sample, step by step, for the policy server: ``policies.history.WindowHistory``
+    (the one history builder, shared with ``AEDDiffusionPolicy.select_action``) over unbatched numpy arrays.
 
-    Windows whose offsets are all ``<= 0`` are kept (the current and past observations; past actions for
-    ``("action", [-k..-1])`` windows); windows reaching into the future (the training target) are skipped.
-    Steps before the episode start repeat the first frame (actions: the first action, zeros before any was
-    taken) and are flagged in ``<name>_is_pad`` ``(T,)`` bool, matching ``WindowDataset``'s edge padding and
-    ``AEDDiffusionPolicy.select_action``'s deployment windows.
+    Windows reaching into the future (the training target) are skipped; steps before the episode start repeat
+    the first frame (actions: the first action, zeros before any was taken) and are flagged in
+    ``<name>_is_pad`` ``(T,)`` bool, matching ``WindowDataset``'s edge padding.
     """
 
     def __init__(self, window_spec: dict[str, tuple[str, list[int]]], action_dim: int):
-        self.spec = {n: (k, list(o)) for n, (k, o) in window_spec.items() if max(o) <= 0}
-        self.action_dim = action_dim
-        self.reset()
+        from policies.history import WindowHistory
+
+        self._h = WindowHistory(window_spec, action_dim)
+        self.spec = self._h.spec
 
     def reset(self) -> None:
-        self.frames: dict[str, list[np.ndarray]] = {}
-        self.actions: list[np.ndarray] = []
+        self._h.reset()
 
     def push_obs(self, obs: dict[str, np.ndarray]) -> None:
-        for k, v in obs.items():
-            self.frames.setdefault(k, []).append(np.asarray(v))
+        import torch
+
+        self._h.push_obs({k: torch.as_tensor(np.asarray(v))[None] for k, v in obs.items()})
 
     def push_action(self, action: np.ndarray) -> None:
-        self.actions.append(np.asarray(action, dtype=np.float32))
+        import torch
+
+        self._h.push_action(torch.as_tensor(np.asarray(action, dtype=np.float32))[None])
 
     def sample(self) -> dict[str, np.ndarray]:
-        """The current step's sample: ``name -> (T, ...)`` plus ``name_is_pad -> (T,)``."""
-        out: dict[str, np.ndarray] = {}
-        for name, (key, offsets) in self.spec.items():
-            if key == "action":
-                seq, t_now = self.actions, len(self.actions)  # offset -1 is the last action taken
-                fill = seq[0] if seq else np.zeros(self.action_dim, np.float32)
-            else:
-                if key not in self.frames:
-                    raise KeyError(f"policy window {name!r} needs observation {key!r}; env gives {sorted(self.frames)}")
-                seq, t_now = self.frames[key], len(self.frames[key]) - 1
-                fill = seq[0]
-            vals, pad = [], []
-            for o in offsets:
-                i = t_now + o
-                ok = 0 <= i < len(seq)
-                pad.append(not ok)
-                vals.append(seq[i] if ok else fill)
-            out[name] = np.stack(vals)
-            out[f"{name}_is_pad"] = np.asarray(pad)
-        return out
+        """The current step's sample: ``name -> (T, ...)`` plus ``name_is_pad -> (T,)``.
+
+        Raises:
+            KeyError: a window's observation key missing from the pushed observations.
+        """
+        return {k: v[0].numpy() for k, v in self._h.batch().items()}
 
 
 class ChunkQueuePolicy:

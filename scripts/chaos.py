@@ -74,7 +74,6 @@ def prepare(c: dict, ch: dict, out: Path, full_cfg) -> str:
     from fleet.protocol import collect_demos
     from fleet.registry import CheckpointRegistry
     from policies.aed_diffusion.training import last_checkpoint, train_policy
-    from scripts.train import policy_config_from_hydra
 
     reg = CheckpointRegistry(c["fleet"]["registry_url"])
     if reg.latest_version() is not None and last_checkpoint(out / "base") is not None:   # a re-run in the same dir
@@ -88,7 +87,7 @@ def prepare(c: dict, ch: dict, out: Path, full_cfg) -> str:
     pcfg = OmegaConf.to_container(OmegaConf.create(pcfg), resolve=True)
     res = train_policy({"steps": int(ch["base_steps"]), "batch_size": 32, "save_every": int(ch["base_steps"]),
                         "progress": False, "wandb": {"enabled": False}, "seed": 0},
-                       out / "base", policy_cfg=policy_config_from_hydra(pcfg, reader), reader=reader,
+                       out / "base", policy_cfg=pcfg, reader=reader,
                        episodes=reader.episodes(is_demo=True), device="cpu")
     reg.publish(res["checkpoint"], metadata={"run_id": "base", "round": -1})
     return str(res["checkpoint"])

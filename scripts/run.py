@@ -117,11 +117,10 @@ def train_base(c: dict, reader, demos, out_dir: Path, aed: bool, val_reader=None
     ceiling, the validation curve picks the budget). Returns ``{"checkpoint", "val_curve", "best_step"}``."""
     from experience_dict.sampler import WindowDataset
     from policies.aed_diffusion.training import train_policy
-    from scripts.train import policy_config_from_hydra
 
-    pcfg = dict(c["policy"])
-    pcfg["aed"] = {**pcfg["aed"], "enabled": aed}
-    policy_cfg = policy_config_from_hydra(pcfg, reader)
+    policy_cfg = dict(c["policy"])                     # policies.factory.make_policy builds it
+    if "aed" in policy_cfg:
+        policy_cfg["aed"] = {**policy_cfg["aed"], "enabled": aed}
     tcfg = {k: v for k, v in c["train"].items() if k not in ("out_dir", "init_from", "episodes")}
     tcfg["steps"] = int(c["job"]["base_steps"])
     tcfg["desc"] = f"train {'base' if aed else 'base_no_aed'} (seed {c['seed']})"

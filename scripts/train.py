@@ -1,10 +1,12 @@
-"""Train the AED diffusion policy on the experience store (demonstrations by default).
+"""Train a policy on the experience store (demonstrations by default): the AED diffusion policy, or any
+policy type of ``policies.factory`` (``policy=mlp_chunk``).
 
     python scripts/train.py task=mw_quick                                  # state-only, CPU is enough
     python scripts/train.py train.steps=4000 train.out_dir=outputs/train_quick   # fixed dir: re-run resumes
     python scripts/train.py policy.aed.enabled=false                       # ablation: no AED prefix
     python scripts/train.py policy.mt_loss.weight=0                        # no motion-aware transition loss
     python scripts/train.py policy=aed_diffusion_image obs=vision device=cuda train.amp_bf16=true train.compile=true
+    python scripts/train.py policy=mlp_chunk                               # the small MLP action-chunk policy
 
 Reads episodes of ``task.tasks`` from ``store.url`` filtered by ``train.episodes`` (``is_demo: true``), fits the
 action tokenizer and normalization stats on them, trains with ``train_policy`` and writes checkpoints to
@@ -26,20 +28,10 @@ from omegaconf import DictConfig, OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experience_dict.store import CorruptChunkError, ExperienceStore
-from policies.aed_diffusion import AEDDiffusionConfig, AEDDiffusionPolicy
-from policies.aed_diffusion.training import input_shapes_from_store, train_policy
+from policies.aed_diffusion.training import train_policy
+from policies.factory import load_policy
 
 log = logging.getLogger("train")
-
-
-def policy_config_from_hydra(pcfg: dict, reader) -> AEDDiffusionConfig:
-    """Hydra ``policy`` node + the store's feature shapes -> ``AEDDiffusionConfig``."""
-    pcfg = dict(pcfg)
-    keys, images = pcfg.pop("input_keys", None), pcfg.pop("images", False)
-    if keys is None:
-        keys = [k for k, v in reader.features.items() if k.startswith("observation.")
-                and (images or len(v["shape"]) != 3)]
-    return AEDDiffusionConfig.from_dict({**pcfg, "input_shapes": input_shapes_from_store(reader, list(keys))})
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
@@ -67,9 +59,9 @@ def main(cfg: DictConfig) -> None:
     log.info("%d episodes (%d steps) from %s", len(episodes), sum(e.length for e in episodes), cfg.store.url)
     policy, policy_cfg = None, None
     if init_from:
-        policy = AEDDiffusionPolicy.from_pretrained(init_from)
+        policy = load_policy(init_from)
     else:
-        policy_cfg = policy_config_from_hydra(OmegaConf.to_container(cfg.policy, resolve=True), reader)
+        policy_cfg = OmegaConf.to_container(cfg.policy, resolve=True)   # policies.factory.make_policy
     t0 = time.time()
     try:
         res = train_policy(tcfg, out_dir, policy=policy, policy_cfg=policy_cfg, reader=reader, episodes=episodes,
@@ -77,7 +69,7 @@ def main(cfg: DictConfig) -> None:
                                                                "store": str(cfg.store.url)})
     except CorruptChunkError as e:   # names store, shard, array, chunk and episodes; checkpoints so far are kept
         raise SystemExit(f"train: {e}") from None
-    tok = res["policy"].tokenizer
+    tok = getattr(res["policy"], "tokenizer", None)
     summary = {"checkpoint": str(res["checkpoint"]), "step": res["step"], "wall_s": round(time.time() - t0, 1),
                "episodes": len(episodes), "parameters": res["policy"].num_parameters(),
                "store": str(cfg.store.url), "tasks": list(cfg.task.tasks), "control_hz": reader.control_hz,

@@ -252,7 +252,7 @@ def test_select_action_builds_the_sampler_windows(store):
     for t in range(13):
         a = policy.select_action({k: ep[k][t] for k in keys})
         assert a.shape == (4,) and a.dtype == np.float32 and np.all(np.abs(a) <= 1.0 + 1e-5)
-        policy._act_hist[-1] = torch.from_numpy(ep["action"][t])[None]
+        policy.history.actions[-1] = torch.from_numpy(ep["action"][t])[None]
         if t in (0, 4, 12):  # re-plans every n_action_steps = 4 steps; compare windows with the sampler
             got, want = calls[-1], ds[t]
             for name in spec:
@@ -261,7 +261,35 @@ def test_select_action_builds_the_sampler_windows(store):
                 torch.testing.assert_close(got[name][0][~pad].float(), want[name][~pad].float())
     assert len(calls) == 4
     policy.reset()
-    assert not policy._queue and not policy._act_hist
+    assert not policy._queue and not policy.history.actions and not policy.history.frames
+
+
+def test_policy_server_history_builds_the_sampler_windows_from_the_first_step(store):
+    """Training (the sampler), local acting (the policy's history) and the policy server's worker side build the
+    same conditioning for the same episode at every step, the padded first steps included."""
+    from fleet.policies import ObservationHistory
+
+    eps = store.episodes()
+    policy = build_policy(tiny_cfg(), store, eps).eval()
+    spec = policy.inference_window_spec()
+    ds = WindowDataset(store, eps[:1], windows=spec)
+    ep = store.load_episode(eps[0].episode_id)
+    keys = list(policy.config.input_shapes)
+    server_side = ObservationHistory(spec, policy.config.action_dim)
+    policy.reset()
+    for t in range(14):
+        obs = {k: ep[k][t] for k in keys}
+        server_side.push_obs(obs)
+        policy.history.push_obs({k: torch.from_numpy(v)[None] for k, v in obs.items()})
+        got, local, want = server_side.sample(), policy.history.batch(), ds[t]
+        for name in spec:
+            pad = want[f"{name}_is_pad"].numpy()
+            assert (got[f"{name}_is_pad"] == pad).all() and (local[f"{name}_is_pad"][0].numpy() == pad).all(), (t, name)
+            np.testing.assert_allclose(got[name][~pad], want[name].numpy()[~pad], err_msg=f"{t} {name}")
+            np.testing.assert_array_equal(local[name][0].numpy(), got[name])
+        server_side.push_action(ep["action"][t])
+        policy.history.push_action(torch.from_numpy(ep["action"][t])[None])
+    assert pad.sum() == 0   # by step 13 the history windows are full
 
 
 def _store_with(tmp_path, action_fn, n_eps: int = 3, T: int = 30):

@@ -213,7 +213,6 @@ def test_same_config_and_seed_give_same_demos_and_base(tmp_path):
     from experience_dict.store import ExperienceStore
     from fleet.protocol import collect_demos
     from policies.aed_diffusion.training import train_policy
-    from scripts.train import policy_config_from_hydra
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     cfg = {"robot": {"train_units": [0, 1], "heldout_units": [100]}, "obs": {"images": False},
@@ -232,7 +231,7 @@ def test_same_config_and_seed_give_same_demos_and_base(tmp_path):
         pol = OmegaConf.merge(OmegaConf.load("configs/policy/aed_diffusion.yaml"),
                               {"dim": 32, "n_layers": 1, "n_heads": 2, "state_hidden": 32,
                                "aed": {"tokenizer_vocab_size": 128}})
-        pcfg = policy_config_from_hydra(OmegaConf.to_container(pol, resolve=True), reader)
+        pcfg = OmegaConf.to_container(pol, resolve=True)      # policies.factory.make_policy builds it
         out = train_policy({"steps": 6, "batch_size": 8, "progress": False, "seed": 3, "num_threads": 1,
                             "wandb": {"enabled": False}}, tmp_path / f"base{k}", policy_cfg=pcfg, reader=reader,
                            episodes=eps, device="cpu")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from fleet.mlp_policy import MLPChunkConfig, MLPChunkPolicy
+from policies.mlp_chunk import MLPChunkConfig, MLPChunkPolicy
 from fleet.policies import load_checkpoint
 from fleet.registry import (
     MANIFEST,

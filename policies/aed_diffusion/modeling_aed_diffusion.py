@@ -677,10 +677,10 @@ class AEDDiffusionPolicy(nn.Module):
         return self.normalizer.unnormalize("action", x.float())
 
     def reset(self):
-        """Clear the deployment queues (call at every episode start)."""
-        H = self.config.aed.history_actions if self.config.aed.enabled else 0
-        self._obs_hist: deque = deque(maxlen=max(H, self.config.n_obs_steps - 1) + 1)
-        self._act_hist: deque = deque(maxlen=max(H, 1))
+        """Clear the deployment history and action queue (call at every episode start)."""
+        from policies.history import WindowHistory
+
+        self.history = WindowHistory(self.inference_window_spec(), self.config.action_dim)
         self._queue: deque = deque()
 
     @torch.no_grad()
@@ -688,9 +688,9 @@ class AEDDiffusionPolicy(nn.Module):
                       generators: list[torch.Generator] | None = None):
         """One control step at deployment.
 
-        Keeps the last observations and executed actions to build the same windows the sampler builds
-        (edge-repeated frames and ``_is_pad`` flags before the episode start), predicts a chunk when the
-        queue is empty and queues its first ``n_action_steps`` actions.
+        Keeps the last observations and executed actions in ``self.history`` (``policies.history.WindowHistory``,
+        the same windows the sampler builds: edge-repeated frames and ``_is_pad`` flags before the episode
+        start), predicts a chunk when the queue is empty and queues its first ``n_action_steps`` actions.
 
         Args:
             obs: {feature name: (B, ...) tensor} batched, or {name: np.ndarray} of one unbatched observation.
@@ -711,7 +711,7 @@ class AEDDiffusionPolicy(nn.Module):
             if list(x.shape[1:]) != list(shape):
                 raise ValueError(f"observation {k!r}: expected (B, {', '.join(map(str, shape))}), given {tuple(x.shape)}")
             cur[k] = x
-        self._obs_hist.append(cur)
+        self.history.push_obs(cur)
         if not self._queue:
             noise = None
             if generators is not None:
@@ -720,32 +720,26 @@ class AEDDiffusionPolicy(nn.Module):
                     raise ValueError(f"generators: expected {B} (one per batch row), given {len(generators)}")
                 shape = (self.config.horizon, self.config.action_dim)
                 noise = torch.stack([torch.randn(shape, generator=g, device=g.device) for g in generators])
-            chunk = self.predict_action_chunk(self._deployment_batch(), noise=noise, generator=generator)
+            chunk = self.predict_action_chunk(self.history.batch(), noise=noise, generator=generator)
             self._queue.extend(chunk[:, : self.config.n_action_steps].transpose(0, 1).cpu())
         a = self._queue.popleft()
-        self._act_hist.append(a)
+        self.history.push_action(a)
         return a[0].numpy().astype(np.float32) if unbatched else a
 
-    def _deployment_batch(self) -> dict:
-        hist, n = list(self._obs_hist), len(self._obs_hist)
-        batch = {}
-        for name, (key, offsets) in self.inference_window_spec().items():
-            if key == "action":
-                acts, H = list(self._act_hist), len(offsets)
-                B = hist[-1][next(iter(hist[-1]))].shape[0]
-                zero = torch.zeros(B, self.config.action_dim, device=acts[0].device if acts else "cpu")
-                rows = [acts[len(acts) + o] if len(acts) + o >= 0 else (acts[0] if acts else zero) for o in offsets]
-                batch[name] = torch.stack(rows, 1)
-                batch[name + "_is_pad"] = torch.tensor([len(acts) + o < 0 for o in offsets]).expand(B, H)
-            else:
-                idx = [n - 1 + o for o in offsets]
-                frames = [hist[max(i, 0)][key] for i in idx]
-                batch[name] = torch.stack(frames, 1)
-                B = frames[0].shape[0]
-                batch[name + "_is_pad"] = torch.tensor([i < 0 for i in idx]).expand(B, len(idx))
-        return batch
-
     # ------------------------------------------------------------------ checkpoints
+    @classmethod
+    def build(cls, cfg: dict, reader, episodes) -> AEDDiffusionPolicy:
+        """A fresh policy for the Hydra ``policy`` node ``cfg`` (configs/policy/aed_diffusion*.yaml): input
+        shapes from the store, the action tokenizer (AED on) and normalisation statistics fitted on
+        ``episodes`` (``policies.aed_diffusion.training.config_from_hydra`` and ``build_policy``).
+
+        Raises:
+            ValueError: a bad config value or an input key the store lacks.
+        """
+        from policies.aed_diffusion.training import build_policy, config_from_hydra
+
+        return build_policy(config_from_hydra(cfg, reader), reader, episodes)
+
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write ``config.json``, ``model.safetensors``, ``stats.json`` and (AED on) ``tokenizer.json``."""
         d = Path(directory)
@@ -796,6 +790,10 @@ class AEDDiffusionPolicy(nn.Module):
                 raise ValueError(f"checkpoint {path}: tensor {k!r} has shape {tuple(v.shape)}, the model "
                                  f"expects {tuple(own[k].shape)}")
         self.load_state_dict(sd, strict=True)
+
+    def compile_modules(self) -> list[nn.Module]:
+        """The submodules ``train.compile`` compiles (``torch.compile``): the denoiser and the observation encoder."""
+        return [self.denoiser, self.obs_encoder]
 
     def num_parameters(self) -> int:
         """Learned parameters (the frozen MT-target extractor excluded)."""

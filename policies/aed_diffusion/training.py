@@ -189,6 +189,22 @@ def input_shapes_from_store(reader, keys: list[str] | None = None) -> dict[str, 
     return {k: feats[k] for k in keys}
 
 
+def config_from_hydra(pcfg: dict, reader) -> AEDDiffusionConfig:
+    """Hydra ``policy`` node (configs/policy/aed_diffusion*.yaml) + the store's feature shapes ->
+    ``AEDDiffusionConfig``. ``input_keys`` null: every non-image ``observation.*`` key of the store (image keys
+    too with ``images: true``).
+
+    Raises:
+        ValueError: an input key the store lacks, or a bad config value (from ``AEDDiffusionConfig``).
+    """
+    pcfg = dict(pcfg)
+    keys, images = pcfg.pop("input_keys", None), pcfg.pop("images", False)
+    if keys is None:
+        keys = [k for k, v in reader.features.items() if k.startswith("observation.")
+                and (images or len(v["shape"]) != 3)]
+    return AEDDiffusionConfig.from_dict({**pcfg, "input_shapes": input_shapes_from_store(reader, list(keys))})
+
+
 def build_policy(policy_cfg: AEDDiffusionConfig, reader, episodes) -> AEDDiffusionPolicy:
     """Fit the action tokenizer on ``episodes``' actions (AED on), take stats over ``episodes`` and build
     a fresh policy."""
@@ -243,14 +259,17 @@ def step_seed(seed: int, step: int) -> int:
     return int(np.random.default_rng([int(seed), 7, int(step)]).integers(2 ** 62))
 
 
-def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPolicy | None = None,
-                 policy_cfg: AEDDiffusionConfig | None = None, reader=None, episodes=None,
+def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: Any | None = None,
+                 policy_cfg: AEDDiffusionConfig | dict | None = None, reader=None, episodes=None,
                  dataset: Dataset | None = None, device: str | None = "auto",
                  run_config: dict | None = None, val_dataset: Dataset | None = None) -> dict:
-    """Train (or keep training) an AED diffusion policy; resumable.
+    """Train (or keep training) a policy; resumable.
 
-    Give either ``policy`` (fine-tune an existing one) or ``policy_cfg`` + ``reader`` + ``episodes`` (fit the
-    tokenizer and stats on those episodes, build a fresh policy). The data is ``dataset`` if given (any
+    Any policy implementing ``policies.base.Policy`` trains here (the AED diffusion policy, the MLP chunk
+    policy, ...). Give either ``policy`` (fine-tune an existing one) or ``policy_cfg`` + ``reader`` +
+    ``episodes`` (fit the tokenizer and stats on those episodes, build a fresh policy): an
+    ``AEDDiffusionConfig``, or a Hydra ``policy`` node dict whose ``type`` picks the class
+    (``policies.factory.make_policy``). The data is ``dataset`` if given (any
     Dataset of window dicts with ``policy.window_spec()``'s names, e.g. FERT retrieval mixed with demo
     replay), else ``WindowDataset(reader, episodes, policy.window_spec())``. If ``train_cfg["resume"]`` and
     ``out_dir`` holds a checkpoint, everything (weights, EMA, optimizer, LR schedule, step) resumes from it.
@@ -283,12 +302,19 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPo
 
     resume_from = last_checkpoint(out_dir) if tc["resume"] else None
     if resume_from is not None:
-        policy = AEDDiffusionPolicy.from_pretrained(resume_from / "pretrained_model")
+        from policies.factory import load_policy
+
+        policy = load_policy(resume_from / "pretrained_model")
         log.info("resuming from %s", resume_from)
     elif policy is None:
         if policy_cfg is None or reader is None or not episodes:
             raise ValueError("train_policy needs policy=..., or policy_cfg, reader and a non-empty episodes list")
-        policy = build_policy(policy_cfg, reader, episodes)
+        if isinstance(policy_cfg, AEDDiffusionConfig):
+            policy = build_policy(policy_cfg, reader, episodes)
+        else:
+            from policies.factory import make_policy
+
+            policy = make_policy(policy_cfg, reader, episodes)
     policy = policy.to(dev).train()
     if dataset is None:
         if reader is None or not episodes:
@@ -321,8 +347,8 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPo
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     if tc["compile"]:
-        policy.denoiser.compile()
-        policy.obs_encoder.compile()
+        for m in getattr(policy, "compile_modules", lambda: [policy])():   # AED: denoiser and observation encoder
+            m.compile()
 
     drop_last = len(dataset) >= tc["batch_size"]
     # batches and per-step noise are functions of (seed, step): a resumed run continues exactly where it stopped
@@ -331,7 +357,7 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPo
         batching = {"sampler": steps_sampler, "batch_size": None}
     else:
         batching = {"batch_sampler": steps_sampler}
-    loader = DataLoader(dataset, **batching, num_workers=tc["num_workers"], collate_fn=TokenizingCollate(policy.tokenizer),
+    loader = DataLoader(dataset, **batching, num_workers=tc["num_workers"], collate_fn=TokenizingCollate(getattr(policy, "tokenizer", None)),
                         pin_memory=dev.type == "cuda", persistent_workers=tc["num_workers"] > 0)
     wb = None
     if tc["wandb"]["enabled"]:
@@ -354,7 +380,7 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: AEDDiffusionPo
         g = torch.Generator().manual_seed(0)
         order = torch.randperm(len(val_dataset), generator=g).tolist()
         B = int(tc["batch_size"])
-        collate = TokenizingCollate(policy.tokenizer)
+        collate = TokenizingCollate(getattr(policy, "tokenizer", None))
         fetch = getattr(val_dataset, "fetch", None)
         val_batches = [collate(fetch(order[i:i + B]) if callable(fetch) else [val_dataset[j] for j in order[i:i + B]])
                        for i in range(0, min(len(order), B * int(tc["val_batches"])), B)]

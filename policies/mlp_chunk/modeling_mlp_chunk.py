@@ -1,9 +1,9 @@
-"""A tiny real torch policy (normalised state -> action chunk), for fleet benchmarks and tests.
+"""A small real torch policy (normalised state -> action chunk, MSE regression).
 
-The fleet's learned policy is ``policies.aed_diffusion.AEDDiffusionPolicy``; this one has the same
-LeRobot-style surface (``forward``, ``predict_action_chunk``, ``select_action``, ``reset``,
-``save_pretrained``/``from_pretrained`` with safetensors + JSON) and loads through
-``fleet.policies.load_checkpoint`` (``config.json`` ``"type": "mlp_chunk"``).
+The fleet's learned policy is ``policies.aed_diffusion.AEDDiffusionPolicy``; this one implements the same
+interface (``policies.base.Policy``: ``build``, ``window_spec``, ``forward``, ``predict_action_chunk``,
+``select_action``, ``reset``, ``save_pretrained``/``from_pretrained`` with safetensors + JSON) and is made and
+loaded through ``policies.factory`` (``type: mlp_chunk``; ``scripts/train.py policy=mlp_chunk``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ class MLPChunkConfig:
     hidden_dim: int = 256
     n_layers: int = 3
 
+    def to_dict(self) -> dict:
+        return asdict(self)
+
     def __post_init__(self):
         if len(self.state_keys) != len(self.state_dims):
             raise ValueError(
@@ -57,6 +60,8 @@ class MLPChunkPolicy(nn.Module):
     ``stats.json`` (no pickle).
     """
 
+    name = "mlp_chunk"
+
     def __init__(self, config: MLPChunkConfig, stats: dict[str, dict[str, list[float]]] | None = None):
         super().__init__()
         self.config = config
@@ -76,6 +81,33 @@ class MLPChunkPolicy(nn.Module):
         self.register_buffer("in_mean", torch.tensor(mean, dtype=torch.float32))
         self.register_buffer("in_std", torch.tensor(std, dtype=torch.float32).clamp_min(1e-6))
         self._queue: deque[np.ndarray] = deque()
+        self.tokenizer = None   # no action-history tokens (policies.base.Policy)
+
+    @classmethod
+    def build(cls, cfg: dict, reader, episodes) -> MLPChunkPolicy:
+        """A fresh policy for the Hydra ``policy`` node ``cfg`` (keys of ``MLPChunkConfig`` plus ``input_keys``:
+        null for every non-image ``observation.*`` key of the store), with state statistics over ``episodes``.
+
+        Raises:
+            ValueError: an unknown config key, or an input key the store lacks.
+        """
+        cfg = {k: v for k, v in dict(cfg).items() if k not in ("type", "images")}
+        keys = cfg.pop("input_keys", None)
+        feats = {k: list(v["shape"]) for k, v in reader.features.items() if k.startswith("observation.")}
+        if keys is None:
+            keys = [k for k, shp in feats.items() if len(shp) == 1]
+        missing = [k for k in keys if k not in feats]
+        if missing:
+            raise ValueError(f"policy.input_keys: the store lacks {missing} (has {sorted(feats)})")
+        known = set(MLPChunkConfig.__dataclass_fields__) - {"type", "state_keys", "state_dims"}
+        unknown = sorted(set(cfg) - known)
+        if unknown:
+            raise ValueError(f"policy (mlp_chunk): unknown keys {unknown}; known: {sorted(known)} and input_keys")
+        config = MLPChunkConfig(state_keys=list(keys), state_dims=[int(feats[k][0]) for k in keys], **cfg)
+        return cls(config, reader.stats(list(keys), episodes=episodes))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
 
     def window_spec(self) -> dict[str, tuple[str, list[int]]]:
         """Windows a ``WindowDataset`` must produce for training (current state, future action chunk)."""
@@ -97,9 +129,18 @@ class MLPChunkPolicy(nn.Module):
         return (torch.cat(xs, -1) - self.in_mean) / self.in_std
 
     def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        """MSE loss between predicted and target action chunks; returns ``(loss, {"loss": float})``."""
+        """MSE between predicted and target action chunks, padded steps (``action_is_pad``) left out, each
+        sample weighted by ``sample_weight`` ``(B,)`` when given (FERT's retrieval weights); returns
+        ``(loss, {"loss": float})``."""
         pred = self.predict_action_chunk(batch)
-        loss = torch.nn.functional.mse_loss(pred, torch.as_tensor(batch["action"], dtype=torch.float32))
+        target = torch.as_tensor(batch["action"], dtype=torch.float32, device=pred.device)
+        err = (pred - target).pow(2).mean(-1)                                   # (B, horizon)
+        pad = batch.get("action_is_pad")
+        keep = (~torch.as_tensor(pad, device=pred.device).bool()).float() if pad is not None else torch.ones_like(err)
+        per = (err * keep).sum(-1) / keep.sum(-1).clamp_min(1.0)                # (B,)
+        w = batch.get("sample_weight")
+        w = torch.as_tensor(w, dtype=torch.float32, device=pred.device) if w is not None else torch.ones_like(per)
+        loss = (per * w).sum() / w.sum().clamp_min(1e-8)
         return loss, {"loss": loss.item()}
 
     def predict_action_chunk(self, batch: dict[str, Any]) -> torch.Tensor:
@@ -124,6 +165,7 @@ class MLPChunkPolicy(nn.Module):
         return a[0].cpu().numpy().astype(np.float32) if unbatched else a
 
     def save_pretrained(self, out_dir: str | Path) -> Path:
+        """Write ``model.safetensors``, ``config.json`` (with ``"type": "mlp_chunk"``) and ``stats.json``."""
         from safetensors.torch import save_file
 
         out_dir = Path(out_dir)
@@ -134,13 +176,34 @@ class MLPChunkPolicy(nn.Module):
         return out_dir
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> MLPChunkPolicy:
-        from safetensors.torch import load_file
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu") -> MLPChunkPolicy:
+        """Load a ``save_pretrained`` directory in eval mode.
 
+        Raises:
+            FileNotFoundError: ``config.json`` or ``model.safetensors`` missing.
+            ValueError: a tensor missing, unexpected or of the wrong shape (named).
+        """
         path = Path(path)
+        for name in ("config.json", "model.safetensors"):
+            if not (path / name).is_file():
+                raise FileNotFoundError(f"checkpoint {path} lacks {name}")
         cfg = MLPChunkConfig(**json.loads((path / "config.json").read_text()))
         stats_file = path / "stats.json"
         stats = json.loads(stats_file.read_text()) if stats_file.is_file() else None
         model = cls(cfg, stats)
-        model.load_state_dict(load_file(str(path / "model.safetensors")))
-        return model.eval()
+        model.load_weights(path / "model.safetensors")
+        return model.to(device).eval()
+
+    def load_weights(self, path: str | Path) -> None:
+        """Load a ``model.safetensors`` into this policy, checking every name and shape first.
+
+        Raises:
+            ValueError: a tensor missing, unexpected or of the wrong shape (named, with this config).
+        """
+        from safetensors.torch import load_file
+
+        sd, own = load_file(str(path)), self.state_dict()
+        bad = sorted(set(sd) ^ set(own)) + [k for k in sd if k in own and sd[k].shape != own[k].shape]
+        if bad:
+            raise ValueError(f"checkpoint {path} does not match MLPChunkConfig {asdict(self.config)}: tensors {bad[:10]}")
+        self.load_state_dict(sd)

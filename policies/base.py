@@ -1,0 +1,62 @@
+"""The policy interface: what every fleetmind policy implements, so the trainer, the fleet (worker, policy
+server, learner, evaluation) and the scripts can take any of them through ``policies.factory``.
+
+It is LeRobot's policy surface (``lerobot.policies.pretrained.PreTrainedPolicy``: ``forward``,
+``predict_action_chunk``, ``select_action``, ``reset``, ``save_pretrained``/``from_pretrained``) plus the two
+things fleetmind's training and serving need: ``build`` (a fresh policy from its Hydra config and the store's
+episodes) and ``window_spec`` (the observation/action windows one training sample and one inference step read,
+so the sampler, the policy server and deployment build the same conditioning).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A fleetmind policy (a ``torch.nn.Module``).
+
+    Attributes:
+        name: the ``type`` written in ``config.json`` and looked up by ``policies.factory``.
+        config: a dataclass with ``to_dict()``; ``action_dim``, ``horizon`` and ``n_action_steps`` fields.
+        tokenizer: the AED action tokenizer run in the DataLoader's collate, or None.
+    """
+
+    name: str
+    config: Any
+    tokenizer: Any
+
+    @classmethod
+    def build(cls, cfg: dict, reader, episodes) -> Policy:
+        """A fresh policy from the Hydra ``policy`` node and the store (shapes, statistics over ``episodes``)."""
+
+    def window_spec(self) -> dict[str, tuple[str, list[int]]]:
+        """``{sample name: (store key, step offsets)}`` of one training sample (``WindowDataset``); offsets
+        <= 0 are what inference reads, positive offsets (the future action chunk) are the training target."""
+
+    def forward(self, batch: dict) -> tuple[Any, dict[str, float]]:
+        """Training loss (scalar tensor; honours ``sample_weight`` ``(B,)`` when given) and logged metrics."""
+
+    def predict_action_chunk(self, batch: dict) -> Any:
+        """``(B, horizon, action_dim)`` float32 actions in [-1, 1] from a batch of observation windows."""
+
+    def select_action(self, obs: dict) -> Any:
+        """One action per call, queuing the chunk's first ``n_action_steps`` actions."""
+
+    def reset(self) -> None:
+        """Forget the episode (observation history, action queue)."""
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write ``config.json`` (with ``type``), ``model.safetensors`` and JSON side files; no pickle."""
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device: str = "cpu") -> Policy:
+        """Load a ``save_pretrained`` directory in eval mode; shape mismatches raise ValueError naming them."""
+
+    def load_weights(self, path: str | Path) -> None:
+        """Load a ``model.safetensors`` into this policy (training resume); mismatches raise ValueError."""
+
+    def num_parameters(self) -> int:
+        """Learned parameters."""
