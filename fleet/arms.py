@@ -28,6 +28,8 @@ fert_own_retries          base         FERT whose failures retrieve only their o
                                        fleet neighbour (an unrecovered failure's share goes to replay)
 bc_retries_focus          base         filtered_bc_retries with the successful retries tiled to 50% of
                                        the windows (exploration data concentrated, no retrieval)
+demos_bc                  base         the demonstrations only, the same budget: no fleet data at all (what
+                                       fine-tuning alone does to the base; the control for every other arm)
 ========================  ===========  =================================================================
 
 ``in_loop`` arms are trained round by round by their own ``fleet.learner.FertLearner`` while the fleet
@@ -38,7 +40,7 @@ done, on the final store, with the same total budget (for one round both see exa
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,7 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class Arm:
     """One compared policy: ``name``, ``init`` (``"base"``/``"base_no_aed"``: the base checkpoint it starts
-    from, or is), ``data`` (``"none"``, ``"successes"``, ``"successes+retries"``, ``"fert"``), ``fert``
+    from, or is), ``data`` (``"none"``, ``"demos"``, ``"successes"``, ``"successes+retries"``, ``"fert"``), ``fert``
     (overrides of ``cfg.fert`` for ``data="fert"``), ``in_loop``, a one-line ``description`` and
     ``retry_share`` (``data="successes+retries"`` only: the successful retries' share of the training windows,
     reached by repeating the retry episodes; None: each window once)."""
@@ -83,6 +85,7 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
         fert={"neighbours": "own_retries"}),
     Arm("bc_retries_focus", "base", "successes+retries", "filtered BC + retries, retries tiled to 50% of windows",
         retry_share=0.5),
+    Arm("demos_bc", "base", "demos", "fine-tuned on the demonstrations only (no fleet data), same budget"),
 ]}
 
 # (arm, baseline) pairs reported trial by trial, in this order, when both arms ran
@@ -93,7 +96,8 @@ PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retrie
          ("fert_conf_replay", "fert"), ("fert_confidence", "filtered_bc"), ("fert_replay_fleet", "filtered_bc"),
          ("fert_conf_replay", "filtered_bc"), ("fert_own_retries", "base"), ("fert_own_retries", "fert"),
          ("fert_own_retries", "filtered_bc_retries"), ("bc_retries_focus", "base"),
-         ("bc_retries_focus", "filtered_bc_retries"), ("fert_own_retries", "bc_retries_focus"), ("fert_no_aed", "base_no_aed"), ("fert", "fert_no_aed"), ("base", "base_no_aed")]
+         ("bc_retries_focus", "filtered_bc_retries"), ("fert_own_retries", "bc_retries_focus"), ("demos_bc", "base"), ("fert", "demos_bc"),
+         ("filtered_bc", "demos_bc"), ("filtered_bc_retries", "demos_bc"), ("fert_no_aed", "base_no_aed"), ("fert", "fert_no_aed"), ("base", "base_no_aed")]
 
 
 def get_arms(names: Iterable[str]) -> list[Arm]:
@@ -161,17 +165,29 @@ def with_retry_share(episodes: list, share: float) -> list:
     return others + retries * k
 
 
+def arm_episodes(arm: Arm, successes: Sequence, heldout: Iterable[int]) -> list:
+    """The episodes an offline BC arm trains on, from the store's successful ``successes`` (EpisodeMeta):
+    training units only; ``data="demos"`` the demonstrations, ``"successes"`` every success but the failure
+    retries, ``"successes+retries"`` all of them (retries tiled to ``arm.retry_share`` when set)."""
+    from experience_dict.retrieval import retry_of
+
+    held = {int(u) for u in heldout}
+    eps = [m for m in successes if int(m.unit_id) not in held
+           and (arm.data == "successes+retries" or not retry_of(m)) and (arm.data != "demos" or m.is_demo)]
+    return with_retry_share(eps, float(arm.retry_share)) if arm.retry_share is not None else eps
+
+
 def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path, heldout: list[int],
                       seed: int) -> str:
     """Fine-tune one arm that is not trained in the fleet loop on the final store; returns its
-    ``pretrained_model`` directory. ``data="successes"`` / ``"successes+retries"``: filtered BC (uniform over the
-    windows of the successful training-unit episodes, the demonstrations included); ``data="fert"``: the
-    arm's FERT rounds run one after the other on the final store.
+    ``pretrained_model`` directory. ``data="demos"``: the demonstrations only; ``data="successes"`` /
+    ``"successes+retries"``: filtered BC (uniform over the windows of the successful training-unit episodes,
+    the demonstrations included); ``data="fert"``: the arm's FERT rounds run one after the other on the final
+    store.
 
     Raises:
         ValueError: an arm without fine-tuning (``data="none"``) or an unknown ``data``.
     """
-    from experience_dict.retrieval import retry_of
     from policies.aed_diffusion.training import train_policy
     from policies.factory import load_policy
 
@@ -179,13 +195,10 @@ def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path
         lrn = make_learner(cfg, arm, out_dir, init_ckpt, None, seed, offline=True)
         lrn.run(int(cfg["fert"]["rounds"]))
         return lrn.final_checkpoint()
-    if arm.data not in ("successes", "successes+retries"):
+    if arm.data not in ("demos", "successes", "successes+retries"):
         raise ValueError(f"arm {arm.name!r}: data {arm.data!r} is not fine-tuned offline")
     reader.refresh()
-    eps = [m for m in reader.episodes(success=True) if int(m.unit_id) not in set(heldout)
-           and (arm.data == "successes+retries" or not retry_of(m))]
-    if arm.retry_share is not None:
-        eps = with_retry_share(eps, float(arm.retry_share))
+    eps = arm_episodes(arm, reader.episodes(success=True), heldout)
     updates = finetune_budget(cfg)
     tcfg = {k: v for k, v in cfg["train"].items() if k not in ("out_dir", "init_from", "episodes")}
     tcfg.update(steps=updates, lr=float(cfg["learner"]["lr"]), warmup_steps=0, seed=int(seed),

@@ -108,9 +108,9 @@ def test_relative_key_is_in_metres_and_sees_the_goal():
 
 
 class _Meta:
-    def __init__(self, eid, task="reach-v3", unit=0, success=True, extra=None, length=20):
+    def __init__(self, eid, task="reach-v3", unit=0, success=True, extra=None, length=20, is_demo=False):
         self.episode_id, self.task, self.unit_id, self.success = eid, task, unit, success
-        self.is_demo, self.extra, self.length, self.policy_version = False, extra or {}, length, 1
+        self.is_demo, self.extra, self.length, self.policy_version = is_demo, extra or {}, length, 1
 
 
 def test_own_retry_ranks_first_and_gate_drops_stalled_segments():
@@ -163,6 +163,23 @@ def test_retry_share_repeats_retries_to_the_asked_share():
     assert with_retry_share(eps[:9], 0.5) == eps[:9]                          # no retries: unchanged
     with pytest.raises(ValueError, match="retry_share"):
         with_retry_share(eps, 1.0)
+
+
+def test_each_offline_arm_trains_on_its_own_episodes():
+    from fleet.arms import arm_episodes
+
+    demo, fleet_ok = _Meta("unit-0001-000000", unit=1, is_demo=True), _Meta("unit-0000-000001")
+    retry = _Meta("unit-0000-000002", extra={"retry_of": "unit-0000-000000"})
+    held = _Meta("unit-0100-000000", unit=100)
+    eps = [demo, fleet_ok, retry, held]
+
+    def ids(arm):
+        return [m.episode_id for m in arm_episodes(ARMS[arm], eps, heldout=[100])]
+
+    assert ids("demos_bc") == [demo.episode_id]
+    assert ids("filtered_bc") == [demo.episode_id, fleet_ok.episode_id]
+    assert ids("filtered_bc_retries") == [demo.episode_id, fleet_ok.episode_id, retry.episode_id]
+    assert ids("bc_retries_focus").count(retry.episode_id) == 2            # 40 other steps, 20 of a retry: x2
 
 
 def test_arm_registry_refuses_unknown_arms_and_merges_overrides():
