@@ -89,6 +89,7 @@ RULES: dict[str, Rule] = {
     "device": one_of("auto", "cpu", "cuda"),
     "store.url": store_url,
     "store.on_corrupt": one_of("raise", "skip"),
+    "store.storage_options": lambda v: None if v is None or isinstance(v, Mapping) else "a mapping of fsspec options",
     "policy.type": one_of(*POLICY_TYPES, "expert", "random"),   # learned types: policies.factory
     "train.steps": POS, "train.batch_size": POS, "train.save_every": POS, "train.log_every": POS,
     "train.warmup_steps": integer(0), "train.num_workers": integer(0), "train.lr": number(0, open_lo=True),
@@ -163,8 +164,17 @@ def check(cfg: Mapping) -> None:
 
 
 def check_or_exit(cfg: Mapping) -> None:
-    """:func:`check`, turned into ``SystemExit`` with the message (scripts: a clear error, no traceback)."""
+    """:func:`check`, turned into ``SystemExit`` with the message (scripts: a clear error, no traceback); then
+    the store's ``storage_options`` become this process's defaults for its URL's protocol
+    (``experience_dict.store.configure_storage``), so the script's store handles reach the right server."""
     try:
         check(cfg)
     except ConfigError as e:
         raise SystemExit(str(e)) from None
+    store = cfg.get("store") if hasattr(cfg, "get") else None
+    if store is not None and store.get("storage_options"):
+        from omegaconf import DictConfig, OmegaConf
+
+        from experience_dict.store import configure_storage
+
+        configure_storage(OmegaConf.to_container(store, resolve=True) if isinstance(store, DictConfig) else store)

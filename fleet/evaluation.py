@@ -247,7 +247,7 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
 
     import torch
 
-    from experience_dict.store import ExperienceStore
+    from experience_dict.store import ExperienceStore, configure_storage
     from fleet.policies import load_checkpoint
     from fleet.worker import step_trial, writer_id
     from sim import make_env
@@ -255,6 +255,7 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     if int(batch_size) < 1:
         raise ValueError(f"batch_size: expected >= 1, given {batch_size}")
     torch.set_num_threads(int(torch_threads))
+    configure_storage({**dict(cfg.get("store") or {}), "url": str(store_url)})
     model, version = load_checkpoint(checkpoint, "cpu")
     takes_generators = "generators" in inspect.signature(model.select_action).parameters
     max_steps = int(cfg["task"]["max_episode_steps"])

@@ -106,8 +106,9 @@ class FertLearner:
         if self._fert is not None:
             return
         from experience_dict.retrieval import FertData
-        from experience_dict.store import ExperienceStore
+        from experience_dict.store import ExperienceStore, configure_storage
 
+        configure_storage({**dict(self.cfg.get("store") or {}), "url": self.store_url})
         self._reader = ExperienceStore.open(self.store_url)
         demos = self._reader.episodes(is_demo=True)
         if not demos:

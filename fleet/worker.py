@@ -150,7 +150,8 @@ class RobotWorker:
     Args:
         unit_id: the robot unit id (``sim`` draws its variation from it).
         tasks: task names this unit runs (round-robin when ``run_episodes`` is not given a task).
-        cfg: plain dict with keys ``robot``, ``obs``, ``task`` (Hydra groups), ``seed`` and ``fleet``.
+        cfg: plain dict with keys ``robot``, ``obs``, ``task`` (Hydra groups), ``seed`` and ``fleet`` (and
+            ``store``, whose ``storage_options`` this process applies).
         store_url: experience store URL (``ExperienceStore.create_or_open``).
         policy: acting policy spec: ``{"kind": "expert" | "random" | "checkpoint", "noise_std": float,
             "registry_url": str | None, "version": "latest" | int, "path": str | None, "server": actor | None,
@@ -185,8 +186,9 @@ class RobotWorker:
         self.cache_dir = Path(policy.get("cache_dir") or "/tmp/fleet_cache") / writer_id(self.unit_id)
 
     def _open(self, store_url: str) -> None:
-        from experience_dict.store import ExperienceStore
+        from experience_dict.store import ExperienceStore, configure_storage
 
+        configure_storage({**dict(self.cfg.get("store") or {}), "url": store_url})   # this process's storage options
         spec = self._env(self.tasks[0]).spec_dict()
         self.store = ExperienceStore.create_or_open(store_url, spec=spec, control_hz=spec.get("control_hz"))
         self.writer = self._open_writer()  # recovers a crashed shard

@@ -104,7 +104,7 @@ def test_scripts_train_takes_policy_mlp_chunk(demos, tmp_path):
                         "policy=mlp_chunk", "policy.hidden_dim=32", f"store.url={demos}", "train.steps=10",
                         "train.batch_size=8", "train.save_every=10", "train.wandb.enabled=false",
                         "train.progress=false", f"train.out_dir={out}", f"hydra.run.dir={tmp_path}/hydra"],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+                       cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["step"] == 10 and summary["tokenizer_fit"] is None

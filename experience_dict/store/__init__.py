@@ -17,6 +17,7 @@ from experience_dict.store.store import (
     SpecMismatchError,
     StoreError,
     WriterBusyError,
+    configure_storage,
 )
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "SpecMismatchError",
     "StoreError",
     "WriterBusyError",
+    "configure_storage",
 ]

@@ -161,6 +161,40 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
+def configure_storage(store_cfg: Any) -> None:
+    """Apply ``store.storage_options`` (``{option: value}``, e.g. ``endpoint_url``, ``key``, ``secret`` for
+    ``s3://``) as this process's fsspec defaults for the protocol of ``store.url``, so every store handle
+    opened in the process (readers, writers, zarr's ``FsspecStore``) reaches the right server.
+
+    Every process that opens the store calls it with the config it was given: the scripts at start-up, fleet
+    workers, the learner, the vectorised evaluation. Options set through the environment (``AWS_ENDPOINT_URL``,
+    ``AWS_ACCESS_KEY_ID``, ...) need nothing here. A local path or no options: nothing to do.
+
+    Args:
+        store_cfg: the ``store`` config group (mapping with ``url`` and optionally ``storage_options``).
+    Raises:
+        ValueError: ``storage_options`` is not a mapping.
+    """
+    if not store_cfg:
+        return
+    opts = store_cfg.get("storage_options") if hasattr(store_cfg, "get") else None
+    if not opts:
+        return
+    if not hasattr(opts, "items"):
+        raise ValueError(f"store.storage_options: expected a mapping of fsspec options, given {opts!r}")
+    url = str(store_cfg.get("url") or "")
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    if protocol in ("file", "memory"):
+        return
+    conf = fsspec.config.conf.setdefault(protocol, {})
+    conf.update({str(k): v for k, v in dict(opts).items()})
+    # cached filesystem instances were built with the old defaults
+    fsspec.get_filesystem_class(protocol).clear_instance_cache()
+
+
+_MADE_DIRS: set[tuple[int, str]] = set()
+
+
 def _atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so a reader sees either nothing/the old file or the whole new file.
 
@@ -176,14 +210,24 @@ def _atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None
             f.write(data)
         os.replace(tmp, path)
     else:
-        fs.makedirs(parent, exist_ok=True)
+        key = (id(fs), parent)
+        if key not in _MADE_DIRS:   # object stores have no directories: one call per parent (s3fs: a HEAD)
+            fs.makedirs(parent, exist_ok=True)
+            _MADE_DIRS.add(key)
         fs.pipe_file(path, data)
+
+
+def _ls_fresh(fs: fsspec.AbstractFileSystem, path: str, detail: bool = False):
+    """``fs.ls`` past the filesystem's listings cache (s3fs, gcsfs, ... cache directory listings: a reader
+    would otherwise never see a commit record written after its first listing)."""
+    fs.invalidate_cache(path)
+    return fs.ls(path, detail=detail)
 
 
 def _ls_json(fs: fsspec.AbstractFileSystem, path: str, detail: bool = False):
     """``*.json`` entries directly under ``path`` (``[]`` if it does not exist); temp files are skipped."""
     try:
-        entries = fs.ls(path, detail=True)
+        entries = _ls_fresh(fs, path, detail=True)
     except FileNotFoundError:
         return []
     out = [e for e in entries if e["type"] == "file" and e["name"].endswith(".json")]
@@ -587,7 +631,7 @@ class ExperienceStore:
         """
         new = 0
         try:
-            writers = [p.rsplit("/", 1)[-1] for p in self.fs.ls(self._p("commits"), detail=False)]
+            writers = [p.rsplit("/", 1)[-1] for p in _ls_fresh(self.fs, self._p("commits"))]
         except FileNotFoundError:
             writers = []
         for w in sorted(writers):
@@ -602,7 +646,7 @@ class ExperienceStore:
                 new += 1
         self._episodes = dict(sorted(self._episodes.items(), key=lambda kv: (kv[1].shard, kv[1].start)))
         try:
-            ann_writers = [p.rsplit("/", 1)[-1] for p in self.fs.ls(self._p("annotations"), detail=False)]
+            ann_writers = [p.rsplit("/", 1)[-1] for p in _ls_fresh(self.fs, self._p("annotations"))]
         except FileNotFoundError:
             ann_writers = []
         for w in ann_writers:
