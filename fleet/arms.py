@@ -90,6 +90,7 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
 
 # (arm, baseline) pairs reported trial by trial, in this order, when both arms ran
 PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retries"), ("filtered_bc_retries", "base"),
+         ("filtered_bc_retries", "filtered_bc"),
          ("filtered_bc", "base"), ("fert", "fert_no_retries"), ("fert", "fert_no_gate"), ("fert", "fert_abs_key"),
          ("fert_aed_key", "fert"), ("fert_confidence", "base"), ("fert_replay_fleet", "base"),
          ("fert_conf_replay", "base"), ("fert_confidence", "fert"), ("fert_replay_fleet", "fert"),

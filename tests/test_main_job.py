@@ -32,7 +32,7 @@ def test_main_job_tiny_end_to_end(tmp_path):
                           text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = json.loads((out / "results.json").read_text())
-    arms = {"base", "filtered_bc", "filtered_bc_retries", "fert", "fert_no_aed", "base_no_aed"}
+    arms = {"base", "demos_bc", "filtered_bc", "filtered_bc_retries", "fert", "fert_no_aed", "base_no_aed"}
     assert set(table["arms"]) == arms and table["meta"]["seeds"] == [0, 1]
     for row in table["arms"].values():
         assert row["tasks"]["reach-v3"]["trials"] == 4                      # 2 trials x 2 seeds
