@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,34 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experience_dict.sampler import WindowDataset
 from experience_dict.store import DEFAULT_PROGRESS_KEYS, ExperienceStore, configure_storage
+from experience_dict.store.local_s3 import start_local_s3
 
 SPEC = {"observation.state": {"shape": [4], "dtype": "float32"},
         "observation.environment_state": {"shape": [17], "dtype": "float32"},
         "action": {"shape": [4], "dtype": "float32"}, "control_hz": 80.0}
-
-
-def start_server() -> tuple[subprocess.Popen, dict]:
-    """moto's S3 server on a free loopback port with bucket ``bench``; returns (process, storage options)."""
-    import boto3
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    opts = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "bench", "secret": "bench",
-            "client_kwargs": {"region_name": "us-east-1"}}
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            boto3.client("s3", endpoint_url=opts["endpoint_url"], aws_access_key_id="bench",
-                         aws_secret_access_key="bench", region_name="us-east-1").create_bucket(Bucket="bench")
-            return proc, opts
-        except Exception:  # noqa: BLE001 - until the server answers
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("moto S3 server did not start") from None
-            time.sleep(0.2)
 
 
 def episode(rng: np.random.Generator, steps: int) -> tuple[list[dict], np.ndarray]:
@@ -134,7 +109,7 @@ def main() -> None:
     a = ap.parse_args()
     import s3fs
 
-    proc, opts = start_server()
+    proc, opts = start_local_s3("bench")
     try:
         url = "s3://bench/store"
         configure_storage({"url": url, "storage_options": opts})

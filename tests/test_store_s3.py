@@ -10,7 +10,6 @@ config path (``store.storage_options`` applied by the scripts' start-up check).
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
 from experience_dict.store import ExperienceStore, configure_storage
+from experience_dict.store.local_s3 import start_local_s3
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = {"observation.state": {"shape": [4], "dtype": "float32"},
@@ -51,33 +51,10 @@ for e in range(k, k + n):
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3():
-    """A moto S3 server on loopback with one bucket; yields the store config's ``storage_options``."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    opts = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing",
-            "client_kwargs": {"region_name": "us-east-1"}}
-    import boto3
-
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            boto3.client("s3", endpoint_url=opts["endpoint_url"], aws_access_key_id="testing",
-                         aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="fleet")
-            break
-        except Exception:  # noqa: BLE001 - any error until the server answers
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("moto S3 server did not start") from None
-            time.sleep(0.2)
+    """moto's S3 server on loopback with bucket ``fleet``; yields the store config's ``storage_options``."""
+    proc, opts = start_local_s3("fleet")
     yield opts
     proc.kill()
     proc.wait(10)
