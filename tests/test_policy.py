@@ -232,13 +232,18 @@ def test_wrong_shape_checkpoint_fails_clearly(store, tmp_path):
         AEDDiffusionPolicy.from_pretrained(tmp_path / "a")
 
 
-def test_select_action_builds_the_sampler_windows(store):
+def _deployment_case(store):
+    """A tiny policy in eval mode, its inference window spec, the sampler over the store's first episode, that
+    episode's arrays and the policy's observation keys."""
     eps = store.episodes()
     policy = build_policy(tiny_cfg(), store, eps).eval()
     spec = policy.inference_window_spec()
-    ds = WindowDataset(store, eps[:1], windows=spec)
-    ep = store.load_episode(eps[0].episode_id)
-    keys = list(policy.config.input_shapes)
+    return (policy, spec, WindowDataset(store, eps[:1], windows=spec), store.load_episode(eps[0].episode_id),
+            list(policy.config.input_shapes))
+
+
+def test_select_action_builds_the_sampler_windows(store):
+    policy, spec, ds, ep, keys = _deployment_case(store)
     calls = []
     orig = policy.predict_action_chunk
 
@@ -269,12 +274,7 @@ def test_policy_server_history_builds_the_sampler_windows_from_the_first_step(st
     same conditioning for the same episode at every step, the padded first steps included."""
     from fleet.policies import ObservationHistory
 
-    eps = store.episodes()
-    policy = build_policy(tiny_cfg(), store, eps).eval()
-    spec = policy.inference_window_spec()
-    ds = WindowDataset(store, eps[:1], windows=spec)
-    ep = store.load_episode(eps[0].episode_id)
-    keys = list(policy.config.input_shapes)
+    policy, spec, ds, ep, keys = _deployment_case(store)
     server_side = ObservationHistory(spec, policy.config.action_dim)
     policy.reset()
     for t in range(14):

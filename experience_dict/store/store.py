@@ -192,7 +192,7 @@ def configure_storage(store_cfg: Any) -> None:
     fsspec.get_filesystem_class(protocol).clear_instance_cache()
 
 
-_MADE_DIRS: set[tuple[int, str]] = set()
+_MADE_DIRS: set[tuple[Any, str]] = set()
 
 
 def _atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
@@ -210,7 +210,7 @@ def _atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None
             f.write(data)
         os.replace(tmp, path)
     else:
-        key = (id(fs), parent)
+        key = (getattr(fs, "_fs_token", None) or id(fs), parent)   # fsspec token: one per filesystem config
         if key not in _MADE_DIRS:   # object stores have no directories: one call per parent (s3fs: a HEAD)
             fs.makedirs(parent, exist_ok=True)
             _MADE_DIRS.add(key)
