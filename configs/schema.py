@@ -110,6 +110,9 @@ RULES: dict[str, Rule] = {
     "fert.neighbours": one_of("fleet", "own_retries"),
     "fert.confidence_scale_m": optional(number(0, open_lo=True)), "fert.approx_above": optional(integer(64)),
     "fert.nprobe": POS, "fert.max_contexts_per_task": POS,
+    "fert.retry.attempts": integer(0), "fert.retry.action_noise_std": number(0), "fert.retry.growth": number(0, open_lo=True),
+    "fert.retry.hold_steps": POS, "fert.retry.max_share": number(0),
+    "fert.retry.noise_temperature": number(0, open_lo=True), "fert.retry.temperature_growth": number(0, open_lo=True),
     "chaos.kills": integer(0), "chaos.units": POS, "chaos.interval_s": number(0, open_lo=True),
 }
 

@@ -19,6 +19,8 @@ steps by the policy's own ``select_action`` queue (local inference) or by ``Chun
 
 from __future__ import annotations
 
+import inspect
+
 import time
 from collections import deque
 from pathlib import Path
@@ -112,19 +114,35 @@ class TorchPolicy:
         model: a policy with ``reset()`` and ``select_action(obs)`` taking one unbatched observation
             ``{name: np.ndarray}`` and returning ``(action_dim,)`` (LeRobot-style contract of ``policies/``).
         version: the policy version recorded with episodes.
+
+    ``noise_scale`` (default 1.0): the temperature of the initial denoising noise of the chunks it samples
+    (set by a failure retry's ``fleet.worker.Exploration``); a policy without denoising noise refuses any
+    other value.
     """
 
     def __init__(self, model, version: int):
         self.model, self.version = model, version
+        self.noise_scale = 1.0
 
     def reset(self) -> None:
         self.model.reset()
 
     def select_action(self, obs: dict[str, np.ndarray]) -> np.ndarray:
+        """(action_dim,) float32 action for one unbatched observation ``{name: np.ndarray}``.
+
+        Raises:
+            ValueError: ``noise_scale != 1`` for a policy whose ``select_action`` takes no ``noise_scale``.
+        """
         import torch
 
         with torch.no_grad():
-            a = self.model.select_action(obs)
+            if self.noise_scale != 1.0:
+                if "noise_scale" not in inspect.signature(self.model.select_action).parameters:
+                    raise ValueError(f"exploration noise_temperature={self.noise_scale}: the policy "
+                                     f"{type(self.model).__name__} samples no denoising noise (use action_noise_std)")
+                a = self.model.select_action(obs, noise_scale=self.noise_scale)
+            else:
+                a = self.model.select_action(obs)
         a = a.detach().cpu().numpy() if torch.is_tensor(a) else np.asarray(a)
         return a.reshape(-1).astype(np.float32)
 
@@ -185,6 +203,7 @@ class ChunkQueuePolicy:
         self.n_action_steps, self.action_dim, self.retry_s = n_action_steps, action_dim, retry_s
         self.queue: deque[np.ndarray] = deque()
         self._zero_action = np.zeros(action_dim, np.float32)
+        self.noise_scale = 1.0   # temperature of the initial denoising noise (fleet.worker.Exploration)
 
     def reset(self) -> None:
         self.history.reset()
@@ -200,7 +219,7 @@ class ChunkQueuePolicy:
             deadline = time.monotonic() + self.retry_s
             while True:
                 try:
-                    chunk = ray.get(self.server.predict_chunk.remote(sample, self.version))
+                    chunk = ray.get(self.server.predict_chunk.remote(sample, self.version, self.noise_scale))
                     break
                 except RayActorError:
                     if time.monotonic() > deadline:

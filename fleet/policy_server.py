@@ -102,14 +102,15 @@ class PolicyServer:
                 "horizon": int(cfg.horizon)}
 
     # ------------------------------------------------------------------ batching
-    async def predict_chunk(self, sample: dict[str, np.ndarray], version: int) -> np.ndarray:
+    async def predict_chunk(self, sample: dict[str, np.ndarray], version: int, noise_scale: float = 1.0) -> np.ndarray:
         """One action chunk ``(horizon, action_dim)`` float32 for one sample (``name -> (T, ...)`` arrays,
-        without batch axis), computed in a batch with the other requests pending now."""
+        without batch axis), computed in a batch with the other requests pending now. ``noise_scale``: this
+        request's temperature of the initial denoising noise (1.0: as trained; a failure retry's exploration)."""
         if self._wake is None:
             self._wake = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._batch_loop())
         fut = asyncio.get_running_loop().create_future()
-        self._pending.append((sample, int(version), fut, time.perf_counter()))
+        self._pending.append((sample, int(version), fut, time.perf_counter(), float(noise_scale)))
         self._wake.set()
         return await fut
 
@@ -129,21 +130,23 @@ class PolicyServer:
                 (batch if item[1] == version else rest).append(item)
             self._pending.extendleft(reversed(rest))
             try:
-                chunks = await loop.run_in_executor(self._pool, self._forward, [b[0] for b in batch], version)
+                chunks = await loop.run_in_executor(self._pool, self._forward, [b[0] for b in batch], version,
+                                                    [b[4] for b in batch])
                 now = time.perf_counter()
-                for (_, _, fut, t0), c in zip(batch, chunks):
+                for (_, _, fut, t0, _), c in zip(batch, chunks):
                     self._latency_s.append(now - t0)
                     if not fut.done():
                         fut.set_result(c)
             except Exception as e:  # noqa: BLE001 - every waiting request gets the error
-                for _, _, fut, _ in batch:
+                for _, _, fut, _, _ in batch:
                     if not fut.done():
                         fut.set_exception(e)
             if self._pending:
                 self._wake.set()
 
     @torch.no_grad()
-    def _forward(self, samples: list[dict[str, np.ndarray]], version: int) -> np.ndarray:
+    def _forward(self, samples: list[dict[str, np.ndarray]], version: int,
+                 noise_scales: list[float] | None = None) -> np.ndarray:
         t0 = time.perf_counter()
         model = self._model(version)
         keys = set(samples[0])
@@ -151,7 +154,11 @@ class PolicyServer:
             if set(s) != keys:
                 raise ValueError(f"PolicyServer: requests in one batch have different keys: {sorted(keys)} vs {sorted(s)}")
         batch = {k: torch.as_tensor(np.stack([s[k] for s in samples])).to(self.device) for k in keys}
-        chunk = model.predict_action_chunk(batch).float().cpu().numpy()
+        if noise_scales is not None and any(x != 1.0 for x in noise_scales):
+            chunk = model.predict_action_chunk(batch, noise_scale=torch.tensor(noise_scales, dtype=torch.float32))
+        else:
+            chunk = model.predict_action_chunk(batch)
+        chunk = chunk.float().cpu().numpy()
         self._batch_sizes.append(len(samples))
         self._forward_s.append(time.perf_counter() - t0)
         return chunk

@@ -10,9 +10,10 @@ Seed streams (``fleet.worker.episode_seed(stream, unit, k)``), apart per purpose
   ``eval.seed`` (the same trials for every arm and every seed, so arms are paired trial by trial).
 
 Failure-guided exploration (``retry_plan`` / ``run_retries``): a failed fleet episode of a training unit is
-re-attempted on the same unit from the same reset seed, with temporally correlated action noise
-(``fleet.worker.Exploration``), up to ``attempts`` times, stopping at the first success; the noise grows by
-``growth`` with every attempt, so the exploration scale adapts per failure until it is recovered. Retries
+re-attempted on the same unit from the same reset seed, with temporally correlated action noise and/or a
+higher temperature of the policy's initial denoising noise (``fleet.worker.Exploration``), up to ``attempts``
+times, stopping at the first success; the noise grows by ``growth`` (the temperature by
+``temperature_growth``) with every attempt, so the exploration scale adapts per failure until it is recovered. Retries
 are capped at ``max_share`` of the round's fleet episodes and never run on held-out units. In simulation the
 reset seed reproduces the failed trial's initial state; on a real robot, where a reset is impossible, the
 retry starts from the failure state instead (not built here).
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 DEMO_STREAM, FLEET_STREAM = 3000, 5000
 # the defaults of configs/fert/default.yaml's ``retry`` group (used for keys a caller leaves out)
 RETRY_DEFAULTS = {"enabled": True, "attempts": 6, "action_noise_std": 0.2, "growth": 1.3, "hold_steps": 8,
-                  "max_share": 1.5}
+                  "max_share": 1.5, "noise_temperature": 1.0, "temperature_growth": 1.0}
 RETRY_KEYS = set(RETRY_DEFAULTS)
 
 
@@ -117,8 +118,9 @@ def retry_plan(failures: Sequence[dict], cfg: dict, attempt: int, heldout: Seque
     Args:
         failures: failed fleet episode summaries (``episode_id``, ``task``, ``unit_id``, ``seed``) still
             unrecovered; retries and held-out units are skipped.
-        cfg: ``fert.retry`` (keys ``RETRY_KEYS``). attempt: 0-based wave number (noise std
-            ``action_noise_std * growth ** attempt``). heldout: held-out unit ids (never retried).
+        cfg: ``fert.retry`` (keys ``RETRY_KEYS``). attempt: 0-based wave number (held action noise std
+            ``action_noise_std * growth ** attempt``; denoising-noise temperature
+            ``noise_temperature * temperature_growth ** attempt``). heldout: held-out unit ids (never retried).
         budget: retry episodes left (the plan is cut to it).
 
     Returns:
@@ -133,13 +135,14 @@ def retry_plan(failures: Sequence[dict], cfg: dict, attempt: int, heldout: Seque
     held = {int(u) for u in heldout}
     cfg = {**RETRY_DEFAULTS, **dict(cfg)}
     std = float(cfg["action_noise_std"]) * float(cfg["growth"]) ** int(attempt)
+    temp = float(cfg["noise_temperature"]) * float(cfg["temperature_growth"]) ** int(attempt)
     out = []
     for f in failures:
         if int(f["unit_id"]) in held or f.get("retry_of"):
             continue
         out.append({"task": f["task"], "unit_id": int(f["unit_id"]), "seed": int(f["seed"]),
                     "explore": {"action_noise_std": std, "hold_steps": int(cfg["hold_steps"]),
-                                "retry_of": f["episode_id"], "attempt": int(attempt)}})
+                                "noise_temperature": temp, "retry_of": f["episode_id"], "attempt": int(attempt)}})
     return out[:max(int(budget), 0)]
 
 
@@ -149,8 +152,8 @@ def run_retries(fleet, failures: Sequence[dict], cfg: dict, heldout: Sequence[in
     attempts / budget (``max_share * n_fleet_episodes`` retry episodes).
 
     Returns:
-        ``{"failures", "recovered", "recovered_share", "retries", "per_attempt": [{"attempt", "std", "run",
-        "recovered"}], "episodes": [summaries]}``.
+        ``{"failures", "recovered", "recovered_share", "retries", "per_attempt": [{"attempt", "std",
+        "temperature", "run", "recovered"}], "episodes": [summaries]}``.
     """
     cfg = {**RETRY_DEFAULTS, **dict(cfg)}
     budget = int(float(cfg["max_share"]) * int(n_fleet_episodes))
@@ -164,9 +167,58 @@ def run_retries(fleet, failures: Sequence[dict], cfg: dict, heldout: Sequence[in
         res = fleet.run(plan=plan, progress=progress)
         episodes += res.episodes
         won = {e["retry_of"] for e in res.episodes if e["success"]}
-        per_attempt.append({"attempt": attempt, "std": plan[0]["explore"]["action_noise_std"], "run": len(plan),
+        per_attempt.append({"attempt": attempt, "std": round(plan[0]["explore"]["action_noise_std"], 4),
+                            "temperature": round(plan[0]["explore"]["noise_temperature"], 4), "run": len(plan),
                             "recovered": len(won)})
         todo = [f for f in todo if f["episode_id"] not in won]
     recovered = n_fail - len(todo)
     return {"failures": n_fail, "recovered": recovered, "recovered_share": recovered / n_fail if n_fail else None,
             "retries": len(episodes), "per_attempt": per_attempt, "episodes": episodes}
+
+
+def reexplore(c: dict, reader, policy: str, heldout: Sequence[int], dst_url: str,
+              progress: bool = True) -> dict[str, Any]:
+    """Re-run failure-guided exploration on a frozen fleet store with other ``fert.retry`` settings.
+
+    The frozen store's episodes except its failure retries are copied into a new store at ``dst_url``
+    (``experience_dict.store.copy_episodes``); then the failed fleet episodes of training units are
+    re-attempted there by ``policy`` (the checkpoint the fleet acted with) under ``c["fert"]["retry"]``
+    (:func:`run_retries`, the same seeds, units and budget rule as the fleet loop). The arms then train on the
+    new store: the same demonstrations, fleet successes and failures, only the exploration differs, so two
+    exploration schemes are compared on identical failures (``scripts/ablate.py ablate.reexplore=true``).
+
+    Args:
+        c: the run's config as a dict (``fert.retry``, ``robot``, ``fleet``, ...). reader: the frozen store.
+        policy: checkpoint directory that acts in the retries. heldout: held-out units (never retried).
+        dst_url: the new store (must not exist yet).
+
+    Returns:
+        :func:`run_retries`'s record without ``episodes``, plus ``"copied"`` (episodes copied) and
+        ``"fleet_episodes"`` (the frozen store's fleet episodes, the budget base).
+
+    Raises:
+        FileExistsError: ``dst_url`` already holds a store.
+    """
+    import fsspec
+
+    from experience_dict.retrieval import retry_of
+    from experience_dict.store import copy_episodes
+    from fleet.coordinator import Fleet
+
+    fs, path = fsspec.core.url_to_fs(str(dst_url))
+    if fs.exists(path):
+        raise FileExistsError(f"reexplore: {dst_url} exists; the new store must start empty")
+    reader.refresh()
+    keep = [m for m in reader.episodes() if not retry_of(m)]
+    ids = copy_episodes(reader, str(dst_url), keep)
+    held = {int(u) for u in heldout}
+    fleet_eps = [m for m in keep if not m.is_demo and int(m.unit_id) not in held]
+    fails = [{"episode_id": ids[m.episode_id], "task": m.task, "unit_id": int(m.unit_id), "seed": int(m.seed)}
+             for m in fleet_eps if not m.success]
+    units = sorted({f["unit_id"] for f in fails})
+    out = {"failures": len(fails), "recovered": 0, "recovered_share": None, "retries": 0, "per_attempt": []}
+    if fails:
+        with Fleet(c, policy=str(policy), units=units, store_url=str(dst_url)) as fleet:
+            out = run_retries(fleet, fails, dict(c["fert"].get("retry") or {}), heldout, len(fleet_eps), progress)
+        out.pop("episodes", None)
+    return {**out, "copied": len(ids), "fleet_episodes": len(fleet_eps)}

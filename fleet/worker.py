@@ -91,52 +91,69 @@ def episode_seed(base_seed: int, unit_id: int, episode_index: int) -> int:
 
 
 class Exploration:
-    """Failure-guided exploration of one retry episode: temporally correlated action noise.
+    """Failure-guided exploration of one retry episode: temporally correlated action noise and/or a higher
+    temperature of the policy's initial denoising noise.
 
     The end-effector dimensions (the first ``dims`` of the action) get Gaussian noise of std
     ``action_noise_std`` (action units: 1 = 1 cm per step on Meta-World) that is redrawn every ``hold_steps``
     control steps and held in between, so a retry moves the hand to a different place instead of jittering
     around the policy's own path (a cheap stand-in for the modal-level exploration of SIME, "Enhancing Policy
     Self-Improvement with Modal-level Exploration", 2025). The noise is a function of (reset seed, attempt,
-    step): a retry is reproducible. Actions are clipped to [-1, 1] after the noise.
+    step): a retry is reproducible. Actions are clipped to [-1, 1] after the noise. The stored action is the
+    executed one, noise included.
+
+    ``noise_temperature`` (modal-level exploration): the policy samples every chunk of the episode from initial
+    denoising noise scaled by this factor (``AEDDiffusionPolicy.predict_action_chunk(noise_scale=)``), so the
+    retry's actions are the denoiser's own outputs, whole chunks drawn farther from its usual mode, rather than
+    the policy's action plus noise it never produced (SIME, 2025, explores at the level of modes for this
+    reason). 1.0: the trained sampler.
 
     Args:
         action_noise_std: >= 0, action units. hold_steps: >= 1. retry_of: episode id re-attempted (or None).
         attempt: 0-based attempt number of this retry. dims: leading action dimensions perturbed (>= 0).
+        noise_temperature: > 0, the initial denoising noise's scale.
 
     Raises:
-        ValueError: a negative or non-finite std, ``hold_steps < 1`` or ``dims < 0``.
+        ValueError: a negative or non-finite std, ``hold_steps < 1``, ``dims < 0`` or a non-positive or
+            non-finite temperature.
     """
 
     def __init__(self, action_noise_std: float = 0.3, hold_steps: int = 8, retry_of: str | None = None,
-                 attempt: int = 0, dims: int = 3):
+                 attempt: int = 0, dims: int = 3, noise_temperature: float = 1.0):
         if not np.isfinite(action_noise_std) or action_noise_std < 0:
             raise ValueError(f"exploration action_noise_std: expected a finite value >= 0, given {action_noise_std}")
         if int(hold_steps) < 1 or int(dims) < 0:
             raise ValueError(f"exploration: expected hold_steps >= 1 and dims >= 0, given {hold_steps}, {dims}")
+        if not np.isfinite(noise_temperature) or noise_temperature <= 0:
+            raise ValueError(f"exploration noise_temperature: expected a finite value > 0, given {noise_temperature}")
         self.std, self.hold, self.retry_of = float(action_noise_std), int(hold_steps), retry_of
-        self.attempt, self.dims = int(attempt), int(dims)
+        self.attempt, self.dims, self.temperature = int(attempt), int(dims), float(noise_temperature)
         self._noise: np.ndarray | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> Exploration:
-        """From ``{"action_noise_std", "hold_steps", "retry_of", "attempt", "dims"}`` (missing keys default).
+        """From ``{"action_noise_std", "hold_steps", "retry_of", "attempt", "dims", "noise_temperature"}`` (missing
+        keys default).
 
         Raises ValueError on unknown keys."""
-        names = {"action_noise_std", "hold_steps", "retry_of", "attempt", "dims"}
+        names = {"action_noise_std", "hold_steps", "retry_of", "attempt", "dims", "noise_temperature"}
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"exploration: unknown keys {unknown}; expected {sorted(names)}")
         return cls(**d)
 
     def tags(self) -> dict[str, Any]:
-        """Store metadata of the retry: ``{"retry_of", "attempt", "exploration": {"action_noise_std", "hold_steps"}}``."""
+        """Store metadata of the retry: ``{"retry_of", "attempt", "exploration": {"action_noise_std", "hold_steps",
+        "noise_temperature"}}``."""
         return {"retry_of": self.retry_of, "attempt": self.attempt,
-                "exploration": {"action_noise_std": self.std, "hold_steps": self.hold}}
+                "exploration": {"action_noise_std": self.std, "hold_steps": self.hold,
+                                "noise_temperature": self.temperature}}
 
     def perturb(self, action: np.ndarray, step: int, seed: int) -> np.ndarray:
         """(A,) float32 action + the held noise of ``step`` on the first ``dims`` entries, clipped to [-1, 1]."""
         a = np.asarray(action, np.float32).copy()
+        if self.std == 0.0:
+            return a
         if step % self.hold == 0 or self._noise is None:
             rng = np.random.default_rng([int(seed), self.attempt, int(step) // self.hold, 7919])
             self._noise = rng.normal(0.0, self.std, size=min(self.dims, a.size)).astype(np.float32)
@@ -383,8 +400,9 @@ class RobotWorker:
         lets an evaluation give every policy arm the same initial states (common random numbers).
 
         ``explore``: a failure-guided exploration trial (:class:`Exploration` keys ``action_noise_std``,
-        ``hold_steps``, ``retry_of``, ``attempt``): the policy's end-effector actions get temporally correlated
-        Gaussian noise, and the episode is tagged in the store's ``extra`` with ``retry_of`` (the failed
+        ``hold_steps``, ``retry_of``, ``attempt``, ``noise_temperature``): the policy's end-effector actions get
+        temporally correlated Gaussian noise and/or its chunks are sampled at a higher denoising-noise
+        temperature, and the episode is tagged in the store's ``extra`` with ``retry_of`` (the failed
         episode it re-attempts), ``attempt`` and ``exploration``.
 
         The stored ``action`` is the command the robot took at that step: clipped to [-1, 1] by the env
@@ -414,6 +432,11 @@ class RobotWorker:
             import torch
 
             torch.manual_seed(int(seed) * 1009 + ex.attempt + 1)  # a retry draws fresh denoising noise too
+            if ex.temperature != 1.0:
+                if not hasattr(policy, "noise_scale"):
+                    raise PolicyLoadError(f"unit {self.unit_id}: exploration noise_temperature={ex.temperature} "
+                                          f"needs a checkpoint policy; the acting policy is {self._policy_name()}")
+                policy.noise_scale = ex.temperature
         version = int(policy.version)
         t0 = time.perf_counter()
         extra = {"unit": env.unit.to_dict()} if hasattr(env.unit, "to_dict") else {}
@@ -468,6 +491,9 @@ class RobotWorker:
             logging.getLogger("fleetmind.worker").warning(
                 "unit %d episode %d (task %s, seed %d) raised at step %d: %s\n%s", self.unit_id, self.episode_index,
                 task, seed, length, error, traceback.format_exc())
+        finally:
+            if getattr(policy, "noise_scale", 1.0) != 1.0:
+                policy.noise_scale = 1.0   # the next episode samples as trained
         summary = {"episode_id": ep_id, "unit_id": self.unit_id, "task": task, "seed": seed, "success": success,
                    "length": length if ep_id else 0, "policy_version": version, "is_demo": self.is_demo,
                    "episode_index": self.episode_index, "wall_s": time.perf_counter() - t0, "return": ret,

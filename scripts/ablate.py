@@ -5,6 +5,8 @@ method without re-running demonstrations, base training or the fleet.
     python scripts/ablate.py ablate.run_dir=outputs/run/seed_0 'ablate.arms=[fert]' fert.gate.beta=0.1 \\
         learner.updates_per_version=1200 'ablate.seeds=[0,1,2]' hydra.run.dir=outputs/ablate_beta
     python scripts/ablate.py 'ablate.pool=[outputs/abl_s0,outputs/abl_s1]' hydra.run.dir=outputs/abl_pooled
+    python scripts/ablate.py ablate.run_dir=outputs/run/seed_0 ablate.reexplore=true fert.retry.action_noise_std=0 \
+        fert.retry.noise_temperature=1.5 fert.retry.temperature_growth=1.25 'ablate.arms=[filtered_bc_retries]'
 
 The run directory's store is opened read-only for the data (its failures, retries and successes as the fleet
 left them) and its base checkpoints are the starting points; every variant (``fleet.arms`` names, with the
@@ -13,6 +15,10 @@ directory, then all of them and the baseline run the same held-out trials (the r
 plan with ``ablate.eval_seed``, so that iterating never looks at the run's test trials). Outputs: ``ablate.md/json``
 (success, Wilson intervals) and ``ablate_paired.md/json`` (paired differences bootstrapped over the fine-tuning
 seeds, then trials). The held-out units and tasks are the frozen run's.
+
+``ablate.reexplore=true``: the frozen run's failures are explored again with this command line's ``fert.retry``
+(``fleet.protocol.reexplore``) into a new store in this run's directory, and the arms train on it: the same
+demonstrations, fleet successes and failures, another exploration scheme.
 """
 
 from __future__ import annotations
@@ -87,6 +93,8 @@ def main(cfg: DictConfig) -> None:
     reader = ExperienceStore.open(frozen["store"]["url"])
     heldout = [int(u) for u in frozen["robot"]["heldout_units"]]
     base = {"base": state["base"]["checkpoint"], "base_no_aed": state["base_no_aed"]["checkpoint"]}
+    if a.get("reexplore"):   # the same failures, explored again with this command line's fert.retry
+        reader = reexplore_store(c, reader, base["base"], heldout, out)
     seeds = [int(s) for s in a.seeds]
     results = {}
     for s in seeds:
@@ -105,7 +113,7 @@ def main(cfg: DictConfig) -> None:
         results[s] = evaluate_arms(c, ckpts, out / f"seed_{s}", int(frozen["job"]["trials_per_task"]), units=heldout)
     names = [baseline] + [x.name for x in arms if x.name != baseline]
     table = success_table({n: [e for s in seeds for e in results[s][n]] for n in names})
-    table["meta"] = {"run_dir": str(run_dir), "seeds": seeds, "held_out_units": heldout, "eval_seed": c["eval"]["seed"],
+    table["meta"] = {"run_dir": str(run_dir), "seeds": seeds, "store": c["store"]["url"], "held_out_units": heldout, "eval_seed": c["eval"]["seed"],
                      "fert": {x.name: fert_config(c, x)["fert"] for x in arms}, "learner": c["learner"]}
     pairs = [(n, baseline) for n in names if n != baseline]
     if "filtered_bc_retries" in names:
@@ -116,6 +124,30 @@ def main(cfg: DictConfig) -> None:
     print("\nheld-out success (Wilson 95% interval):\n" + table_markdown(table), flush=True)
     print("\npaired differences (bootstrap over fine-tuning seeds, then trials):\n" + paired_markdown(paired), flush=True)
     print(f"outputs in {out}: ablate.md/json, ablate_paired.md/json", flush=True)
+
+
+def reexplore_store(c: dict, reader, policy: str, heldout: list[int], out: Path):
+    """The new store ``<out>/store``: the frozen store without its retries plus retries of its failures explored
+    with ``c["fert"]["retry"]`` (``fleet.protocol.reexplore``); ``c["store"]["url"]`` is pointed at it. Done once:
+    ``<out>/reexplore.json`` records the recovery; an unfinished store from a killed run is rebuilt."""
+    import shutil
+
+    from experience_dict.store import ExperienceStore
+    from fleet.protocol import reexplore
+
+    dst, rec = out / "store", out / "reexplore.json"
+    if not rec.is_file():
+        if dst.exists():
+            shutil.rmtree(dst)
+        print(f"re-exploring the failures of {c['store']['url']} with fert.retry={c['fert'].get('retry')} into {dst}",
+              flush=True)
+        r = reexplore(c, reader, policy, heldout, str(dst))
+        rec.write_text(json.dumps({**r, "retry": c["fert"].get("retry"), "source": c["store"]["url"]}, indent=1))
+    r = json.loads(rec.read_text())
+    print(f"re-exploration: {r['recovered']} of {r['failures']} failures recovered by {r['retries']} retries "
+          f"{r['per_attempt']}", flush=True)
+    c["store"] = {**c["store"], "url": str(dst)}
+    return ExperienceStore.open(str(dst))
 
 
 def pool(dirs: list[Path], out: Path, baseline: str) -> None:

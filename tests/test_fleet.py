@@ -258,3 +258,68 @@ def test_vectorised_evaluation_does_not_depend_on_the_batch(tmp_path):
     assert len({e["length"] for e in one}) >= 1 and len(ExperienceStore.open(str(tmp_path / "s6")).episodes()) == 6
     with pytest.raises(ValueError, match="batch_size"):
         run_plan_vectorised(c, str(ckpt), plan, tmp_path / "s0", batch_size=0)
+
+
+def test_denoising_noise_temperature_scales_the_initial_noise(tmp_path):
+    """noise_scale multiplies the sampler's initial noise: 1 is the default sampler, 0 removes the noise's
+    influence, a (B,) tensor scales each row on its own; a negative scale is refused."""
+    from policies.aed_diffusion import AEDDiffusionPolicy
+
+    policy = AEDDiffusionPolicy.from_pretrained(tiny_aed_checkpoint(tmp_path / "p", seed=0, perturb=0.3)).eval()
+    policy.reset()
+    rng = np.random.default_rng(0)
+    obs = {"observation.state": rng.uniform(0, 0.5, (2, 4)).astype(np.float32),
+           "observation.environment_state": rng.uniform(-1, 1, (2, 17)).astype(np.float32)}
+    policy.history.push_obs({k: torch.as_tensor(v) for k, v in obs.items()})
+    batch = policy.history.batch()
+    n1, n2 = torch.randn(2, 8, 4), torch.randn(2, 8, 4)
+    plain = policy.predict_action_chunk(batch, noise=n1)
+    assert torch.equal(plain, policy.predict_action_chunk(batch, noise=n1, noise_scale=1.0))
+    hot = policy.predict_action_chunk(batch, noise=n1, noise_scale=3.0)
+    assert not torch.allclose(hot, plain, atol=1e-4)
+    assert torch.allclose(policy.predict_action_chunk(batch, noise=n1, noise_scale=0.0),
+                          policy.predict_action_chunk(batch, noise=n2, noise_scale=0.0))
+    rows = policy.predict_action_chunk(batch, noise=n1, noise_scale=torch.tensor([1.0, 3.0]))
+    assert torch.allclose(rows[0], plain[0]) and torch.allclose(rows[1], hot[1])
+    with pytest.raises(ValueError, match="noise_scale"):
+        policy.predict_action_chunk(batch, noise=n1, noise_scale=-1.0)
+
+
+def test_reexplore_copies_the_store_without_retries_and_explores_its_failures_again(tmp_path):
+    """fleet.protocol.reexplore: the frozen store's episodes but its retries are copied (metadata kept), and its
+    training-unit failures are re-attempted at the asked denoising-noise temperature, tagged with the copies'
+    ids; the frozen store is untouched and an existing destination is refused."""
+    from fleet.protocol import reexplore
+
+    ckpt = tiny_aed_checkpoint(tmp_path / "ck", seed=2, perturb=0.3)
+    cfg = make_cfg(tmp_path, "task.tasks=[reach-v3]", "task.max_episode_steps=20", "fleet.units=1")
+    c = _plain(cfg)
+    plan = [{"task": "reach-v3", "unit_id": 0, "seed": s} for s in (11, 12)]
+    with Fleet(c, policy=str(ckpt), units=[0]) as fleet:
+        first = fleet.run(plan=plan, progress=False).episodes
+        fails = [e for e in first if not e["success"]]
+        assert fails, "an untrained policy should fail a 20-step reach"
+        fleet.run(plan=[{**plan[0], "seed": fails[0]["seed"],
+                         "explore": {"action_noise_std": 0.3, "retry_of": fails[0]["episode_id"]}}], progress=False)
+    src = ExperienceStore.open(c["store"]["url"])
+    assert len(src.episodes()) == 3
+    c["fert"] = {"retry": {"attempts": 1, "action_noise_std": 0.0, "noise_temperature": 2.5}}
+    dst = str(tmp_path / "reexplored")
+    rec = reexplore(c, src, str(ckpt), heldout=[100], dst_url=dst, progress=False)
+    assert rec["copied"] == 2 and rec["fleet_episodes"] == 2 and rec["failures"] == len(fails)
+    assert rec["retries"] == len(fails) and rec["per_attempt"][0]["temperature"] == 2.5
+    new = ExperienceStore.open(dst)
+    copies = [m for m in new.episodes() if not m.extra.get("retry_of")]
+    retries = [m for m in new.episodes() if m.extra.get("retry_of")]
+    assert sorted((m.seed, m.success, m.length) for m in copies) == sorted(
+        (m.seed, m.success, m.length) for m in src.episodes() if not m.extra.get("retry_of"))
+    one = next(m for m in src.episodes() if m.seed == 11 and not m.extra.get("retry_of"))
+    copy = next(m for m in copies if m.seed == 11)
+    assert copy.extra == one.extra and copy.termination == one.termination
+    assert np.array_equal(new.load_episode(copy.episode_id)["action"], src.load_episode(one.episode_id)["action"])
+    assert {m.extra["retry_of"] for m in retries} <= {m.episode_id for m in copies if not m.success}
+    assert all(m.extra["exploration"] == {"action_noise_std": 0.0, "hold_steps": 8, "noise_temperature": 2.5}
+               for m in retries)
+    assert len(ExperienceStore.open(c["store"]["url"]).episodes()) == 3 and new.verify()["ok"]
+    with pytest.raises(FileExistsError):
+        reexplore(c, src, str(ckpt), heldout=[100], dst_url=dst, progress=False)

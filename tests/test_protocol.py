@@ -42,6 +42,9 @@ def test_retries_never_on_heldout_units_nor_of_retries():
     assert [(t["unit_id"], t["seed"], t["task"]) for t in plan] == [(0, 11, "reach-v3")]
     ex = plan[0]["explore"]
     assert ex["retry_of"] == "unit-0000-000001" and ex["attempt"] == 1 and ex["action_noise_std"] == pytest.approx(0.4)
+    assert ex["noise_temperature"] == 1.0                         # default: the trained sampler
+    hot = retry_plan(fails, {**cfg, "noise_temperature": 1.5, "temperature_growth": 2.0}, 2, [100], 10)
+    assert hot[0]["explore"]["noise_temperature"] == pytest.approx(6.0)
     assert retry_plan(fails, cfg, 0, heldout=[100], budget=0) == []
     with pytest.raises(ValueError, match="unknown keys"):
         retry_plan(fails, {"noise": 1}, 0, [], 1)
@@ -57,7 +60,14 @@ def test_exploration_noise_is_held_reproducible_and_clipped():
     assert np.allclose(acts, [again.perturb(np.array([0.9, 0.0, -0.9, 0.7], np.float32), t, 3) for t in range(8)])
     other = Exploration(action_noise_std=0.5, hold_steps=4, attempt=1).perturb(np.zeros(4, np.float32), 0, 3)
     assert not np.allclose(other, Exploration(0.5, 4, attempt=0).perturb(np.zeros(4, np.float32), 0, 3))
-    assert ex.tags() == {"retry_of": "e", "attempt": 0, "exploration": {"action_noise_std": 0.5, "hold_steps": 4}}
+    assert ex.tags() == {"retry_of": "e", "attempt": 0,
+                         "exploration": {"action_noise_std": 0.5, "hold_steps": 4, "noise_temperature": 1.0}}
+    modal = Exploration.from_dict({"action_noise_std": 0.0, "noise_temperature": 2.0, "retry_of": "e"})
+    a = np.array([1.5, 0.2, -0.3, 0.7], np.float32)
+    assert np.array_equal(modal.perturb(a, 0, 3), a)          # no action noise: the policy's own action, as is
+    assert modal.tags()["exploration"] == {"action_noise_std": 0.0, "hold_steps": 8, "noise_temperature": 2.0}
+    with pytest.raises(ValueError, match="noise_temperature"):
+        Exploration(noise_temperature=0.0)
     with pytest.raises(ValueError, match="action_noise_std"):
         Exploration(action_noise_std=float("nan"))
     with pytest.raises(ValueError, match="unknown keys"):

@@ -18,6 +18,7 @@ from experience_dict.store.store import (
     StoreError,
     WriterBusyError,
     configure_storage,
+    copy_episodes,
 )
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "StoreError",
     "WriterBusyError",
     "configure_storage",
+    "copy_episodes",
 ]

@@ -1556,3 +1556,50 @@ class EpisodeWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def copy_episodes(src: ExperienceStore, dst_url: str, episodes: Sequence[EpisodeMeta],
+                  writer_id: str = "copy") -> dict[str, str]:
+    """Copy committed ``episodes`` of ``src`` into the store at ``dst_url`` (created with ``src``'s spec, control
+    rate and progress keys if absent), step by step through an :class:`EpisodeWriter` (so the copy is
+    checksummed and committed like any fleet episode), metadata kept: unit, embodiment, task, policy version,
+    reset seed, demo flag, start time, ``extra``, success, termination and failure onset. Used to build a
+    store from a subset of another (e.g. a frozen fleet store without its failure retries, to re-explore).
+
+    Returns:
+        ``{source episode id: new episode id}`` (ids are the copy's writer's: ``"<writer_id>-<counter>"``).
+
+    Raises:
+        ValueError: a quarantined episode (its non-finite steps are not copied). SpecMismatchError: the
+        destination exists with another spec. CorruptChunkError: a source chunk fails its checksum (nothing
+        of that episode is committed).
+    """
+    dst = ExperienceStore.create_or_open(dst_url, src.spec, control_hz=src.control_hz,
+                                         progress_keys=src.progress_keys)
+    obs_keys = [k for k in src.keys if k.startswith("observation.")]
+    prog_keys = [f"progress.{k}" for k in src.progress_keys]
+    w = dst.writer(writer_id)
+    ids = {}
+    try:
+        for m in episodes:
+            if m.quarantined:
+                raise ValueError(f"copy_episodes: episode {m.episode_id!r} is quarantined (non-finite steps)")
+            d = src.load_episode(m.episode_id)
+            w.begin_episode(unit_id=m.unit_id, embodiment=m.embodiment, task=m.task,
+                            policy_version=m.policy_version, seed=m.seed, is_demo=m.is_demo,
+                            start_time=m.start_time, extra=m.extra)
+            for t in range(int(m.length)):
+                w.add_step({k: d[k][t] for k in obs_keys}, d["action"][t], float(d["reward"][t]),
+                           {k[len("progress."):]: float(d[k][t]) for k in prog_keys})
+            ids[m.episode_id] = w.commit(success=bool(m.success), termination=m.termination)
+    except BaseException:
+        w.abort()
+        raise
+    finally:
+        w.close()
+    dst.refresh()
+    for old, new in ids.items():
+        onset = src.episode(old).failure_onset
+        if onset is not None:
+            dst.set_failure_onset(new, onset)
+    return ids

@@ -635,7 +635,8 @@ class AEDDiffusionPolicy(nn.Module):
     @torch.no_grad()
     def predict_action_chunk(self, batch: dict, noise: torch.Tensor | None = None,
                              generator: torch.Generator | None = None,
-                             num_inference_steps: int | None = None, use_cache: bool = True) -> torch.Tensor:
+                             num_inference_steps: int | None = None, use_cache: bool = True,
+                             noise_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
         """Sample an action chunk with DDIM.
 
         The observation tokens, visual memory and AED prefix are computed once per chunk; with ``use_cache``
@@ -648,10 +649,15 @@ class AEDDiffusionPolicy(nn.Module):
             batch: the windows of ``inference_window_spec()`` (collated, leading batch dim B).
             noise: (B, horizon, action_dim) initial noise (default: ``torch.randn`` with ``generator``).
             num_inference_steps: DDIM steps (default ``config.num_inference_steps``).
+            noise_scale: temperature of the initial noise: a float, or a (B,) tensor (one per row); the
+                sampler starts from ``noise * noise_scale``. 1.0 is the trained sampler; > 1 draws chunks
+                farther from the policy's usual mode while every chunk is still the denoiser's own output
+                (modal-level exploration in the spirit of SIME, "Enhancing Policy Self-Improvement with
+                Modal-level Exploration", 2025; used by ``fleet.worker.Exploration``).
         Returns:
             (B, horizon, action_dim) float32 actions in raw (unnormalized) units.
         Raises:
-            ValueError: a missing window or noise of the wrong shape.
+            ValueError: a missing window, noise of the wrong shape, or a negative / non-finite noise_scale.
         """
         cfg = self.config
         batch = self._to_device(self.tokenize_history(batch))
@@ -662,7 +668,13 @@ class AEDDiffusionPolicy(nn.Module):
             noise = torch.randn(shape, generator=generator, device=generator.device if generator else self.device)
         if tuple(noise.shape) != shape:
             raise ValueError(f"noise: expected shape {shape}, given {tuple(noise.shape)}")
+        scale = torch.as_tensor(noise_scale, dtype=torch.float32)
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()) or scale.numel() not in (1, B):
+            raise ValueError(f"noise_scale: expected a finite value >= 0 (or one per batch row, B={B}), given "
+                             f"{noise_scale}")
         x = noise.to(self.device, obs.dtype)
+        if scale.numel() != 1 or float(scale) != 1.0:
+            x = x * scale.to(self.device, obs.dtype).reshape(-1, 1, 1)
         sched = self.inference_scheduler
         sched.set_timesteps(num_inference_steps or cfg.num_inference_steps)
         if use_cache:
@@ -685,7 +697,7 @@ class AEDDiffusionPolicy(nn.Module):
 
     @torch.no_grad()
     def select_action(self, obs: dict, generator: torch.Generator | None = None,
-                      generators: list[torch.Generator] | None = None):
+                      generators: list[torch.Generator] | None = None, noise_scale: float = 1.0):
         """One control step at deployment.
 
         Keeps the last observations and executed actions in ``self.history`` (``policies.history.WindowHistory``,
@@ -697,6 +709,7 @@ class AEDDiffusionPolicy(nn.Module):
             generator: one generator for the batch's initial denoising noise; or ``generators``: one per batch
                 row, so each row's noise depends on its own generator only (a batched evaluation then acts
                 like one episode at a time, whatever else is in the batch).
+            noise_scale: temperature of the initial denoising noise (``predict_action_chunk``; 1.0: as trained).
         Returns:
             (B, action_dim) float32 tensor, or a (action_dim,) float32 numpy array for unbatched numpy input.
         """
@@ -720,7 +733,8 @@ class AEDDiffusionPolicy(nn.Module):
                     raise ValueError(f"generators: expected {B} (one per batch row), given {len(generators)}")
                 shape = (self.config.horizon, self.config.action_dim)
                 noise = torch.stack([torch.randn(shape, generator=g, device=g.device) for g in generators])
-            chunk = self.predict_action_chunk(self.history.batch(), noise=noise, generator=generator)
+            chunk = self.predict_action_chunk(self.history.batch(), noise=noise, generator=generator,
+                                              noise_scale=noise_scale)
             self._queue.extend(chunk[:, : self.config.n_action_steps].transpose(0, 1).cpu())
         a = self._queue.popleft()
         self.history.push_action(a)
