@@ -53,7 +53,8 @@ def _plain(cfg) -> dict:
 def ensure_ray(fleet_cfg: dict) -> None:
     """Start or join Ray once per process.
 
-    ``fleet_cfg["ray_address"]``: ``None`` starts a local instance with ``num_cpus`` (``None``: all cores), no
+    ``fleet_cfg["ray_address"]``: ``None`` starts a new local instance (even when a ``ray start`` cluster runs
+    on this machine) with ``num_cpus`` (``None``: all cores), no
     dashboard, ``RAY_AUTH_MODE=disabled`` unless set, and the repo on the workers' ``PYTHONPATH``; ``"auto"``
     or ``"ray://host:port"`` joins a cluster (``fleet_cfg["runtime_env"]`` is passed through, e.g.
     ``{"working_dir": "."}`` when the nodes lack the code).
@@ -70,7 +71,9 @@ def ensure_ray(fleet_cfg: dict) -> None:
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if REPO_ROOT not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, *paths])
-    ray.init(num_cpus=fleet_cfg.get("num_cpus"), include_dashboard=False, logging_level="WARNING",
+    # address="local": always a new instance of this process's own, never a cluster that another job on this
+    # machine started with `ray start` (which a bare ray.init() would join)
+    ray.init(address="local", num_cpus=fleet_cfg.get("num_cpus"), include_dashboard=False, logging_level="WARNING",
              log_to_driver=bool(fleet_cfg.get("log_to_driver", True)))
 
 
@@ -134,6 +137,12 @@ class FleetResult:
     dropped_units: list[int] = field(default_factory=list)
     faulted: list[dict] = field(default_factory=list)     # trials that committed nothing (error, NaN at step 0)
     terminations: dict[str, int] = field(default_factory=dict)   # why every trial ended, counted
+    # Ray nodes lost during the run: [{"node_id", "units" (the units it ran), "at_s" (seconds into the run)}]
+    node_losses: list[dict] = field(default_factory=list)
+    # unit -> Ray node id where each unit ran last (a unit re-placed after a node loss shows its new node)
+    unit_nodes: dict[int, str] = field(default_factory=dict)
+    # plan trials whose worker died after committing: found in the store, counted once, not run again
+    recovered_from_store: int = 0
 
     def summary(self) -> str:
         """One paragraph: committed episodes, terminations, faulted trials and given-up units, and why."""
@@ -145,6 +154,13 @@ class FleetResult:
                          "; ".join(f"{n} x {e[:160]}" for e, n in errs.most_common(3)))
         if self.dropped_units:
             parts.append(f"units given up: {self.dropped_units}")
+        for loss in self.node_losses:
+            moved = {u: self.unit_nodes.get(u, "?")[:8] for u in loss["units"]}
+            parts.append(f"node {loss['node_id'][:8]} lost at {loss['at_s']:.0f} s; its units {loss['units']} "
+                         f"re-placed on {moved}")
+        if self.recovered_from_store:
+            parts.append(f"{self.recovered_from_store} episodes committed by a worker that then died were "
+                         "taken from the store (not run again)")
         return "; ".join(parts)
 
     @property
@@ -215,6 +231,8 @@ class Fleet:
         self.pids: dict[int, int] = {}  # unit -> worker process id (a restarted worker has a new one)
         self.server = None
         self.recreates: Counter = Counter()
+        self.unit_nodes: dict[int, str] = {}   # unit -> Ray node id of its worker
+        self._reader = None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Fleet:
@@ -244,6 +262,7 @@ class Fleet:
             self.actors[u] = self._make_actor(u)
         # wait until every worker has built its env and opened its shard (surfaces config errors here)
         self.pids = dict(zip(self.actors, ray.get([a.pid.remote() for a in self.actors.values()])))
+        self.unit_nodes = dict(zip(self.actors, ray.get([a.node.remote() for a in self.actors.values()])))
 
     def _prepare_store(self) -> None:
         """Create the store once, from the driver, before workers open their shards (avoids a creation race)."""
@@ -259,9 +278,15 @@ class Fleet:
     def _make_actor(self, unit: int):
         import ray
 
+        placement = str(self.fcfg.get("placement") or "pack")
+        if placement not in ("pack", "spread"):
+            raise ValueError(f"fleet.placement={placement!r}: expected 'pack' or 'spread'")
+        opts = {"scheduling_strategy": "SPREAD"} if placement == "spread" else {}
+        if self.fcfg.get("worker_resources"):
+            opts["resources"] = {str(k): float(v) for k, v in dict(self.fcfg["worker_resources"]).items()}
         cls = ray.remote(RobotWorker).options(
             max_restarts=int(self.fcfg.get("max_restarts", 3)), max_task_retries=0, num_cpus=self.worker_cpus,
-            max_concurrency=2,
+            max_concurrency=2, **opts,
         )
         return cls.remote(unit, self.unit_tasks[unit], self.cfg, self.store_url, self.policy, self.is_demo,
                           self.faults.get(unit))
@@ -303,6 +328,30 @@ class Fleet:
         self.recreates[unit] += 1
         self.actors[unit] = self._make_actor(unit)
         return True
+
+    def _committed_in_store(self, trial: Mapping, since_wall: float, counted: set[str]) -> dict | None:
+        """The summary of a plan trial that a worker committed before it died (its answer lost), read back from
+        the store; None when the store holds no such episode. Matched on unit, task, reset seed, demo flag and
+        retry tags, started after the trial was handed out (``since_wall``, Unix seconds, 1 s of clock slack)
+        and not already counted. This keeps a node loss from running a committed trial twice."""
+        from experience_dict.store import ExperienceStore
+
+        if self._reader is None:
+            self._reader = ExperienceStore.open(self.store_url)
+        self._reader.refresh()
+        ex = trial.get("explore") or {}
+        for m in self._reader.episodes(unit_id=int(trial["unit_id"]), task=str(trial["task"]), quarantined=None):
+            if (int(m.seed) == int(trial["seed"]) and bool(m.is_demo) == bool(self.is_demo)
+                    and m.start_time >= since_wall - 1.0 and m.episode_id not in counted
+                    and m.extra.get("retry_of") == ex.get("retry_of") and m.extra.get("attempt") == ex.get("attempt")):
+                out = {"episode_id": m.episode_id, "unit_id": int(m.unit_id), "task": m.task, "seed": int(m.seed),
+                       "success": bool(m.success), "length": int(m.length), "policy_version": int(m.policy_version),
+                       "is_demo": bool(m.is_demo), "episode_index": None, "wall_s": None, "return": None,
+                       "staleness": None, "termination": m.termination, "from_store": True}
+                if ex:
+                    out.update({k: m.extra.get(k) for k in ("retry_of", "attempt", "exploration")})
+                return out
+        return None
 
     # ------------------------------------------------------------------ running
     def run(self, episodes_per_unit: int | None = None, wall_time_s: float | None = None,
@@ -417,6 +466,7 @@ class Fleet:
                 return
             if queues is not None:
                 trial = queues[unit].popleft()
+                trial["_submitted"] = time.time()
                 ref = self.actors[unit].run_episodes.remote(1, trial["task"], self.policy, trial["seed"],
                                                             trial.get("explore"))
                 trial_of[ref] = trial
@@ -441,6 +491,25 @@ class Fleet:
             if trial is not None:  # the failed trial is run again, first, by the restarted worker
                 queues[unit].appendleft(trial)
 
+        suspect_nodes: dict[str, float] = {}   # node id -> when a worker on it died (is the node gone?)
+        lost_nodes: set[str] = set()
+
+        def check_nodes() -> None:
+            """Record the suspect nodes the cluster has declared dead (a node loss), give up after 60 s."""
+            alive = {n["NodeID"]: bool(n["Alive"]) for n in ray.nodes()}
+            for node, since in list(suspect_nodes.items()):
+                if not alive.get(node, False):
+                    del suspect_nodes[node]
+                    lost_nodes.add(node)
+                    units = sorted(u for u, n in self.unit_nodes.items() if n == node)
+                    result.node_losses.append({"node_id": node, "units": units,
+                                               "at_s": round(time.monotonic() - t_start, 1)})
+                    if pbar is not None:
+                        pbar.write(f"[fleet] Ray node {node[:8]} lost; its units {units} are re-placed on the "
+                                   "surviving nodes")
+                elif time.monotonic() - since > 60:
+                    del suspect_nodes[node]
+
         pbar = None
         if progress:
             from tqdm.auto import tqdm
@@ -450,8 +519,8 @@ class Fleet:
         try:
             for u in self.units:
                 submit(u)
-            last_poll = time.monotonic()
-            while inflight or ping_at:
+            last_poll = last_node_check = time.monotonic()
+            while inflight or ping_at or suspect_nodes:
                 ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.2) if inflight else ([], [])
                 if not inflight:
                     time.sleep(0.2)
@@ -466,6 +535,10 @@ class Fleet:
                                 ping_at[unit] = time.monotonic() + 0.2
                                 continue
                             self.pids[unit] = pid
+                            try:   # where Ray placed it again (another node after a node loss)
+                                self.unit_nodes[unit] = ray.get(self.actors[unit].node.remote(), timeout=30)
+                            except Exception:  # noqa: BLE001 - died again: the next call finds out
+                                pass
                             submit(unit)  # back: hand out work again
                         except ActorUnavailableError:  # still restarting
                             ping_at[unit] = time.monotonic() + 0.5
@@ -491,7 +564,20 @@ class Fleet:
                         recover(unit, err, kill=True)
                         continue
                     except RayActorError as err:  # the process died or was killed (Ray restarts it)
-                        requeue(unit, trial)
+                        node = self.unit_nodes.get(unit)
+                        if node and node not in lost_nodes:
+                            suspect_nodes.setdefault(node, time.monotonic())
+                        done = None if trial is None else self._committed_in_store(
+                            trial, trial["_submitted"], {e["episode_id"] for e in result.episodes})
+                        if done is not None:   # committed before it died: count it, do not run it twice
+                            result.recovered_from_store += 1
+                            result.episodes.append(done)
+                            terminations[done.get("termination") or "unknown"] += 1
+                            per_unit_done[unit] += 1
+                            if on_episode is not None:
+                                on_episode(done)
+                        else:
+                            requeue(unit, trial)
                         recover(unit, err, kill=False)
                         continue
                     except RayTaskError as err:  # an exception inside the episode (e.g. in the env)
@@ -545,6 +631,9 @@ class Fleet:
                     if now >= t and unit in active:
                         del ping_at[unit]
                         inflight[self.actors[unit].pid.remote()] = (unit, "ping", None, now)
+                if suspect_nodes and now - last_node_check > 0.5:
+                    last_node_check = now
+                    check_nodes()
                 if should_stop is not None and now - last_poll > 0.5:
                     last_poll = now
                     if should_stop():  # graceful: no new episodes; running ones finish and are committed
@@ -560,6 +649,7 @@ class Fleet:
                 pbar.close()
         result.wall_s = time.monotonic() - t_start
         result.terminations = dict(terminations)
+        result.unit_nodes = dict(self.unit_nodes)
         for u, q in (queues or {}).items():
             if q and not result.interrupted:
                 result.failures.append(f"unit {u}: {len(q)} planned trials not run (unit given up)")

@@ -249,3 +249,10 @@ class FertLearner:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> str | None:
+        """The Ray node id (hex) of this learner when it runs as a Ray actor (placed by a resource, e.g. a
+        GPU or ``{"learner": 1}``); None in a plain process."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

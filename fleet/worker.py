@@ -556,6 +556,12 @@ class RobotWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        """The Ray node id (hex) this worker runs on (where it was placed, or re-placed after a node loss)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def close(self) -> None:
         """Close the envs (and their renderers) on the sim thread and release the store writer."""
         def _close():

@@ -106,7 +106,7 @@ def main(cfg: DictConfig) -> None:
             d = out / f"seed_{s}" / arm.name
             done = d / "checkpoint.txt"
             if not done.is_file():
-                print(f"fine-tuning {arm.name} (seed {s}) on the frozen store {frozen['store']['url']}", flush=True)
+                print(f"fine-tuning {arm.name} (seed {s}) on the store {c['store']['url']}", flush=True)
                 done.parent.mkdir(parents=True, exist_ok=True)
                 done.write_text(train_offline_arm(c, arm, reader, base[arm.init], d, heldout, s))
             ckpts[arm.name] = done.read_text()
