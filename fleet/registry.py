@@ -7,16 +7,18 @@ Layout under the registry root (a local directory, ``memory://...``, ``s3://...`
     <root>/v000001/MANIFEST.json           # written LAST: a version exists only once its manifest does
     <root>/staging/<uuid>/...              # files being published (never read by fetch)
 
-Publishing writes the files aside (``staging/``), moves them to ``v<N>/`` and then writes ``MANIFEST.json``
-(itself written to a temporary name and renamed), so a reader never sees a half-published version: a version
-without a manifest is invisible. The manifest records every file's sha256 and size; ``fetch`` hashes what it
+Publishing on a local filesystem writes the files aside (``staging/``), moves them to ``v<N>/`` (an atomic
+rename claims the number) and then writes ``MANIFEST.json`` (itself written to a temporary name and renamed).
+On object storage (``s3://``), which has no atomic rename, the number is claimed by a conditional write of
+``v<N>/.claim`` (``If-None-Match: *``: one publisher wins, the others take the next number), the files are
+uploaded into ``v<N>/`` and the manifest is one PUT. Either way a reader never sees a half-published version:
+a version without a manifest is invisible. The manifest records every file's sha256 and size; ``fetch`` hashes what it
 downloads and refuses (``ChecksumMismatchError``) a checkpoint whose bytes differ from the manifest, before
 anything is loaded. Pickle-based files (``.pt``, ``.pkl``, ``.bin`` ...) are refused at publish time:
 weights are safetensors, metadata is JSON.
 
-One publisher at a time is assumed (the learner); two racing publishers cannot overwrite each other's
-version (the move onto an existing version fails and the publisher retries with the next number on local
-filesystems), but on object stores the version number is only as atomic as the store's rename.
+Two racing publishers cannot overwrite each other's version on a local filesystem or on S3 (conditional
+writes); on a filesystem with neither, one publisher at a time is assumed (the learner).
 """
 
 from __future__ import annotations
@@ -213,6 +215,51 @@ class CheckpointRegistry:
         return local_dir
 
     # ------------------------------------------------------------------ writing
+    def _publish_local(self, checkpoint_dir: Path, files: list[str]) -> tuple[int, str]:
+        """Local filesystem: copy into ``staging/<uuid>``, then claim ``v<N>`` by an atomic rename (fails when
+        another publisher took that number: retry with the next)."""
+        staging = f"{self.root}/staging/{uuid.uuid4().hex}"
+        self.fs.makedirs(staging, exist_ok=True)
+        for rel in files:
+            dst = f"{staging}/{rel}"
+            if "/" in rel:
+                self.fs.makedirs(dst.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.put_file(str(checkpoint_dir / rel), dst)
+        for _ in range(20):
+            existing = self._version_dirs()
+            version = (existing[-1] if existing else 0) + 1
+            vdir = self._vdir(version)
+            try:
+                os.rename(staging, vdir)  # atomic; fails if vdir exists and is non-empty
+                return version, vdir
+            except OSError:
+                continue
+        raise RegistryError(f"registry {self.url!r}: could not claim a version number after 20 tries")
+
+    def _publish_object_store(self, checkpoint_dir: Path, files: list[str]) -> tuple[int, str]:
+        """Object storage (no atomic rename): claim ``v<N>`` by creating ``v<N>/.claim`` with a conditional
+        write (S3 ``If-None-Match: *``: exactly one publisher creates it; the others get FileExistsError and
+        try the next number), then upload the files into ``v<N>/``; the caller's single-object manifest PUT
+        publishes the version. Filesystems without conditional writes fall back to exists-then-write (one
+        publisher at a time)."""
+        claim = json.dumps({"claimed": time.time(), "by": uuid.uuid4().hex}).encode()
+        for _ in range(20):
+            existing = self._version_dirs()
+            version = (existing[-1] if existing else 0) + 1
+            vdir = self._vdir(version)
+            try:
+                self.fs.pipe_file(f"{vdir}/.claim", claim, mode="create")
+            except FileExistsError:
+                continue
+            except TypeError:   # no conditional-write support in this filesystem
+                if self.fs.exists(vdir):
+                    continue
+                self.fs.pipe_file(f"{vdir}/.claim", claim)
+            for rel in files:
+                self.fs.put_file(str(checkpoint_dir / rel), f"{vdir}/{rel}")
+            return version, vdir
+        raise RegistryError(f"registry {self.url!r}: could not claim a version number after 20 tries")
+
     def publish(self, checkpoint_dir: str | os.PathLike, metadata: dict[str, Any] | None = None) -> int:
         """Publish the files of ``checkpoint_dir`` as the next version, atomically; return the version.
 
@@ -234,31 +281,10 @@ class CheckpointRegistry:
             digest, size = sha256_file(checkpoint_dir / rel)
             entries[rel] = {"sha256": digest, "size": size}
 
-        staging = f"{self.root}/staging/{uuid.uuid4().hex}"
-        self.fs.makedirs(staging, exist_ok=True)
-        for rel in files:
-            dst = f"{staging}/{rel}"
-            if "/" in rel:
-                self.fs.makedirs(dst.rsplit("/", 1)[0], exist_ok=True)
-            self.fs.put_file(str(checkpoint_dir / rel), dst)
-
-        for _ in range(20):
-            existing = self._version_dirs()
-            version = (existing[-1] if existing else 0) + 1
-            vdir = self._vdir(version)
-            try:
-                if isinstance(self.fs, LocalFileSystem):
-                    os.rename(staging, vdir)  # atomic; fails if vdir exists and is non-empty
-                else:
-                    if self.fs.exists(vdir):
-                        continue
-                    self.fs.mv(staging, vdir, recursive=True)
-                break
-            except OSError:
-                continue
+        if isinstance(self.fs, LocalFileSystem):
+            version, vdir = self._publish_local(checkpoint_dir, files)
         else:
-            raise RegistryError(f"registry {self.url!r}: could not claim a version number after 20 tries")
-
+            version, vdir = self._publish_object_store(checkpoint_dir, files)
         manifest = {
             "format": FORMAT,
             "version": version,
@@ -266,8 +292,12 @@ class CheckpointRegistry:
             "files": entries,
             "metadata": metadata,
         }
-        tmp = f"{vdir}/.{MANIFEST}.{uuid.uuid4().hex[:8]}"
-        with self.fs.open(tmp, "wb") as f:
-            f.write(json.dumps(manifest, indent=1).encode())
-        self.fs.mv(tmp, f"{vdir}/{MANIFEST}")  # the version becomes visible here
+        data = json.dumps(manifest, indent=1).encode()
+        if isinstance(self.fs, LocalFileSystem):
+            tmp = f"{vdir}/.{MANIFEST}.{uuid.uuid4().hex[:8]}"
+            with self.fs.open(tmp, "wb") as f:
+                f.write(data)
+            self.fs.mv(tmp, f"{vdir}/{MANIFEST}")  # the version becomes visible here (atomic rename)
+        else:
+            self.fs.pipe_file(f"{vdir}/{MANIFEST}", data)   # one PUT: an object is visible whole or not at all
         return version

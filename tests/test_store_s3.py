@@ -151,3 +151,58 @@ def test_store_storage_options_from_the_config(s3, tmp_path):
     configure_storage({"url": "s3://fleet/from_config", "storage_options": s3})
     store = ExperienceStore.open("s3://fleet/from_config")
     assert len(store.episodes()) == 2 and store.verify()["ok"]
+
+
+@pytest.mark.slow
+def test_registry_on_s3_publishes_atomically_and_workers_fetch_from_it(s3, tmp_path):
+    """The checkpoint registry on S3 (no atomic rename): racing publishers claim distinct versions (conditional
+    writes), a claimed version without its manifest stays invisible, a tampered file is refused by sha256, and
+    fleet workers (their own Ray processes) fetch and act with the newest version from it."""
+    import threading
+
+    from fleet.registry import ChecksumMismatchError, CheckpointRegistry
+    from tests.test_fleet import tiny_aed_checkpoint
+
+    url = "s3://fleet/registry"
+    configure_storage({"url": url, "storage_options": s3})
+    ckpt = tiny_aed_checkpoint(tmp_path / "ck", seed=1)
+    reg = CheckpointRegistry(url)
+    got, errors = [], []
+
+    def publisher(k):
+        try:
+            for j in range(2):
+                got.append(CheckpointRegistry(url).publish(ckpt, {"publisher": k, "j": j}))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=publisher, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and sorted(got) == [1, 2, 3, 4, 5, 6] and reg.versions() == [1, 2, 3, 4, 5, 6]
+    assert sorted((reg.manifest(v)["metadata"]["publisher"], reg.manifest(v)["metadata"]["j"]) for v in got) == \
+        [(k, j) for k in range(3) for j in range(2)]
+    reg.fs.pipe_file(f"{reg.root}/v000007/.claim", b"{}")            # a publisher that died after claiming
+    reg.fs.pipe_file(f"{reg.root}/v000007/config.json", b"{}")
+    assert reg.latest_version() == 6 and 7 not in reg.versions()
+    assert reg.publish(ckpt, {"publisher": "last"}) == 8
+    local = reg.fetch(8, tmp_path / "v8")
+    assert (Path(local) / "model.safetensors").read_bytes() == (Path(ckpt) / "model.safetensors").read_bytes()
+    reg.fs.pipe_file(f"{reg.root}/v000001/model.safetensors", b"not the weights")
+    with pytest.raises(ChecksumMismatchError):
+        reg.fetch(1, tmp_path / "v1")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        env.pop(k, None)
+    opts = json.dumps(s3).replace('"', "")
+    r = subprocess.run([sys.executable, "scripts/fleet.py", "policy=aed_diffusion", "fleet.policy_version=latest",
+                        "task=mw_quick", "task.tasks=[reach-v3]", "task.max_episode_steps=20", "robot=nominal",
+                        "fleet.units=2", "fleet.episodes_per_unit=1", "fleet.num_cpus=2",
+                        "store.url=s3://fleet/acted", f"+store.storage_options={opts}", f"fleet.registry_url={url}",
+                        f"fleet.cache_dir={tmp_path}/cache", f"hydra.run.dir={tmp_path}/run"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    store = ExperienceStore.open("s3://fleet/acted")
+    assert [m.policy_version for m in store.episodes()] == [8, 8]
