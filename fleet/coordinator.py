@@ -666,11 +666,12 @@ class Fleet:
             refresh=False,
         )
 
-    def server_stats(self) -> dict | None:
-        """The policy server's batch-size and latency report (``PolicyServer.stats``), or None."""
+    def server_stats(self, reset: bool = False) -> dict | None:
+        """The policy server's batch-size and latency report (``PolicyServer.stats``; ``reset``: start counting
+        afresh after it), or None without a server."""
         import ray
 
-        return ray.get(self.server.stats.remote()) if self.server is not None else None
+        return ray.get(self.server.stats.remote(reset)) if self.server is not None else None
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -168,14 +168,18 @@ class PolicyServer:
         return self._forward(samples, version)
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
-        """Batch sizes and latencies so far: ``{"requests", "batches", "mean_batch", "max_batch",
-        "latency_ms_p50", "latency_ms_p95", "forward_ms_mean", "device"}`` (latency: request arrival to answer)."""
+        """Batch sizes and latencies so far: ``{"requests", "batches", "mean_batch", "max_batch", "batch_p50",
+        "batch_p90", "batch_histogram" ({batch size: batches}), "latency_ms_p50", "latency_ms_p95",
+        "forward_ms_mean", "device"}`` (latency: request arrival to answer)."""
         lat = np.asarray(self._latency_s) * 1e3
         out = {
             "requests": int(sum(self._batch_sizes)),
             "batches": len(self._batch_sizes),
             "mean_batch": float(np.mean(self._batch_sizes)) if self._batch_sizes else 0.0,
             "max_batch": int(max(self._batch_sizes, default=0)),
+            "batch_p50": float(np.percentile(self._batch_sizes, 50)) if self._batch_sizes else 0.0,
+            "batch_p90": float(np.percentile(self._batch_sizes, 90)) if self._batch_sizes else 0.0,
+            "batch_histogram": {str(k): int(v) for k, v in sorted(Counter(self._batch_sizes).items())},
             "latency_ms_p50": float(np.percentile(lat, 50)) if lat.size else None,
             "latency_ms_p95": float(np.percentile(lat, 95)) if lat.size else None,
             "forward_ms_mean": float(np.mean(self._forward_s) * 1e3) if self._forward_s else None,

@@ -380,7 +380,8 @@ class RobotWorker:
                     explore: dict | None = None) -> dict[str, Any]:
         """Run and commit one episode; returns its summary ``{"episode_id", "unit_id", "task", "seed",
         "success", "length", "policy_version", "is_demo", "episode_index", "wall_s", "return", "staleness",
-        "termination"}`` (plus ``"error"`` for a trial that raised).
+        "termination", "commit_s"}`` (plus ``"error"`` for a trial that raised; ``commit_s``: seconds the store
+        commit took, None when nothing was committed).
 
         ``termination`` says why it ended: ``terminated`` (after the task's success), ``truncated`` /
         ``max_steps`` (out of time), or a fault: ``non_finite_observation`` / ``non_finite_action`` /
@@ -444,6 +445,7 @@ class RobotWorker:
             extra.update(ex.tags())
         self.progress_state.update(task=task, step=0, in_episode=True)
         success, ret, length, termination, error = False, 0.0, 0, "max_steps", None
+        commit_s = None
         ep_id = None
         try:
             obs, info = env.reset(seed=seed)
@@ -475,7 +477,9 @@ class RobotWorker:
             if termination in FAULTS:
                 success = False
             if length:
+                t_commit = time.perf_counter()
                 ep_id = self.writer.commit(success=success, termination=termination)
+                commit_s = time.perf_counter() - t_commit
             else:
                 self.writer.abort()
         except (RegistryError, StoreError, KeyboardInterrupt, SystemExit):
@@ -497,7 +501,8 @@ class RobotWorker:
         summary = {"episode_id": ep_id, "unit_id": self.unit_id, "task": task, "seed": seed, "success": success,
                    "length": length if ep_id else 0, "policy_version": version, "is_demo": self.is_demo,
                    "episode_index": self.episode_index, "wall_s": time.perf_counter() - t0, "return": ret,
-                   "staleness": self._staleness(version) if ep_id else None, "termination": termination}
+                   "staleness": self._staleness(version) if ep_id else None, "termination": termination,
+                   "commit_s": commit_s}
         if error is not None:
             summary["error"] = error
         if ex is not None:

@@ -2,6 +2,7 @@
 
     python scripts/bench_fleet.py                                   # writes outputs/bench/bench_fleet.json
     python scripts/bench_fleet.py +bench.workers=[1,2,4,8] +bench.episodes=8 +bench.out=/tmp/b.json
+    python scripts/bench_fleet.py +bench.cluster=true      # 32 units on a two-node cluster: outputs/bench/bench_cluster.json
 
 Workers are the real ``RobotWorker`` actors with the scripted expert, committing every episode to a Zarr
 store in a temporary directory (state-only, then one 96x96 camera). The baseline is the same ``RobotWorker``
@@ -10,6 +11,12 @@ Policy server: a small real ``AEDDiffusionPolicy`` (random weights: speed does n
 ``PolicyServer`` actor; ``batch`` requests are kept in flight at once, so each forward pass sees ``batch``
 samples; throughput is executed actions/s (chunks/s x n_action_steps) and latency is per request, beside the
 same forward pass called in this process.
+
+Cluster mode (``+bench.cluster=true``): a real two-node Ray cluster on this machine (``fleet.cluster``, the
+machine's cores split between the nodes), one unit and then ``bench.cluster_units`` (32) state-only units spread
+over both nodes, all acting through the batched policy server with the small AED policy, in the same run:
+episodes/s of the fleet against (cluster CPUs) x (one unit's episodes/s) (target >= 0.8), the server's batch-size
+distribution and the store's commit latency (p50/p95 of every episode's commit).
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ from fleet.coordinator import _plain, ensure_ray  # noqa: E402
 from fleet.worker import RobotWorker  # noqa: E402
 
 DEFAULTS = {"workers": [1, 2, 4], "episodes": 6, "task": "reach-v3", "max_episode_steps": 100,
-            "server_batches": [1, 8, 32], "server_rounds": 20, "out": "outputs/bench/bench_fleet.json"}
+            "server_batches": [1, 8, 32], "server_rounds": 20, "out": "outputs/bench/bench_fleet.json",
+            "cluster": False, "cluster_units": 32, "cluster_episodes": 2, "single_episodes": 6,
+            "cluster_out": "outputs/bench/bench_cluster.json"}
 
 
 def _cfg(base: dict, images: bool, bench: dict) -> dict:
@@ -145,12 +154,69 @@ def bench_server(ckpt: str, batches: list[int], rounds: int, max_wait_ms: float 
     return out
 
 
+def _fleet_rate(c: dict, ckpt: str, units: list[int], episodes: int) -> dict:
+    """Episodes/s of a fleet of ``units`` acting through the policy server (after one warm-up episode each)."""
+    from fleet.coordinator import Fleet
+
+    with Fleet(c, policy=ckpt, units=units, use_server=True) as fleet:
+        fleet.run(episodes_per_unit=1, progress=False)           # warm-up: envs, policy loads, store arrays
+        fleet.server_stats(reset=True)
+        t = time.perf_counter()
+        res = fleet.run(episodes_per_unit=episodes, progress=len(units) > 1)
+        dt = time.perf_counter() - t
+        server = fleet.server_stats()
+        nodes = sorted(set(fleet.unit_nodes.values()))
+    commits = np.array([e["commit_s"] for e in res.episodes if e.get("commit_s") is not None]) * 1e3
+    return {"units": len(units), "episodes": len(res.episodes), "wall_s": dt, "episodes_per_s": len(res.episodes) / dt,
+            "steps_per_s": res.steps / dt, "nodes_used": len(nodes), "server": server,
+            "commit_ms_p50": float(np.percentile(commits, 50)) if commits.size else None,
+            "commit_ms_p95": float(np.percentile(commits, 95)) if commits.size else None}
+
+
+def bench_cluster(base: dict, bench: dict) -> dict:
+    """The large simulated fleet on a two-node cluster against one unit, measured in the same run."""
+    from fleet.cluster import LocalRayCluster
+
+    cores = os.cpu_count() or 2
+    nodes = bench.get("cluster_nodes") or [{"num_cpus": max(cores // 2, 1)}, {"num_cpus": max(cores - cores // 2, 1)}]
+    n_units = int(bench["cluster_units"])
+    with tempfile.TemporaryDirectory() as tmp, LocalRayCluster(nodes, log_dir=f"{tmp}/cluster") as cluster:
+        c = _cfg(base, False, bench)
+        c["fleet"].update(ray_address=cluster.address, placement="spread", server_device="cpu", policy_server=True,
+                          worker_cpus=sum(n["num_cpus"] for n in nodes) / n_units)
+        ensure_ray(c["fleet"])
+        import ray
+
+        ckpt, n_params = small_policy_checkpoint(f"{tmp}/policy")
+        cpus = ray.cluster_resources().get("CPU")
+        c["store"] = {**c["store"], "url": f"{tmp}/one"}
+        one = _fleet_rate(c, ckpt, [0], int(bench["single_episodes"]))
+        c["store"] = {**c["store"], "url": f"{tmp}/many"}
+        many = _fleet_rate(c, ckpt, list(range(n_units)), int(bench["cluster_episodes"]))
+        ray.shutdown()
+    ratio = many["episodes_per_s"] / (cpus * one["episodes_per_s"])
+    return {"nodes": nodes, "cluster_cpus": cpus, "policy": "AEDDiffusionPolicy dim=64 layers=2 horizon=16 ddim=10 "
+            "(random weights) via the batched policy server", "parameters": n_params, "one_unit": one,
+            "fleet": many, "fleet_vs_cpus_x_one_unit": ratio, "target": 0.8, "meets_target": bool(ratio >= 0.8),
+            "loadavg": os.getloadavg()}
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     bench = {**DEFAULTS, **(OmegaConf.to_container(cfg.bench) if "bench" in cfg else {})}
     base = _plain(cfg)
     base["robot"]["train_units"] = list(range(1000))  # bench units 0.. and the in-process unit 999
     base["robot"]["heldout_units"] = []
+    if bench["cluster"]:
+        report = bench_cluster(base, bench)
+        out = Path(bench["cluster_out"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        print(json.dumps(report, indent=1))
+        print(f"cluster: {report['fleet']['units']} units {report['fleet']['episodes_per_s']:.2f} episodes/s vs one unit "
+              f"{report['one_unit']['episodes_per_s']:.3f} x {report['cluster_cpus']:g} CPUs: "
+              f"ratio {report['fleet_vs_cpus_x_one_unit']:.2f} (target 0.8); wrote {out}")
+        return
     ensure_ray({**base["fleet"], "log_to_driver": bool(bench.get("log_to_driver", False))})
     import ray
 
