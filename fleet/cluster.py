@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 # how fast the head's GCS declares a silent node dead (Ray's defaults take ~30 s): period x threshold
 FAST_HEALTH_CHECK = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
@@ -78,7 +78,7 @@ class LocalRayCluster:
         self.killed: set[int] = set()
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> LocalRayCluster:
+    def __enter__(self) -> Self:
         self.start()
         return self
 

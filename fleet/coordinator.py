@@ -63,6 +63,9 @@ def ensure_ray(fleet_cfg: dict) -> None:
 
     if ray.is_initialized():
         return
+    from policies.threads import passive_wait
+
+    passive_wait()   # the workers Ray starts inherit it: their OpenMP threads sleep when idle (policies/threads.py)
     address = fleet_cfg.get("ray_address")
     if address:
         ray.init(address=address, runtime_env=fleet_cfg.get("runtime_env") or None, logging_level="WARNING")

@@ -20,7 +20,6 @@ steps by the policy's own ``select_action`` queue (local inference) or by ``Chun
 from __future__ import annotations
 
 import inspect
-
 import time
 from collections import deque
 from pathlib import Path

@@ -32,6 +32,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from policies.threads import passive_wait
+
+passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 

@@ -121,8 +121,8 @@ def single_writer(opts: dict, episodes: int) -> dict:
     ours, ice = ours_writer(opts, 900), ice_writer(opts, 900)
     t = {"ours": [], "icechunk": [], "raw_put": []}
     for e in range(episodes):
-        for name, fn in (("ours", lambda: ours(e)), ("icechunk", lambda: ice(e)),
-                         ("raw_put", lambda: fs.pipe_file(f"bench/raw/{e:05d}.npy", rows(900, e).tobytes()))):
+        for name, fn in (("ours", lambda e=e: ours(e)), ("icechunk", lambda e=e: ice(e)),
+                         ("raw_put", lambda e=e: fs.pipe_file(f"bench/raw/{e:05d}.npy", rows(900, e).tobytes()))):
             t0 = time.perf_counter()
             fn()
             t[name].append(time.perf_counter() - t0)

@@ -29,6 +29,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from policies.threads import passive_wait
+
+passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
 
 from experience_dict.store import ExperienceStore
 

@@ -21,6 +21,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from policies.threads import passive_wait
+
+passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
 
 try:  # LeRobot first: it must load triton before sim initialises EGL (see fleet/so100_sim_robot/__init__.py)
     import lerobot.robots  # noqa: F401

@@ -19,6 +19,9 @@ import hydra
 from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from policies.threads import passive_wait
+
+passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
 
 from policies.aed_diffusion.training import last_checkpoint
 from policies.export import export_checkpoint, training_provenance

@@ -26,6 +26,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from policies.threads import passive_wait
+
+passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
 
 from experience_dict.store import CorruptChunkError, ExperienceStore
 from policies.aed_diffusion.training import train_policy

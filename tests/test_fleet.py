@@ -323,3 +323,13 @@ def test_reexplore_copies_the_store_without_retries_and_explores_its_failures_ag
     assert len(ExperienceStore.open(c["store"]["url"]).episodes()) == 3 and new.verify()["ok"]
     with pytest.raises(FileExistsError):
         reexplore(c, src, str(ckpt), heldout=[100], dst_url=dst, progress=False)
+
+
+def test_ray_workers_inherit_the_passive_openmp_wait():
+    """ensure_ray sets OMP_WAIT_POLICY=PASSIVE before Ray starts, so every worker's idle OpenMP threads sleep
+    (policies/threads.py); a value the environment gave is kept."""
+    @ray.remote(num_cpus=0)
+    def wait_policy():
+        return os.environ.get("OMP_WAIT_POLICY")
+
+    assert ray.get(wait_policy.remote()) == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")

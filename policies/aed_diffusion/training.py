@@ -295,8 +295,9 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: Any | None = N
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = resolve_device(device)
-    if tc["num_threads"]:
-        torch.set_num_threads(int(tc["num_threads"]))
+    from policies.threads import apply_thread_budget
+
+    apply_thread_budget(int(tc["num_threads"]) if tc["num_threads"] else None)   # null: the CPUs this process may use
     torch.manual_seed(tc["seed"])
     np.random.seed(tc["seed"])
 
