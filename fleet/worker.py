@@ -178,7 +178,7 @@ class RobotWorker:
         fault: test hook ``{"kind": "raise" | "hang" | "kill" | "sleep", "episode": i, "step": s,
             "once_file": path, "seconds": x}``: raise in the env / sleep forever / SIGKILL itself / sleep ``x``
             seconds at step ``s`` of this unit's ``i``-th episode, once (``once_file`` is created when it fires);
-            or a list of such dicts.
+            with ``"after_commit": true`` right after that episode's commit instead; or a list of such dicts.
     """
 
     def __init__(self, unit_id: int, tasks: list[str], cfg: dict, store_url: str, policy: dict,
@@ -358,8 +358,15 @@ class RobotWorker:
     # ------------------------------------------------------------------ episodes
     def _maybe_fault(self, step: int) -> None:
         for f in self.faults:
-            if f.get("episode") == self.episode_index and f.get("step", 0) == step:
+            if f.get("episode") == self.episode_index and f.get("step", 0) == step and not f.get("after_commit"):
                 self._fire(f, step)
+
+    def _maybe_fault_after_commit(self, length: int) -> None:
+        """Faults with ``after_commit: true``: fire once the episode is committed, before its summary returns
+        (a worker lost between its commit and its answer: the coordinator must not run the trial again)."""
+        for f in self.faults:
+            if f.get("after_commit") and f.get("episode") == self.episode_index:
+                self._fire(f, length)
 
     def _fire(self, f: dict, step: int) -> None:
         once = f.get("once_file")
@@ -480,6 +487,7 @@ class RobotWorker:
                 t_commit = time.perf_counter()
                 ep_id = self.writer.commit(success=success, termination=termination)
                 commit_s = time.perf_counter() - t_commit
+                self._maybe_fault_after_commit(length)
             else:
                 self.writer.abort()
         except (RegistryError, StoreError, KeyboardInterrupt, SystemExit):

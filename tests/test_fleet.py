@@ -333,3 +333,19 @@ def test_ray_workers_inherit_the_passive_openmp_wait():
         return os.environ.get("OMP_WAIT_POLICY")
 
     assert ray.get(wait_policy.remote()) == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def test_a_trial_committed_by_a_worker_that_then_died_is_not_run_twice(tmp_path):
+    """A worker SIGKILLed between its commit and its answer (as on a node loss): the coordinator finds the
+    committed episode in the store and counts it once; the restarted worker goes on with the next trial."""
+    cfg = make_cfg(tmp_path, "policy=expert", "task.tasks=[reach-v3]", "task.max_episode_steps=40")
+    faults = {0: {"kind": "kill", "episode": 1, "after_commit": True, "once_file": str(tmp_path / "k")}}
+    plan = [{"task": "reach-v3", "unit_id": 0, "seed": s} for s in (11, 12, 13)]
+    with Fleet(cfg, units=[0], faults=faults) as fleet:
+        result = fleet.run(plan=plan, progress=False)
+    eps = ExperienceStore.open(str(tmp_path / "store")).episodes()
+    assert sorted(m.seed for m in eps) == [11, 12, 13]                 # each trial committed exactly once
+    assert (tmp_path / "k").exists() and result.restarts[0] == 1 and result.recovered_from_store == 1
+    assert sorted(e["seed"] for e in result.episodes) == [11, 12, 13]
+    assert {e["episode_id"] for e in result.episodes} == {m.episode_id for m in eps}
+    assert "taken from the store" in result.summary()
