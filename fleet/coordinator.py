@@ -498,7 +498,8 @@ class Fleet:
         lost_nodes: set[str] = set()
 
         def check_nodes() -> None:
-            """Record the suspect nodes the cluster has declared dead (a node loss), give up after 60 s."""
+            """Record the suspect nodes the cluster has declared dead (a node loss); a node still alive 60 s after
+            a worker on it died lost only that process."""
             alive = {n["NodeID"]: bool(n["Alive"]) for n in ray.nodes()}
             for node, since in list(suspect_nodes.items()):
                 if not alive.get(node, False):
@@ -523,7 +524,7 @@ class Fleet:
             for u in self.units:
                 submit(u)
             last_poll = last_node_check = time.monotonic()
-            while inflight or ping_at or suspect_nodes:
+            while inflight or ping_at:
                 ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.2) if inflight else ([], [])
                 if not inflight:
                     time.sleep(0.2)
@@ -650,6 +651,8 @@ class Fleet:
         finally:
             if pbar is not None:
                 pbar.close()
+        if suspect_nodes:   # a node declared dead by now (its units' restarts usually wait for that, in the loop)
+            check_nodes()
         result.wall_s = time.monotonic() - t_start
         result.terminations = dict(terminations)
         result.unit_nodes = dict(self.unit_nodes)
