@@ -122,6 +122,7 @@ class TorchPolicy:
     def __init__(self, model, version: int):
         self.model, self.version = model, version
         self.noise_scale = 1.0
+        self._takes_noise_scale = "noise_scale" in inspect.signature(model.select_action).parameters
 
     def reset(self) -> None:
         self.model.reset()
@@ -136,7 +137,7 @@ class TorchPolicy:
 
         with torch.no_grad():
             if self.noise_scale != 1.0:
-                if "noise_scale" not in inspect.signature(self.model.select_action).parameters:
+                if not self._takes_noise_scale:
                     raise ValueError(f"exploration noise_temperature={self.noise_scale}: the policy "
                                      f"{type(self.model).__name__} samples no denoising noise (use action_noise_std)")
                 a = self.model.select_action(obs, noise_scale=self.noise_scale)

@@ -48,7 +48,7 @@ def child(threads: str, seconds: float) -> None:
         passive_wait()   # what fleetmind's entry points do before torch loads
     import torch
 
-    from scripts.bench_policy import STATE_SHAPES, Setup, load_policy_cfg  # noqa: F401
+    from scripts.bench_policy import Setup, load_policy_cfg
 
     if threads == "budget":
         n = apply_thread_budget(None)
