@@ -249,8 +249,7 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
 
     from experience_dict.store import ExperienceStore, configure_storage
     from fleet.policies import load_checkpoint
-    from fleet.worker import step_trial, writer_id
-    from sim import make_env
+    from fleet.worker import writer_id
 
     if int(batch_size) < 1:
         raise ValueError(f"batch_size: expected >= 1, given {batch_size}")
@@ -271,79 +270,103 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     for w0 in range(0, len(plan), int(batch_size)):
         wave = plan[w0:w0 + int(batch_size)]
         t0 = time.perf_counter()
-        used: dict[tuple[str, int], int] = {}
-        envs = []
-        for tr in wave:
-            key = (str(tr["task"]), int(tr["unit_id"]))
-            k = used.get(key, 0)
-            used[key] = k + 1
-            lst = pool.setdefault(key, [])
-            if len(lst) <= k:
-                lst.append(make_env(task=key[0], unit_id=key[1], robot_cfg=cfg["robot"], obs_cfg=cfg["obs"],
-                                    task_cfg=cfg["task"]))
-            envs.append(lst[k])
+        envs = _wave_envs(pool, wave, cfg)
         if store is None:
             spec = envs[0].spec_dict()
             store = ExperienceStore.create_or_open(str(store_url), spec=spec, control_hz=spec.get("control_hz"))
-        obs = [env.reset(seed=int(tr["seed"]))[0] for env, tr in zip(envs, wave)]
-        gens = [torch.Generator().manual_seed(int(tr["seed"])) for tr in wave]
-        model.reset()
-        B = len(wave)
-        done = np.zeros(B, bool)
-        success, ret, length = np.zeros(B, bool), np.zeros(B), np.zeros(B, np.int64)
-        steps: list[list] = [[] for _ in range(B)]
-        why = ["max_steps"] * B   # termination, as fleet.worker.RobotWorker.run_episode records it
-        last_obs = list(obs)
-        with torch.inference_mode():
-            for t in range(max_steps):
-                batch = {k: torch.as_tensor(np.stack([o[k] for o in last_obs])) for k in last_obs[0]}
-                a = model.select_action(batch, generators=gens) if takes_generators else model.select_action(batch)
-                acts = a.detach().cpu().numpy().astype(np.float32).reshape(B, -1)
-                for i in np.flatnonzero(~done):
-                    row, fault, stepped = step_trial(envs[i], last_obs[i], acts[i])   # the worker's fault rules
-                    if row is not None:
-                        steps[i].append(row)
-                    if fault is not None:    # a NaN/inf or diverging physics: the trial ends as a failure
-                        why[i], done[i], success[i] = fault, True, False
-                        length[i] = len(steps[i])
-                        continue
-                    nxt, r, term, trunc, info = stepped
-                    success[i] |= bool(info["success"])
-                    ret[i] += float(r)
-                    length[i] = t + 1
-                    last_obs[i] = nxt
-                    if term or trunc:
-                        done[i], why[i] = True, "terminated" if term else "truncated"
-                if done.all():
-                    break
-        wall = (time.perf_counter() - t0) / B
+        steps, success, ret, length, why = _step_wave(model, envs, wave, max_steps, takes_generators)
+        wall = (time.perf_counter() - t0) / len(wave)
         for i, tr in enumerate(wave):
             u = int(tr["unit_id"])
             if u not in writers:
                 writers[u] = store.writer(writer_id(u))
-            w = writers[u]
-            env = envs[i]
-            w.begin_episode(unit_id=u, embodiment=str(env.unit.embodiment), task=str(tr["task"]),
-                            policy_version=int(version), seed=int(tr["seed"]), is_demo=False,
-                            extra={"unit": env.unit.to_dict()} if hasattr(env.unit, "to_dict") else None)
-            for o, act, r, prog in steps[i]:
-                w.add_step(o, act, r, prog)
-            if steps[i]:
-                ep_id = w.commit(success=bool(success[i]), termination=why[i])
-            else:
-                w.abort()
-                ep_id = None
+            ep_id = _commit_trial(writers[u], envs[i], tr, steps[i], bool(success[i]), why[i], int(version))
             out.append({"episode_id": ep_id, "unit_id": u, "task": str(tr["task"]), "seed": int(tr["seed"]),
                         "success": bool(success[i]), "length": int(length[i]), "policy_version": int(version),
                         "is_demo": False, "return": float(ret[i]), "wall_s": wall, "termination": why[i]})
         if bar is not None:
-            bar.update(B)
+            bar.update(len(wave))
             bar.set_postfix_str(f"success={np.mean([e['success'] for e in out]):.2f}", refresh=False)
     if bar is not None:
         bar.close()
     for w in writers.values():
         w.close()
     return out
+
+
+def _wave_envs(pool: dict[tuple[str, int], list], wave: list[dict], cfg: dict) -> list:
+    """One env per trial of ``wave`` from this process's ``pool`` ((task, unit) -> envs), made when missing (two
+    trials of one (task, unit) in a wave get two envs)."""
+    from sim import make_env
+
+    used: dict[tuple[str, int], int] = {}
+    envs = []
+    for tr in wave:
+        key = (str(tr["task"]), int(tr["unit_id"]))
+        k = used.get(key, 0)
+        used[key] = k + 1
+        lst = pool.setdefault(key, [])
+        if len(lst) <= k:
+            lst.append(make_env(task=key[0], unit_id=key[1], robot_cfg=cfg["robot"], obs_cfg=cfg["obs"],
+                                task_cfg=cfg["task"]))
+        envs.append(lst[k])
+    return envs
+
+
+def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_generators: bool):
+    """Reset every env of the wave with its trial's seed and step them together, one batched
+    ``model.select_action`` per step, until all are done. Returns ``(steps, success, return, length,
+    termination)``: per trial its list of store rows ``(obs, action, reward, progress)``, and arrays (B,) of
+    bool / float / int64, and a list of termination strings (as ``fleet.worker.RobotWorker.run_episode``)."""
+    import torch
+
+    from fleet.worker import step_trial
+
+    obs = [env.reset(seed=int(tr["seed"]))[0] for env, tr in zip(envs, wave)]
+    gens = [torch.Generator().manual_seed(int(tr["seed"])) for tr in wave]
+    model.reset()
+    B = len(wave)
+    done = np.zeros(B, bool)
+    success, ret, length = np.zeros(B, bool), np.zeros(B), np.zeros(B, np.int64)
+    steps: list[list] = [[] for _ in range(B)]
+    why = ["max_steps"] * B
+    last_obs = list(obs)
+    with torch.inference_mode():
+        for t in range(max_steps):
+            batch = {k: torch.as_tensor(np.stack([o[k] for o in last_obs])) for k in last_obs[0]}
+            a = model.select_action(batch, generators=gens) if takes_generators else model.select_action(batch)
+            acts = a.detach().cpu().numpy().astype(np.float32).reshape(B, -1)
+            for i in np.flatnonzero(~done):
+                row, fault, stepped = step_trial(envs[i], last_obs[i], acts[i])   # the worker's fault rules
+                if row is not None:
+                    steps[i].append(row)
+                if fault is not None:    # a NaN/inf or diverging physics: the trial ends as a failure
+                    why[i], done[i], success[i] = fault, True, False
+                    length[i] = len(steps[i])
+                    continue
+                nxt, r, term, trunc, info = stepped
+                success[i] |= bool(info["success"])
+                ret[i] += float(r)
+                length[i] = t + 1
+                last_obs[i] = nxt
+                if term or trunc:
+                    done[i], why[i] = True, "terminated" if term else "truncated"
+            if done.all():
+                break
+    return steps, success, ret, length, why
+
+
+def _commit_trial(w, env, tr: dict, steps: list, success: bool, termination: str, version: int) -> str | None:
+    """Write one evaluated trial's rows to its unit's writer ``w`` and commit it; None (aborted) without rows."""
+    w.begin_episode(unit_id=int(tr["unit_id"]), embodiment=str(env.unit.embodiment), task=str(tr["task"]),
+                    policy_version=version, seed=int(tr["seed"]), is_demo=False,
+                    extra={"unit": env.unit.to_dict()} if hasattr(env.unit, "to_dict") else None)
+    for o, act, r, prog in steps:
+        w.add_step(o, act, r, prog)
+    if not steps:
+        w.abort()
+        return None
+    return w.commit(success=success, termination=termination)
 
 
 _ENVS: dict[str, dict[tuple[str, int], list]] = {}   # this process's envs, kept across calls (making one: ~0.4 s)

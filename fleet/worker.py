@@ -12,6 +12,7 @@ nothing committed is lost.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -30,6 +31,7 @@ from fleet.policies import (
     load_checkpoint,
     resolve_device,
 )
+from fleet.rollout import _finite_obs, rollout, step_trial  # noqa: F401 - step_trial: part of this module's API
 
 
 class WorkerEpisodeError(RuntimeError):
@@ -44,40 +46,6 @@ class PolicyLoadError(RuntimeError):
 
 # terminations that are faults (``EpisodeMeta.termination``): such an episode is never a success
 FAULTS = ("non_finite_observation", "non_finite_action", "non_finite_reward", "sim_unstable", "error")
-
-
-def _finite_obs(obs: dict) -> bool:
-    """Every float array of ``obs`` is finite (images are uint8)."""
-    return all(np.isfinite(v).all() for v in obs.values()
-               if isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.floating))
-
-
-def step_trial(env, obs: dict, action: np.ndarray) -> tuple[tuple | None, str | None, tuple | None]:
-    """One control step under the fleet's fault rules (the worker and the vectorised evaluation both use it).
-
-    Args:
-        env: the trial's env; obs: the observation the action was chosen on; action: (A,) float32 policy action.
-    Returns:
-        ``(row, fault, out)``: ``row`` = ``(obs, taken action (A,) float32, reward, progress)`` to store (the
-        env's clipped command ``info["action"]``), or None; ``fault`` = the termination when this step ends the
-        episode as a fault (``non_finite_action``: nothing stepped; ``non_finite_reward``: not stored;
-        ``sim_unstable`` from the env, ``non_finite_observation`` for the next observation: stored), else None;
-        ``out`` = ``env.step``'s ``(next_obs, reward, terminated, truncated, info)`` or None. A faulty step adds
-        nothing to the episode's success or return.
-    """
-    if not np.all(np.isfinite(action)):
-        return None, "non_finite_action", None
-    out = env.step(action)
-    nxt, reward, _, _, info = out
-    if not np.isfinite(reward):
-        return None, "non_finite_reward", out
-    row = (obs, np.asarray(info.get("action", np.clip(action, -1.0, 1.0)), dtype=np.float32), float(reward),
-           info["progress"])
-    if info.get("termination"):           # e.g. sim_unstable: the env ended the episode
-        return row, str(info["termination"]), out
-    if not _finite_obs(nxt):
-        return row, "non_finite_observation", out
-    return row, None, out
 
 
 def writer_id(unit_id: int) -> str:
@@ -428,6 +396,70 @@ class RobotWorker:
             seed = episode_seed(self.cfg.get("seed", 0), self.unit_id, self.episode_index)
         seed = int(seed)
         env = self._env(task)
+        policy, ex = self._trial_policy(task, seed, explore)
+        version = int(policy.version)
+        t0 = time.perf_counter()
+        extra = {**({"unit": env.unit.to_dict()} if hasattr(env.unit, "to_dict") else {}),
+                 **(ex.tags() if ex is not None else {})}
+        self.progress_state.update(task=task, step=0, in_episode=True)
+        success, ret, length, termination, error, commit_s, ep_id = False, 0.0, 0, "max_steps", None, None, None
+        try:
+            obs, info = env.reset(seed=seed)
+            policy.reset()
+            self.writer.begin_episode(unit_id=self.unit_id, embodiment=str(env.unit.embodiment), task=task,
+                                      policy_version=version, seed=seed, is_demo=self.is_demo, extra=extra or None)
+            success, ret, length, termination = self._step_until_done(env, policy, obs, ex, seed)
+            success = success and termination not in FAULTS
+            ep_id, commit_s = self._commit_or_abort(success, termination, length)
+        except (RegistryError, StoreError, KeyboardInterrupt, SystemExit):
+            self.writer.abort()
+            self.progress_state["in_episode"] = False
+            raise
+        except Exception as e:  # noqa: BLE001 - an error inside this trial: a failed trial, the unit goes on
+            self.writer.abort()
+            ep_id, success, termination = None, False, "error"
+            error = f"{type(e).__name__}: {e}"
+            logging.getLogger("fleetmind.worker").warning(
+                "unit %d episode %d (task %s, seed %d) raised at step %d: %s\n%s", self.unit_id, self.episode_index,
+                task, seed, self.progress_state.get("step", length), error, traceback.format_exc())
+        finally:
+            if getattr(policy, "noise_scale", 1.0) != 1.0:
+                policy.noise_scale = 1.0   # the next episode samples as trained
+        summary = {"episode_id": ep_id, "unit_id": self.unit_id, "task": task, "seed": seed, "success": success,
+                   "length": length if ep_id else 0, "policy_version": version, "is_demo": self.is_demo,
+                   "episode_index": self.episode_index, "wall_s": time.perf_counter() - t0, "return": ret,
+                   "staleness": self._staleness(version) if ep_id else None, "termination": termination,
+                   "commit_s": commit_s, **({"error": error} if error is not None else {}),
+                   **(ex.tags() if ex is not None else {})}
+        if ep_id is not None:
+            self.episode_index += 1
+        self.progress_state.update(episode_index=self.episode_index, in_episode=False)
+        return summary
+
+    def _commit_or_abort(self, success: bool, termination: str, length: int) -> tuple[str | None, float | None]:
+        """Commit the open episode (``length`` > 0 steps) or drop it (no step); ``(episode_id, commit seconds)``,
+        ``(None, None)`` when dropped."""
+        if not length:
+            self.writer.abort()
+            return None, None
+        t_commit = time.perf_counter()
+        ep_id = self.writer.commit(success=success, termination=termination)
+        commit_s = time.perf_counter() - t_commit
+        self._maybe_fault_after_commit(length)
+        return ep_id, commit_s
+
+    def _trial_policy(self, task: str, seed: int, explore: dict | None) -> tuple[Any, Exploration | None]:
+        """The acting policy for one trial and its exploration (``None``: none): a retry seeds torch from (seed,
+        attempt) so it draws fresh denoising noise, and a noise temperature is set on the policy.
+
+        Raises:
+            PolicyLoadError: the policy cannot be built, or a temperature is asked of a policy without
+                denoising noise.
+            fleet.registry.RegistryError, experience_dict.store.StoreError: as raised.
+        """
+        from experience_dict.store import StoreError
+        from fleet.registry import RegistryError
+
         try:
             policy = self._acting_policy(task, seed)
         except (RegistryError, StoreError):
@@ -445,80 +477,21 @@ class RobotWorker:
                     raise PolicyLoadError(f"unit {self.unit_id}: exploration noise_temperature={ex.temperature} "
                                           f"needs a checkpoint policy; the acting policy is {self._policy_name()}")
                 policy.noise_scale = ex.temperature
-        version = int(policy.version)
-        t0 = time.perf_counter()
-        extra = {"unit": env.unit.to_dict()} if hasattr(env.unit, "to_dict") else {}
-        if ex is not None:
-            extra.update(ex.tags())
-        self.progress_state.update(task=task, step=0, in_episode=True)
-        success, ret, length, termination, error = False, 0.0, 0, "max_steps", None
-        commit_s = None
-        ep_id = None
-        try:
-            obs, info = env.reset(seed=seed)
-            policy.reset()
-            self.writer.begin_episode(unit_id=self.unit_id, embodiment=str(env.unit.embodiment), task=task,
-                                      policy_version=version, seed=seed, is_demo=self.is_demo, extra=extra or None)
-            if not _finite_obs(obs):
-                termination = "non_finite_observation"
-            else:
-                for t in range(self.max_steps):
-                    self._maybe_fault(t)
-                    action = np.asarray(policy.select_action(obs), dtype=np.float32)
-                    if ex is not None:
-                        action = ex.perturb(action, t, seed)
-                    row, fault, out = step_trial(env, obs, action)
-                    if row is not None:
-                        self.writer.add_step(*row)
-                        length = t + 1
-                        self.progress_state["step"] = length
-                    if fault is not None:
-                        termination = fault
-                        break
-                    obs, reward, terminated, truncated, info = out
-                    success |= bool(info["success"])
-                    ret += float(reward)
-                    if terminated or truncated:
-                        termination = "terminated" if terminated else "truncated"
-                        break
-            if termination in FAULTS:
-                success = False
-            if length:
-                t_commit = time.perf_counter()
-                ep_id = self.writer.commit(success=success, termination=termination)
-                commit_s = time.perf_counter() - t_commit
-                self._maybe_fault_after_commit(length)
-            else:
-                self.writer.abort()
-        except (RegistryError, StoreError, KeyboardInterrupt, SystemExit):
-            self.writer.abort()
-            self.progress_state["in_episode"] = False
-            raise
-        except Exception as e:  # noqa: BLE001 - an error inside this trial: a failed trial, the unit goes on
-            self.writer.abort()
-            ep_id, success, termination = None, False, "error"
-            error = f"{type(e).__name__}: {e}"
-            import logging
+        return policy, ex
 
-            logging.getLogger("fleetmind.worker").warning(
-                "unit %d episode %d (task %s, seed %d) raised at step %d: %s\n%s", self.unit_id, self.episode_index,
-                task, seed, length, error, traceback.format_exc())
-        finally:
-            if getattr(policy, "noise_scale", 1.0) != 1.0:
-                policy.noise_scale = 1.0   # the next episode samples as trained
-        summary = {"episode_id": ep_id, "unit_id": self.unit_id, "task": task, "seed": seed, "success": success,
-                   "length": length if ep_id else 0, "policy_version": version, "is_demo": self.is_demo,
-                   "episode_index": self.episode_index, "wall_s": time.perf_counter() - t0, "return": ret,
-                   "staleness": self._staleness(version) if ep_id else None, "termination": termination,
-                   "commit_s": commit_s}
-        if error is not None:
-            summary["error"] = error
-        if ex is not None:
-            summary.update(ex.tags())
-        if ep_id is not None:
-            self.episode_index += 1
-        self.progress_state.update(episode_index=self.episode_index, in_episode=False)
-        return summary
+    def _step_until_done(self, env, policy, obs, ex: Exploration | None, seed: int) -> tuple[bool, float, int, str]:
+        """``fleet.rollout.rollout`` of ``policy`` (its actions perturbed by the exploration ``ex``, if any) from
+        ``obs``, every finite step written to the open episode. Returns ``(success, return, length,
+        termination)``."""
+        def act(o, t):
+            a = np.asarray(policy.select_action(o), dtype=np.float32)
+            return ex.perturb(a, t, seed) if ex is not None else a
+
+        def on_step(length):
+            self.progress_state["step"] = length
+
+        r = rollout(env, act, obs, self.max_steps, writer=self.writer, before_step=self._maybe_fault, on_step=on_step)
+        return r.success, r.ret, r.length, r.termination
 
     def _policy_name(self) -> str:
         p = self.policy_cfg

@@ -162,7 +162,7 @@ def test_new_version_picked_up_between_episodes_and_tampered_refused(tmp_path):
         assert fleet.policy["kind"] == "checkpoint" and fleet.policy["version"] == "latest"
         th, out = run_in_thread(fleet, episodes_per_unit=5)
         wait_for(lambda: (p := ray.get(fleet.actors[0].progress.remote()))["episode_index"] == 2 and p["step"] >= 3,
-                 what="episode 2 running")
+                 timeout=180, what="episode 2 running")   # the worker's first episode imports torch: slow on a loaded machine
         assert reg.publish(tiny_aed_checkpoint(tmp_path / "ck2", seed=2), {"step": 2}) == 2
         th.join(120)
         result = out["result"]
