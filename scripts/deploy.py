@@ -8,24 +8,22 @@
         deploy.robot.port=/dev/ttyACM0 deploy.robot.id=arm0 deploy.run.store_url=outputs/so100_store
 
 Runs at the export's ``control_hz``; maps LeRobot features to the policy's and the policy's end-effector actions to
-joint targets through the twin's IK (``fleet/lerobot_bridge.py``); checks every action (``fleet/safety.py``);
+joint targets through the twin's IK (``fleet/deploy/lerobot_bridge.py``); checks every action (``fleet/deploy/safety.py``);
 writes ``deploy_report.json`` (steps, actions sent, safety events, latency per step, success) into the Hydra run
-dir. Needs the LeRobot environment (``make install-lerobot``: ``.venv-lerobot``). See ``fleet/deploy.py``.
+dir. Needs the LeRobot environment (``make install-lerobot``: ``.venv-lerobot``). See ``fleet/deploy/deployer.py``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
 
-try:  # LeRobot first: it must load triton before sim initialises EGL (see fleet/so100_sim_robot/__init__.py)
+try:  # LeRobot first: it must load triton before sim initialises EGL (see fleet/deploy/so100_sim_robot/__init__.py)
     import lerobot.robots  # noqa: F401
 except ImportError as e:  # pragma: no cover - the core environment
     raise SystemExit(f"scripts/deploy.py needs LeRobot ({e}); install it with `make install-lerobot` and run "
@@ -34,8 +32,15 @@ except ImportError as e:  # pragma: no cover - the core environment
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from fleet.deploy import Deployer, RunConfig, build_robot_config, export_path, make_robot, safety_limits
-from fleet.lerobot_bridge import JointMap
+from fleet.deploy.deployer import (
+    Deployer,
+    RunConfig,
+    build_robot_config,
+    export_path,
+    make_robot,
+    safety_limits,
+)
+from fleet.deploy.lerobot_bridge import JointMap
 
 log = logging.getLogger("deploy")
 SIM_TYPE = "fleetmind_so100_sim"
@@ -70,7 +75,7 @@ def main(cfg: DictConfig) -> None:
 
         rt = PolicyRuntime.load(export, device=run_fields.pop("device"),
                                 num_inference_steps=run_fields.pop("num_inference_steps"),
-                                num_threads=run_fields.pop("num_threads"))
+                                num_threads=run_fields.pop("num_threads"), compile=bool(run_fields.pop("compile", False)))
         report_path = Path(run_fields.pop("report") or Path(cfg.output_dir) / "deploy_report.json")
         robot_fields = OmegaConf.to_container(d.robot, resolve=True)
         if robot_fields.get("type") == SIM_TYPE:
@@ -83,7 +88,7 @@ def main(cfg: DictConfig) -> None:
         safety = OmegaConf.to_container(d.safety, resolve=True)
         deployer = Deployer(rt, robot, run, safety_limits(safety, joint_map), joint_map,
                             cameras=dict(b.cameras or {}), export_dir=str(export), hang_s=float(safety["hang_s"]),
-                            robot_type=robot_fields["type"])
+                            robot_type=robot_fields["type"], embodiment=str(b.get("embodiment") or "so100"))
     except (FileNotFoundError, ValueError, TypeError) as e:
         raise SystemExit(f"deploy: {e}") from e
     log.info("deploying %s (policy version %s) on %s at %.1f Hz, label=%s", export, deployer.policy_version,

@@ -1,4 +1,4 @@
-"""SO-100 bridge (fleet/lerobot_bridge.py) in the core environment, without LeRobot: joint conventions, forward
+"""SO-100 bridge (fleet/deploy/lerobot_bridge.py) in the core environment, without LeRobot: joint conventions, forward
 kinematics against the twin's own tcp, EE actions -> joint targets giving the twin's trajectory, feature checks."""
 
 import mujoco
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import sim
-from fleet.lerobot_bridge import MOTOR_KEYS, JointMap, SO100Bridge, sim_feature_names
+from fleet.deploy.lerobot_bridge import MOTOR_KEYS, JointMap, SO100Bridge, sim_feature_names
 from sim.so100.env import JAW_CLOSED, JAW_OPEN
 
 STATE_ONLY = {"observation.state": [4], "observation.environment_state": [17]}
@@ -113,3 +113,16 @@ def test_bad_actions_and_missing_features_are_named():
         SO100Bridge(STATE_ONLY, [f"{j}.pos" for j in range(6)])
     with pytest.raises(ValueError, match="no mapping to an SO-100 robot"):
         SO100Bridge({"observation.velocity": [3]}, ["dx", "dy", "dz", "gripper"])
+
+
+def test_bridges_are_chosen_by_embodiment():
+    """``make_bridge``: the deploy loop takes an embodiment's bridge from a registry, not a hard-wired class."""
+    from fleet.deploy.lerobot_bridge import BRIDGES, EmbodimentBridge, make_bridge, register_bridge
+
+    b = make_bridge("so100", STATE_ONLY, ["dx", "dy", "dz", "gripper"], joint_map=JointMap())
+    assert isinstance(b, SO100Bridge) and isinstance(b, EmbodimentBridge)
+    with pytest.raises(ValueError, match=r"no bridge for 'ur5'; known: \['so100'\]"):
+        make_bridge("ur5", STATE_ONLY, ["dx", "dy", "dz", "gripper"])
+    with pytest.raises(ValueError, match="already has a bridge"):
+        register_bridge("so100", SO100Bridge)
+    assert set(BRIDGES) == {"so100"}

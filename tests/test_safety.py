@@ -1,4 +1,4 @@
-"""Safety filter and watchdog (fleet/safety.py): each limit on small hand-made joint vectors, the NaN latch, the
+"""Safety filter and watchdog (fleet/deploy/safety.py): each limit on small hand-made joint vectors, the NaN latch, the
 workspace check through a forward-kinematics callable, rate-limited logging and the watchdog's timing."""
 
 import logging
@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from fleet.safety import EventLog, SafetyFilter, SafetyLimits, Watchdog
+from fleet.deploy.safety import EventLog, SafetyFilter, SafetyLimits, Watchdog
 
 NAMES = ["a", "b", "gripper"]
 

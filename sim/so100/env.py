@@ -14,8 +14,8 @@ Control (every step, ``CONTROL_HZ`` = 30 Hz, 16 physics steps of 1/480 s):
      commanded joint positions from their previous values toward the target (``IK_ITERATIONS`` solves);
   3. the five arm position actuators get the commanded joints; the jaw actuator gets the gripper command
      mapped linearly from [-1 (open), +1 (closed)] to [``JAW_OPEN``, ``JAW_CLOSED``] radians.
-Steps 1-2 are ``EEDeltaController`` (shared with the LeRobot bridge, ``fleet/lerobot_bridge.py``); step 3 is
-``SO100Env.step_joint_targets`` (which the LeRobot robot backed by the twin, ``fleet/so100_sim_robot``, drives).
+Steps 1-2 are ``EEDeltaController`` (shared with the LeRobot bridge, ``fleet/deploy/lerobot_bridge.py``); step 3 is
+``SO100Env.step_joint_targets`` (which the LeRobot robot backed by the twin, ``fleet/deploy/so100_sim_robot``, drives).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class EEDeltaController:
     """The twin's end-effector-delta controller: one (4,) action -> joint targets (steps 1-2 of the module doc,
     and step 3's gripper mapping).
 
-    Used by ``SO100Env.step`` and by the LeRobot bridge (``fleet.lerobot_bridge``), which drives a real or
+    Used by ``SO100Env.step`` and by the LeRobot bridge (``fleet.deploy.lerobot_bridge``), which drives a real or
     simulated SO-100 with joint targets: the same code maps a policy's EE actions to joints in both places.
 
     Args:
@@ -227,7 +227,7 @@ class SO100Env(gym.Env):
                            "reflections": bool(ocfg.get("reflections", False)),
                            "shadowsize": int(ocfg.get("shadowsize", 256))}
         tcfg = as_dict(task_cfg)
-        self.max_episode_steps = int(tcfg.get("so100_max_episode_steps", tcfg.get("max_episode_steps", 300)))
+        self.max_episode_steps = int(tcfg.get("max_episode_steps", 300))
         self.steps_after_success = int(tcfg.get("steps_after_success", 10))
         if self.max_episode_steps < 1 or self.steps_after_success < 0:
             raise ValueError(f"task: max_episode_steps >= 1 and steps_after_success >= 0 expected, given "

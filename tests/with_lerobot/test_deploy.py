@@ -1,5 +1,5 @@
 """Deployment through LeRobot's Robot API on the SO-100 twin (robot type fleetmind_so100_sim): the same loop as on
-a real arm (fleet/deploy.py), a real exported policy, real safety limits, a real experience store.
+a real arm (fleet/deploy/deployer.py), a real exported policy, real safety limits, a real experience store.
 
 Run with the LeRobot environment: ``.venv-lerobot/bin/python -m pytest -q tests/with_lerobot/test_deploy.py``.
 """
@@ -18,11 +18,11 @@ pytestmark = pytest.mark.lerobot
 # "lerobot.robots", not "lerobot": with tests/ on sys.path this folder is a namespace package named lerobot
 pytest.importorskip("lerobot.robots")
 
-# LeRobot (torchvision -> triton) before anything imports sim: see fleet/so100_sim_robot/__init__.py
+# LeRobot (torchvision -> triton) before anything imports sim: see fleet/deploy/so100_sim_robot/__init__.py
 import torch
 from lerobot.robots import make_robot_from_config
 
-from fleet.deploy import (
+from fleet.deploy.deployer import (
     SAFETY_DEFAULTS,
     Deployer,
     RunConfig,
@@ -31,8 +31,8 @@ from fleet.deploy import (
     export_path,
     safety_limits,
 )
-from fleet.lerobot_bridge import JointMap
-from fleet.so100_sim_robot import FleetmindSO100Sim, FleetmindSO100SimConfig
+from fleet.deploy.lerobot_bridge import JointMap
+from fleet.deploy.so100_sim_robot import FleetmindSO100Sim, FleetmindSO100SimConfig
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]

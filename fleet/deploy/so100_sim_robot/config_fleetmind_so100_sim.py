@@ -10,7 +10,7 @@ ROBOT_TYPE = "fleetmind_so100_sim"
 @RobotConfig.register_subclass(ROBOT_TYPE)
 @dataclass
 class FleetmindSO100SimConfig(RobotConfig):
-    """The simulated SO-100 follower (``fleet.so100_sim_robot.FleetmindSO100Sim``).
+    """The simulated SO-100 follower (``fleet.deploy.so100_sim_robot.FleetmindSO100Sim``).
 
     Attributes:
         task: the twin's scene (``sim.so100.TASKS``: so100-reach, so100-push-cube, so100-pick-place).

@@ -1,7 +1,7 @@
 """Safety limits on every joint-target action before it reaches a robot, and a policy deadline watchdog.
 
 Core module: numpy and the standard library only (no LeRobot, MuJoCo or torch), so it runs on any deploy machine
-and is tested in the core environment. ``fleet.lerobot_bridge`` / ``fleet.deploy`` wire it to a LeRobot robot.
+and is tested in the core environment. ``fleet.deploy.lerobot_bridge`` / ``fleet.deploy.deployer`` wire it to a LeRobot robot.
 
 Joint vectors are in the robot's (LeRobot's) units, in the order of ``SafetyLimits.names``: degrees for the arm
 joints, 0..100 for the gripper (LeRobot's ``so101_follower`` with ``use_degrees=True``).
@@ -12,7 +12,7 @@ joints, 0..100 for the gripper (LeRobot's ``so101_follower`` with ``use_degrees=
    latch a stop (every later call sends that same position until ``reset``);
 2. ``stopped``: a latched stop (NaN or the watchdog) -> hold the position latched with the stop;
 3. ``joint_limit``: targets clipped to ``joint_limits`` (default: the SO-100 MJCF ranges, see
-   ``fleet.lerobot_bridge.so100_joint_limits``);
+   ``fleet.deploy.lerobot_bridge.so100_joint_limits``);
 4. ``max_step``: ``|target - current|`` clipped to ``max_step`` per joint per control step (as LeRobot's
    ``max_relative_target``, ``lerobot.robots.utils.ensure_safe_goal_position``);
 5. ``workspace``: the end-effector position of the (clipped) targets, by forward kinematics, outside the

@@ -1,7 +1,7 @@
 """Bridge between a LeRobot SO-100/SO-101 arm and a fleetmind policy: feature names, units and kinematics.
 
-Plain dicts in, plain dicts out: this module does not import LeRobot (``fleet.deploy`` and
-``fleet.so100_sim_robot`` do), only numpy, MuJoCo and mink (through the SO-100 twin's model and IK).
+Plain dicts in, plain dicts out: this module does not import LeRobot (``fleet.deploy.deployer`` and
+``fleet.deploy.so100_sim_robot`` do), only numpy, MuJoCo and mink (through the SO-100 twin's model and IK).
 
 LeRobot side (``so100_follower`` / ``so101_follower`` with ``use_degrees=True``, lerobot 0.4.4
 ``lerobot/robots/so_follower/so_follower.py``): observation and action features ``<joint>.pos`` for
@@ -36,12 +36,12 @@ policy trained in the twin gets the same joint targets on the LeRobot robot as i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from fleet.safety import EventLog, SafetyEvent
+from fleet.deploy.safety import EventLog, SafetyEvent
 
 LEROBOT_ARM_JOINTS = ("shoulder_pan", "shoulder_lift", "elbow_flex", "wrist_flex", "wrist_roll")
 LEROBOT_JOINTS = (*LEROBOT_ARM_JOINTS, "gripper")
@@ -311,3 +311,57 @@ class SO100Bridge:
     def robot_action(targets: np.ndarray) -> dict[str, float]:
         """(6,) joint targets -> LeRobot action ``{"<joint>.pos": float}``."""
         return {k: float(v) for k, v in zip(MOTOR_KEYS, np.asarray(targets, dtype=np.float64))}
+
+
+# ---------------------------------------------------------------------------------------------- embodiments
+@runtime_checkable
+class EmbodimentBridge(Protocol):
+    """What ``fleet.deploy.deployer.Deployer`` needs from an embodiment's bridge (``SO100Bridge`` is one):
+    observation and action mapping between a LeRobot robot and an exported fleetmind policy.
+
+    ``check_robot(observation_features, action_features, robot_type)`` raises ValueError for a robot that cannot
+    serve the policy; ``joints(obs)`` -> measured joint vector; ``fk(joints)`` -> tool position (m, for the
+    workspace check); ``policy_observation(obs)`` -> the policy's features; ``reset(obs)`` at an episode start;
+    ``propose(action, obs, step)`` -> joint targets for one policy action; ``sent(targets)`` records what was
+    sent; ``robot_action(targets)`` -> the LeRobot action dict.
+    """
+
+    def check_robot(self, observation_features: Mapping[str, Any], action_features: Mapping[str, Any],
+                    robot_type: str) -> None: ...
+    def joints(self, obs: Mapping[str, Any]) -> np.ndarray: ...
+    def fk(self, joints: np.ndarray) -> np.ndarray: ...
+    def policy_observation(self, obs: Mapping[str, Any]) -> dict[str, np.ndarray]: ...
+    def reset(self, obs: Mapping[str, Any]) -> None: ...
+    def propose(self, action: np.ndarray, obs: Mapping[str, Any], step: int = 0) -> np.ndarray: ...
+    def sent(self, targets: np.ndarray) -> None: ...
+    def robot_action(self, targets: np.ndarray) -> dict[str, float]: ...
+
+
+BRIDGES: dict[str, Callable[..., EmbodimentBridge]] = {}
+
+
+def register_bridge(embodiment: str, factory: Callable[..., EmbodimentBridge]) -> None:
+    """Register the bridge of an embodiment (``deploy.bridge.embodiment``): ``factory(input_shapes,
+    action_names, joint_map=, cameras=, events=)``.
+
+    Raises:
+        ValueError: the embodiment already has a bridge.
+    """
+    if embodiment in BRIDGES:
+        raise ValueError(f"register_bridge: embodiment {embodiment!r} already has a bridge ({BRIDGES[embodiment]})")
+    BRIDGES[embodiment] = factory
+
+
+def make_bridge(embodiment: str, input_shapes: Mapping[str, Sequence[int]], action_names: Sequence[str],
+                **kw: Any) -> EmbodimentBridge:
+    """The bridge of ``embodiment`` for a policy with these features.
+
+    Raises:
+        ValueError: no bridge for the embodiment (the message lists the known ones), or the bridge's own checks.
+    """
+    if embodiment not in BRIDGES:
+        raise ValueError(f"deploy.bridge.embodiment: no bridge for {embodiment!r}; known: {sorted(BRIDGES)}")
+    return BRIDGES[embodiment](input_shapes, action_names, **kw)
+
+
+register_bridge("so100", SO100Bridge)   # SO-100 and SO-101 (same kinematics)

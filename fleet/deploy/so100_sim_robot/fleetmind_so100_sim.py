@@ -19,8 +19,8 @@ import numpy as np
 from lerobot.robots.robot import Robot
 from lerobot.utils.errors import DeviceAlreadyConnectedError, DeviceNotConnectedError
 
-from fleet.lerobot_bridge import MOTOR_KEYS, JointMap, sim_feature_names
-from fleet.so100_sim_robot.config_fleetmind_so100_sim import ROBOT_TYPE, FleetmindSO100SimConfig
+from fleet.deploy.lerobot_bridge import MOTOR_KEYS, JointMap, sim_feature_names
+from fleet.deploy.so100_sim_robot.config_fleetmind_so100_sim import ROBOT_TYPE, FleetmindSO100SimConfig
 
 log = logging.getLogger(__name__)
 _NEVER = 2**31 - 1  # the deploy loop, not the twin, ends episodes

@@ -1,14 +1,14 @@
 """Run an exported policy on a LeRobot robot: the loop behind ``scripts/deploy.py`` (real arm or the SO-100 twin).
 
 Import order matters on CPU machines: this module imports LeRobot (and so torchvision / triton) before anything
-imports ``sim`` (see ``fleet/so100_sim_robot/__init__.py``: Mesa's EGL then triton segfaults).
+imports ``sim`` (see ``fleet/deploy/so100_sim_robot/__init__.py``: Mesa's EGL then triton segfaults).
 
 One control step (at the export's ``control_hz``, paced in real time unless ``realtime=False``)::
 
     obs = robot.get_observation()                          # LeRobot features: <joint>.pos, cameras, (sim.*)
     action = watchdog.call(runtime.select_action, bridge.policy_observation(obs))   # hold the arm on a miss
     targets = bridge.propose(action, obs)                  # EE delta -> joint targets (the twin's mink IK)
-    sent, events = safety.filter(targets, joints(obs))     # NaN/limits/step/workspace; see fleet.safety
+    sent, events = safety.filter(targets, joints(obs))     # NaN/limits/step/workspace; see fleet.deploy.safety
     robot.send_action(bridge.robot_action(sent))
 
 An episode ends after ``max_steps``, ``steps_after_success`` steps after the first success (simulated robot),
@@ -32,8 +32,8 @@ from typing import Any
 import lerobot.robots  # noqa: F401 - before sim (EGL) is imported, see the module doc
 import numpy as np
 
-from fleet.lerobot_bridge import MOTOR_KEYS, JointMap, SO100Bridge
-from fleet.safety import EventLog, SafetyEvent, SafetyFilter, SafetyLimits, Watchdog
+from fleet.deploy.lerobot_bridge import MOTOR_KEYS, JointMap, make_bridge
+from fleet.deploy.safety import EventLog, SafetyEvent, SafetyFilter, SafetyLimits, Watchdog
 
 log = logging.getLogger("fleetmind.deploy")
 EMBODIMENT = "so100"
@@ -62,7 +62,7 @@ def register_robot_types() -> list[str]:
         register_third_party_plugins()
     except ImportError:
         pass
-    import fleet.so100_sim_robot  # noqa: F401 - registers fleetmind_so100_sim
+    import fleet.deploy.so100_sim_robot  # noqa: F401 - registers fleetmind_so100_sim
 
     return sorted(RobotConfig.get_known_choices())
 
@@ -278,6 +278,7 @@ class Deployer:
         input_fn: the operator prompt (``input``; tests pass a scripted one).
         hang_s: ``Watchdog.hang_s``; robot_type: the type name for messages, the report and the store (default:
             the config's; LeRobot's so100_follower and so101_follower share one config class).
+        embodiment: whose bridge maps the policy to the robot (``fleet.deploy.lerobot_bridge.make_bridge``).
     Raises:
         ValueError: an export the robot cannot serve (features, control rate), a label the robot cannot give.
     """
@@ -285,14 +286,15 @@ class Deployer:
     def __init__(self, runtime, robot, run: RunConfig, safety: SafetyLimits | None = None,
                  joint_map: JointMap | None = None, cameras: Mapping[str, str] | None = None,
                  export_dir: str | None = None, input_fn: Callable[[str], str] = input, hang_s: float = 30.0,
-                 robot_type: str | None = None):
+                 robot_type: str | None = None, embodiment: str = "so100"):
         self.runtime, self.robot, self.run = runtime, robot, run
         self.input_fn, self.export_dir = input_fn, export_dir
         self.joint_map = joint_map or JointMap()
         self.eventlog = EventLog()
         meta = dict(getattr(runtime, "meta", {}) or {})
         action_names = (meta.get("features", {}).get("action", {}) or {}).get("names") or ["dx", "dy", "dz", "gripper"]
-        self.bridge = SO100Bridge(runtime.input_shapes, action_names, self.joint_map, cameras, events=self.eventlog)
+        self.bridge = make_bridge(embodiment, runtime.input_shapes, action_names, joint_map=self.joint_map,
+                                  cameras=cameras, events=self.eventlog)
         rtype = robot_type or getattr(getattr(robot, "config", None), "type", None) or getattr(robot, "name", "robot")
         self.robot_type = rtype
         self.bridge.check_robot(robot.observation_features, robot.action_features, rtype)
@@ -376,50 +378,8 @@ class Deployer:
         try:
             for step in range(int(run.max_steps)):
                 t0 = time.perf_counter()
-                current = bridge.joints(obs)
-                pobs = bridge.policy_observation(obs)
-                held_by_watchdog = []
-
-                def hold(current=current, held=held_by_watchdog):
-                    held.append(self.safety.hold(current))
-                    robot.send_action(bridge.robot_action(held[-1]))
-
-                call = self.watchdog.call(self.runtime.select_action, pobs, on_miss=hold)
-                res.policy_s.append(call.elapsed_s)
-                if call.missed:
-                    self.eventlog.add(SafetyEvent(step, "deadline", {
-                        "deadline_s": self.limits.deadline_s, "held_after_s": round(call.miss_handled_s, 4),
-                        "policy_s": round(call.elapsed_s, 4), "consecutive_misses": self.watchdog.misses}))
-                    bridge.sent(held_by_watchdog[-1])
-                    self._record(res, current, np.full(6, np.nan), held_by_watchdog[-1], True)
-                    if self.watchdog.misses >= self.limits.max_misses:
-                        self.safety.stop(step, "deadline", held_by_watchdog[-1])
-                        res.stop_reason = "deadline"
-                        break
-                else:
-                    action = np.asarray(call.value, dtype=np.float32).reshape(-1)
-                    try:
-                        proposed = bridge.propose(action, obs, step)
-                    except ValueError as e:   # an action of the wrong dimension: hold the arm, end the episode
-                        self.eventlog.add(SafetyEvent(step, "bad_action", {"error": str(e),
-                                                                           "shape": list(action.shape)}))
-                        held = self.safety.stop(step, "bad_action", current)
-                        robot.send_action(bridge.robot_action(held))
-                        bridge.sent(held)
-                        self._record(res, current, np.full(6, np.nan), held, True)
-                        res.stop_reason = "bad_action"
-                        break
-                    sent, _ev = self.safety.filter(proposed, current, step, action)
-                    robot.send_action(bridge.robot_action(sent))
-                    bridge.sent(sent)
-                    self._record(res, current, proposed, sent, self.safety.stopped is not None)
-                    if self.safety.stopped is not None:
-                        res.stop_reason = self.safety.stopped
-                        break
-                    if self.writer is not None:
-                        reward, progress = self._progress()
-                        res.store_steps.append(({k: v.copy() for k, v in pobs.items()},  # camera buffers may be reused
-                                                action.astype(np.float32), reward, progress))
+                if self._act(step, obs, res):
+                    break
                 obs = robot.get_observation()
                 if self.is_sim and self.robot.sim_info()["success"] and res.first_success_step is None:
                     res.first_success_step = res.steps
@@ -447,6 +407,57 @@ class Deployer:
         log.info("episode %d: %d steps, stop %s, success %s, safety %s", index, res.steps, res.stop_reason,
                  res.success, {k: v for k, v in res.to_dict()["safety_counts"].items()})
         return res
+
+    def _act(self, step: int, obs: Mapping[str, Any], res: EpisodeResult) -> bool:
+        """One control step from the robot observation ``obs``: ask the policy (under the watchdog), filter its
+        action through the safety layer, send it, record it; True when the episode must stop (``res.stop_reason``
+        set: deadline misses, a bad action, a safety stop)."""
+        robot, bridge = self.robot, self.bridge
+        current = bridge.joints(obs)
+        pobs = bridge.policy_observation(obs)
+        held_by_watchdog = []
+
+        def hold(current=current, held=held_by_watchdog):
+            held.append(self.safety.hold(current))
+            robot.send_action(bridge.robot_action(held[-1]))
+
+        call = self.watchdog.call(self.runtime.select_action, pobs, on_miss=hold)
+        res.policy_s.append(call.elapsed_s)
+        if call.missed:
+            self.eventlog.add(SafetyEvent(step, "deadline", {
+                "deadline_s": self.limits.deadline_s, "held_after_s": round(call.miss_handled_s, 4),
+                "policy_s": round(call.elapsed_s, 4), "consecutive_misses": self.watchdog.misses}))
+            bridge.sent(held_by_watchdog[-1])
+            self._record(res, current, np.full(6, np.nan), held_by_watchdog[-1], True)
+            if self.watchdog.misses >= self.limits.max_misses:
+                self.safety.stop(step, "deadline", held_by_watchdog[-1])
+                res.stop_reason = "deadline"
+                return True
+        else:
+            action = np.asarray(call.value, dtype=np.float32).reshape(-1)
+            try:
+                proposed = bridge.propose(action, obs, step)
+            except ValueError as e:   # an action of the wrong dimension: hold the arm, end the episode
+                self.eventlog.add(SafetyEvent(step, "bad_action", {"error": str(e),
+                                                                   "shape": list(action.shape)}))
+                held = self.safety.stop(step, "bad_action", current)
+                robot.send_action(bridge.robot_action(held))
+                bridge.sent(held)
+                self._record(res, current, np.full(6, np.nan), held, True)
+                res.stop_reason = "bad_action"
+                return True
+            sent, _ev = self.safety.filter(proposed, current, step, action)
+            robot.send_action(bridge.robot_action(sent))
+            bridge.sent(sent)
+            self._record(res, current, proposed, sent, self.safety.stopped is not None)
+            if self.safety.stopped is not None:
+                res.stop_reason = self.safety.stopped
+                return True
+            if self.writer is not None:
+                reward, progress = self._progress()
+                res.store_steps.append(({k: v.copy() for k, v in pobs.items()},  # camera buffers may be reused
+                                        action.astype(np.float32), reward, progress))
+        return False
 
     @staticmethod
     def _record(res: EpisodeResult, current, proposed, sent, held: bool) -> None:

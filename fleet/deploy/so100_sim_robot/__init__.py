@@ -9,12 +9,12 @@ It lives in ``fleet/``, not ``sim/``, on purpose: it imports LeRobot (hence torc
 triton) before ``sim`` (imported lazily) probes EGL. With Mesa's EGL (llvmpipe, CPU machines) loading
 libLLVM first and triton's libtriton second segfaults the process; the other order works.
 
-    import fleet.so100_sim_robot  # registers "fleetmind_so100_sim"
+    import fleet.deploy.so100_sim_robot  # registers "fleetmind_so100_sim"
     from lerobot.robots import make_robot_from_config
     robot = make_robot_from_config(FleetmindSO100SimConfig(task="so100-reach", render_cameras=["corner"]))
 """
 
-from fleet.so100_sim_robot.config_fleetmind_so100_sim import ROBOT_TYPE, FleetmindSO100SimConfig
-from fleet.so100_sim_robot.fleetmind_so100_sim import FleetmindSO100Sim
+from fleet.deploy.so100_sim_robot.config_fleetmind_so100_sim import ROBOT_TYPE, FleetmindSO100SimConfig
+from fleet.deploy.so100_sim_robot.fleetmind_so100_sim import FleetmindSO100Sim
 
 __all__ = ["ROBOT_TYPE", "FleetmindSO100Sim", "FleetmindSO100SimConfig"]
