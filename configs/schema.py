@@ -99,8 +99,7 @@ RULES: dict[str, Rule] = {
     "fleet.episode_timeout_s": optional(number(0, open_lo=True)), "fleet.max_restarts": integer(-1),
     "fleet.max_recreates": integer(0), "fleet.max_trial_faults": POS, "fleet.trial_retries": integer(0),
     "fleet.torch_threads": POS, "fleet.placement": one_of("pack", "spread"),
-    "job.fleet_units": POS, "job.base_steps": POS, "job.demos_per_task": POS, "job.seeds": int_list(0),
-    "job.trials_per_task": POS,
+    "job.base_steps": POS, "job.demos_per_task": POS, "job.seeds": int_list(0),
     "eval.trials_per_task": POS, "eval.batch_size": POS, "eval.processes": POS, "eval.backend": one_of("vector", "ray"),
     "learner.updates_per_version": POS, "learner.batch_size": POS, "learner.lr": number(0, open_lo=True),
     "learner.warmup_steps": integer(0),
@@ -129,13 +128,69 @@ def _get(cfg: Mapping, dotted: str) -> tuple[bool, Any]:
     return True, cur
 
 
+CONFIG_DIR = Path(__file__).resolve().parent
+# subtrees a script reads as a whole, added on the command line with `+` (e.g. `+bench.cluster=true`,
+# `+store.storage_options={...}`): any key under a component of this name is accepted
+FREE_FORM = frozenset({"bench", "check", "cluster", "storage_options", "runtime_env", "worker_resources"})
+
+
+def _flat_keys(node: Any, prefix: str, out: dict[str, Any]) -> None:
+    if not isinstance(node, Mapping):
+        return
+    for k, v in node.items():
+        if k in ("defaults", "hydra") and not prefix:
+            continue
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out[key] = v
+        _flat_keys(v, key, out)
+
+
+def declared_keys(config_dir: Path = CONFIG_DIR) -> tuple[frozenset[str], frozenset[str]]:
+    """``(keys, open_keys)``: every dotted key some YAML file under ``config_dir`` declares (the root config's
+    keys, each group option's keys under its group, ``configs/task/mw10.yaml``: ``task.*``, and an
+    ``@package _global_`` file's keys as they stand), and those declared as ``{}`` or ``null``, whose value is the
+    user's own mapping (``eval.checkpoints``, ``fleet.runtime_env``): keys below them are not checked. A composed
+    config's key outside both (and outside ``FREE_FORM``) is read by no component."""
+    import yaml
+
+    keys: dict[str, Any] = {}
+    for f in sorted(config_dir.rglob("*.yaml")):
+        text = f.read_text()
+        rel = f.relative_to(config_dir)
+        top = "@package _global_" in "\n".join(text.splitlines()[:3]) or len(rel.parts) == 1
+        prefix = "" if top else ".".join(rel.parts[:-1])
+        if prefix:
+            keys.setdefault(prefix, "<group>")   # the group itself (not a user mapping)
+        _flat_keys(yaml.safe_load(text) or {}, prefix, keys)
+    open_keys = frozenset(k for k, v in keys.items() if v is None or v == {})
+    return frozenset(keys), open_keys
+
+
+def unknown_keys(cfg: Mapping, declared: tuple[frozenset[str], frozenset[str]] | None = None) -> list[str]:
+    """Dotted keys of ``cfg`` (a plain dict) that no YAML file declares, outside ``FREE_FORM`` subtrees and the
+    user mappings of :func:`declared_keys`."""
+    known, open_keys = declared_keys() if declared is None else declared
+    flat: dict[str, Any] = {}
+    _flat_keys(cfg, "", flat)
+
+    def allowed(k: str) -> bool:
+        parts = k.split(".")
+        return (k in known or bool(FREE_FORM & set(parts))
+                or any(".".join(parts[:i]) in open_keys for i in range(1, len(parts))))
+
+    return sorted(k for k in flat if not allowed(k))
+
+
 def problems(cfg: Mapping) -> list[str]:
-    """Every rule a value of ``cfg`` (an OmegaConf config or a plain dict) breaks, one line each."""
+    """Every rule a value of ``cfg`` (an OmegaConf config or a plain dict) breaks, one line each; for a composed
+    root config (it has ``job``, ``fleet`` and ``task``) also every key no component reads."""
     from omegaconf import DictConfig, OmegaConf
 
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=False)
     out = []
+    if all(g in cfg for g in ("job", "fleet", "task")):
+        out += [f"{k}: unknown key (no component reads it; check its spelling and group)" for k in unknown_keys(cfg)]
     for key, rule in RULES.items():
         found, v = _get(cfg, key)
         if not found:

@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
@@ -113,7 +111,7 @@ def main(cfg: DictConfig) -> None:
                 done.parent.mkdir(parents=True, exist_ok=True)
                 done.write_text(train_offline_arm(c, arm, reader, base[arm.init], d, heldout, s))
             ckpts[arm.name] = done.read_text()
-        results[s] = evaluate_arms(c, ckpts, out / f"seed_{s}", int(frozen["job"]["trials_per_task"]), units=heldout)
+        results[s] = evaluate_arms(c, ckpts, out / f"seed_{s}", int(frozen["eval"]["trials_per_task"]), units=heldout)
     names = [baseline] + [x.name for x in arms if x.name != baseline]
     table = success_table({n: [e for s in seeds for e in results[s][n]] for n in names})
     table["meta"] = {"run_dir": str(run_dir), "seeds": seeds, "store": c["store"]["url"], "held_out_units": heldout, "eval_seed": c["eval"]["seed"],

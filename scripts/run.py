@@ -35,14 +35,12 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
@@ -264,12 +262,10 @@ def _pct(x) -> str:
 
 def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress: bool = True,
              sweep: bool = False) -> dict:
-    """Every stage of one experiment seed in ``sd``; returns ``{"results": {arm: episodes}, "checkpoints",
-    "rounds"}``."""
-    from experience_dict.store import ExperienceStore
-    from fleet.arms import make_learner, train_offline_arm
+    """Every stage of one experiment seed in ``sd`` (demonstrations, the two bases, the fleet rounds with the
+    in-loop learners, the offline arms, the held-out evaluation), each skipped when ``job_state.json`` says it is
+    done; returns ``{"results": {arm: episodes}, "checkpoints", "rounds", "config", "state"}``."""
     from fleet.evaluation import evaluate_arms
-    from fleet.protocol import collect_demos
     from fleet.registry import CheckpointRegistry
     from sim import unit_lists
 
@@ -277,10 +273,31 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
     c = seed_config(c, sd, seed)
     (sd / "config.json").write_text(json.dumps(c, indent=1))
     state = JobState(sd / "job_state.json")
-    job = c["job"]
     train_units, heldout = unit_lists(c["robot"])
-    fleet_units = train_units[: int(job["fleet_units"])]
+    fleet_units = train_units[: int(c["fleet"]["units"])]
+    reader, ckpt = stage_demos_and_bases(c, sd, seed, state, stages, progress)
+    reg = CheckpointRegistry(c["fleet"]["registry_url"])
+    if reg.latest_version() is None:
+        reg.publish(ckpt["base"], metadata={"run_id": "base", "round": -1, "kind": "base"})
+    if sweep and c["job"].get("fleet_sizes"):
+        stage_sweep_snapshot(c, sd, state, reader)
+    stage_fleet_rounds(c, sd, seed, state, stages, [a for a in arms if a.in_loop], ckpt, fleet_units, heldout,
+                       reg, progress)
+    stage_offline_arms(c, sd, seed, state, stages, arms, ckpt, reader, heldout)
+    stages.start(f"seed {seed}: held-out evaluation of {len(arms)} arms, {c['eval']['trials_per_task']} trials per task")
+    chosen = {a.name: ckpt[a.name] for a in arms}
+    results = evaluate_arms(c, chosen, sd, int(c["eval"]["trials_per_task"]), units=heldout, progress=progress)
+    rounds_rec = [state.get(f"round_{r}") for r in range(int(c["fert"]["rounds"]))]
+    return {"results": results, "checkpoints": chosen, "rounds": rounds_rec, "config": c, "state": state}
 
+
+def stage_demos_and_bases(c: dict, sd: Path, seed: int, state: JobState, stages: Stages, progress: bool):
+    """Collect the demonstrations (and the validation demonstrations) and train the two bases (with and without
+    AED); returns ``(store reader, {"base": checkpoint dir, "base_no_aed": checkpoint dir})``."""
+    from experience_dict.store import ExperienceStore
+    from fleet.protocol import collect_demos
+
+    job = c["job"]
     stages.start(f"seed {seed}: demonstrations")
     n_val = int(job.get("val_demos_per_task") or 0)
     val_url = str(sd / "val_store")
@@ -296,7 +313,6 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
     reader = ExperienceStore.open(c["store"]["url"])
     demos = reader.episodes(is_demo=True, success=True)
     val_reader = ExperienceStore.open(val_url) if n_val and Path(val_url).is_dir() else None
-
     for name, aed in (("base", True), ("base_no_aed", False)):
         stages.start(f"seed {seed}: train {name} on {len(demos)} demonstrations (at most {job['base_steps']} steps, "
                      "the checkpoint with the lowest validation loss)")
@@ -304,22 +320,34 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
             t0 = time.perf_counter()
             state.mark(name, {**train_base(c, reader, demos, sd / name, aed, val_reader),
                               "wall_s": time.perf_counter() - t0})
-    ckpt = {"base": state.get("base")["checkpoint"], "base_no_aed": state.get("base_no_aed")["checkpoint"]}
-    reg = CheckpointRegistry(c["fleet"]["registry_url"])
-    if reg.latest_version() is None:
-        reg.publish(ckpt["base"], metadata={"run_id": "base", "round": -1, "kind": "base"})
+    return reader, {"base": state.get("base")["checkpoint"], "base_no_aed": state.get("base_no_aed")["checkpoint"]}
 
-    sizes = [int(n) for n in (job.get("fleet_sizes") or [])] if sweep else []
-    if sizes and not state.done("demo_snapshot"):
-        if state.done("round_0") or reader.episodes(is_demo=False):
-            raise SystemExit(f"job.fleet_sizes: {sd} already holds fleet episodes; run the sweep in a fresh run dir "
-                             "(hydra.run.dir=...) so every fleet size starts from the demonstrations only")
-        snap = sd / "sweep" / "demo_store"
-        shutil.rmtree(snap, ignore_errors=True)
-        shutil.copytree(c["store"]["url"], snap)
-        state.mark("demo_snapshot", str(snap))
 
-    in_loop = [a for a in arms if a.in_loop]
+def stage_sweep_snapshot(c: dict, sd: Path, state: JobState, reader) -> None:
+    """For the fleet-size sweep: a copy of the store holding the demonstrations only, taken once before any fleet
+    episode (every fleet size starts from it).
+
+    Raises:
+        SystemExit: the run directory already holds fleet episodes.
+    """
+    if state.done("demo_snapshot"):
+        return
+    if state.done("round_0") or reader.episodes(is_demo=False):
+        raise SystemExit(f"job.fleet_sizes: {sd} already holds fleet episodes; run the sweep in a fresh run dir "
+                         "(hydra.run.dir=...) so every fleet size starts from the demonstrations only")
+    snap = sd / "sweep" / "demo_store"
+    shutil.rmtree(snap, ignore_errors=True)
+    shutil.copytree(c["store"]["url"], snap)
+    state.mark("demo_snapshot", str(snap))
+
+
+def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: Stages, in_loop: list, ckpt: dict,
+                       fleet_units: list[int], heldout: list[int], reg, progress: bool) -> None:
+    """``fert.rounds`` rounds of fleet collection (``fleet_round``), each followed by one round of every in-loop
+    learner (FERT publishes through the validation gate); sets ``ckpt[arm]`` for the in-loop arms (``fert``: the
+    newest published version, the base when every round was rejected)."""
+    from fleet.arms import make_learner
+
     rounds = int(c["fert"]["rounds"])
     for r in range(rounds):
         stages.start(f"seed {seed}: fleet round {r + 1}/{rounds} (units {fleet_units}) + learners "
@@ -355,6 +383,13 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
         elif int(meta.get("round", -1)) != rounds - 1:
             ckpt["fert"] = str(reg.fetch(v, sd / "cache" / "arms" / f"v{v:06d}"))
 
+
+def stage_offline_arms(c: dict, sd: Path, seed: int, state: JobState, stages: Stages, arms: list, ckpt: dict,
+                       reader, heldout: list[int]) -> None:
+    """Fine-tune every arm trained outside the fleet loop (filtered BC, demos_bc, ...) on the final store; sets
+    ``ckpt[arm]``. Arms without data (the bases) and in-loop arms are skipped."""
+    from fleet.arms import train_offline_arm
+
     for arm in arms:
         if arm.in_loop or arm.data == "none":
             continue
@@ -365,12 +400,6 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
                                                                   heldout, seed),
                                   "wall_s": time.perf_counter() - t0})
         ckpt[arm.name] = state.get(arm.name)["checkpoint"]
-
-    stages.start(f"seed {seed}: held-out evaluation of {len(arms)} arms, {job['trials_per_task']} trials per task")
-    chosen = {a.name: ckpt[a.name] for a in arms}
-    results = evaluate_arms(c, chosen, sd, int(job["trials_per_task"]), units=heldout, progress=progress)
-    rounds_rec = [state.get(f"round_{r}") for r in range(rounds)]
-    return {"results": results, "checkpoints": chosen, "rounds": rounds_rec, "config": c, "state": state}
 
 
 def unit_table(c: dict, units: list[int]) -> str:
@@ -391,16 +420,8 @@ def main(cfg: DictConfig) -> None:
     from configs.schema import check_or_exit
 
     check_or_exit(cfg)   # every value against its rule, before any work
-    from fleet.arms import PAIRS, get_arms
-    from fleet.report import (
-        paired_markdown,
-        paired_over_seeds,
-        plot_arms,
-        success_table,
-        table_markdown,
-        write_paired,
-        write_table,
-    )
+    from fleet.arms import get_arms
+    from fleet.report import paired_markdown, table_markdown
     from sim import unit_lists
 
     t_start = time.perf_counter()
@@ -411,7 +432,7 @@ def main(cfg: DictConfig) -> None:
     arms = get_arms(job["arms"])             # unknown arms refused before any work
     seeds = [int(s) for s in (job.get("seeds") or [c["seed"]])]
     train_units, heldout = unit_lists(c["robot"])
-    fleet_units = train_units[: int(job["fleet_units"])]
+    fleet_units = train_units[: int(c["fleet"]["units"])]
     sizes = [int(n) for n in (job.get("fleet_sizes") or [])]
     check_fleet_sizes(sizes, train_units)
     (out / "config.json").write_text(json.dumps(c, indent=1))
@@ -429,45 +450,11 @@ def main(cfg: DictConfig) -> None:
         per_seed = {}
         for s in seeds:
             per_seed[s] = run_seed(c, out / f"seed_{s}", s, arms, stages, sweep=s == seeds[0])
-        results_by_seed = {s: r["results"] for s, r in per_seed.items()}
-        pooled = {a.name: [e | {"exp_seed": s} for s in seeds for e in results_by_seed[s][a.name]] for a in arms}
-        table = success_table(pooled)
-        table["meta"] = {"seeds": seeds, "held_out_units": heldout, "fleet_units": fleet_units,
-                         "demo_units": demo_units, "trials_per_task": int(job["trials_per_task"]),
-                         "checkpoints": {s: r["checkpoints"] for s, r in per_seed.items()},
-                         "fert_rounds": int(c["fert"]["rounds"]),
-                         "updates_per_round": int(c["learner"]["updates_per_version"]),
-                         "demos_per_task": int(job["demos_per_task"]),
-                         "rounds": {s: r["rounds"] for s, r in per_seed.items()},
-                         "total_wall_s": time.perf_counter() - t_start}
-        names = [a.name for a in arms]
-        pairs = [(a, b) for a, b in PAIRS if a in names and b in names]
-        paired = paired_over_seeds(results_by_seed, pairs)
-        fmt = {"seeds": seeds, "heldout": heldout}
-        write_table(table, out, "results")
-        write_paired(paired, out, "paired")
-        for name, cap in (("results", RESULTS_CAPTION), ("paired", PAIRED_CAPTION)):
-            md = out / f"{name}.md"
-            tail = (f"\n\nUnits (demonstrations on {demo_units}, fleet on {fleet_units}, held out {heldout}):\n\n"
-                    + units_md + "\n") if name == "results" else ""
-            md.write_text(cap.format(**fmt) + md.read_text() + tail)
-        fleet_hist = {}
-        for s, r in per_seed.items():
-            fleet_hist[f"fleet, seed {s}"] = [{"round": i, "successes": rr["successes"], "trials": rr["episodes"]}
-                                              for i, rr in enumerate(r["rounds"])]
-        plot_arms(table, out / "arms.png", title=f"held-out success, seeds {seeds}", rounds=fleet_hist)
+        table, paired, fmt = write_reports(c, out, per_seed, arms, seeds, heldout, fleet_units, demo_units, units_md,
+                                           time.perf_counter() - t_start)
         if sizes:
             stages.start(f"fleet-size sweep {sizes} (seed {seeds[0]})")
-            sweep = fleet_size_sweep(per_seed[seeds[0]]["config"], out / f"seed_{seeds[0]}",
-                                     per_seed[seeds[0]]["state"], sizes,
-                                     per_seed[seeds[0]]["checkpoints"]["base"], train_units, heldout)
-            write_table(sweep["table"], out, "fleet_size")
-            write_paired(sweep["paired"], out, "fleet_size_paired")
-            from fleet.report import plot_success_per_round
-
-            plot_success_per_round(sweep["history"], out / "success_vs_fleet_size.png", x="fleet_size",
-                                   title="held-out success of FERT against fleet size")
-            print("\nheld-out success against fleet size:\n" + table_markdown(sweep["table"]), flush=True)
+            sweep_report(per_seed[seeds[0]], out / f"seed_{seeds[0]}", out, sizes, train_units, heldout)
         if int(job.get("videos", 0)) > 0:
             _videos(per_seed[seeds[0]], c, out, heldout)
         _log_wandb(c, out, table)
@@ -479,6 +466,56 @@ def main(cfg: DictConfig) -> None:
         print(f"\ninterrupted: finished stages are kept; resume with: python scripts/run.py hydra.run.dir={out} "
               "(and the same overrides)", flush=True)
         raise SystemExit(130) from None
+
+
+def write_reports(c: dict, out: Path, per_seed: dict, arms: list, seeds: list[int], heldout: list[int],
+                  fleet_units: list[int], demo_units: list[int], units_md: str, wall_s: float):
+    """The job's pooled success table and paired differences (``results.md/json``, ``paired.md/json`` with their
+    captions and the unit table) and the arms plot (``arms.png``); returns ``(table, paired, caption fields)``."""
+    from fleet.arms import PAIRS
+    from fleet.report import paired_over_seeds, plot_arms, success_table, write_paired, write_table
+
+    job = c["job"]
+    results_by_seed = {s: r["results"] for s, r in per_seed.items()}
+    pooled = {a.name: [e | {"exp_seed": s} for s in seeds for e in results_by_seed[s][a.name]] for a in arms}
+    table = success_table(pooled)
+    table["meta"] = {"seeds": seeds, "held_out_units": heldout, "fleet_units": fleet_units,
+                     "demo_units": demo_units, "trials_per_task": int(c["eval"]["trials_per_task"]),
+                     "checkpoints": {s: r["checkpoints"] for s, r in per_seed.items()},
+                     "fert_rounds": int(c["fert"]["rounds"]),
+                     "updates_per_round": int(c["learner"]["updates_per_version"]),
+                     "demos_per_task": int(job["demos_per_task"]),
+                     "rounds": {s: r["rounds"] for s, r in per_seed.items()},
+                     "total_wall_s": wall_s}
+    names = [a.name for a in arms]
+    paired = paired_over_seeds(results_by_seed, [(a, b) for a, b in PAIRS if a in names and b in names])
+    fmt = {"seeds": seeds, "heldout": heldout}
+    write_table(table, out, "results")
+    write_paired(paired, out, "paired")
+    for name, cap in (("results", RESULTS_CAPTION), ("paired", PAIRED_CAPTION)):
+        md = out / f"{name}.md"
+        tail = (f"\n\nUnits (demonstrations on {demo_units}, fleet on {fleet_units}, held out {heldout}):\n\n"
+                + units_md + "\n") if name == "results" else ""
+        md.write_text(cap.format(**fmt) + md.read_text() + tail)
+    fleet_hist = {f"fleet, seed {s}": [{"round": i, "successes": rr["successes"], "trials": rr["episodes"]}
+                                       for i, rr in enumerate(r["rounds"])] for s, r in per_seed.items()}
+    plot_arms(table, out / "arms.png", title=f"held-out success, seeds {seeds}", rounds=fleet_hist)
+    return table, paired, fmt
+
+
+def sweep_report(seed_run: dict, sd: Path, out: Path, sizes: list[int], train_units: list[int],
+                 heldout: list[int]) -> None:
+    """The fleet-size sweep on the first seed (``fleet_size_sweep``) and its outputs: ``fleet_size.md/json``,
+    ``fleet_size_paired.md/json``, ``success_vs_fleet_size.png``."""
+    from fleet.report import plot_success_per_round, table_markdown, write_paired, write_table
+
+    sweep = fleet_size_sweep(seed_run["config"], sd, seed_run["state"], sizes, seed_run["checkpoints"]["base"],
+                             train_units, heldout)
+    write_table(sweep["table"], out, "fleet_size")
+    write_paired(sweep["paired"], out, "fleet_size_paired")
+    plot_success_per_round(sweep["history"], out / "success_vs_fleet_size.png", x="fleet_size",
+                           title="held-out success of FERT against fleet size")
+    print("\nheld-out success against fleet size:\n" + table_markdown(sweep["table"]), flush=True)
 
 
 def _videos(seed_run: dict, c: dict, out: Path, heldout: list[int]) -> None:
@@ -525,13 +562,7 @@ def fleet_size_sweep(c: dict, out: Path, state: JobState, sizes: list[int], base
         ``{"table": success_table of arms "fert_n<n>", "history": {"FERT (held-out)": [{"fleet_size",
         "successes", "trials"}]}, "paired": paired_differences of every size against the smallest}``.
     """
-    from experience_dict.retrieval import retry_of
-    from experience_dict.store import ExperienceStore
-    from fleet.coordinator import Fleet
     from fleet.evaluation import evaluate_arms
-    from fleet.learner import FertLearner
-    from fleet.protocol import run_retries
-    from fleet.registry import CheckpointRegistry
     from fleet.report import paired_differences, success_table
 
     per_unit = int(c["job"].get("sweep_episodes_per_unit", 20))
@@ -547,39 +578,13 @@ def fleet_size_sweep(c: dict, out: Path, state: JobState, sizes: list[int], base
               "learner": {**c["learner"], "min_new_episodes": 0, "max_wait_s": 0,
                           "torch_threads": max(int(c["learner"].get("torch_threads") or 1), os.cpu_count() or 1)}}
         if not state.done(stage):
-            if not (sub / "store").exists():
-                shutil.copytree(state.get("demo_snapshot"), sub / "store")
-            reg = CheckpointRegistry(cs["fleet"]["registry_url"])
-            if reg.latest_version() is None:
-                reg.publish(base_ckpt, metadata={"run_id": "base", "round": -1, "kind": "base"})
-            print(f"fleet-size sweep: FERT with {n} unit(s), {per_unit} episodes per unit per round", flush=True)
-            t0 = time.perf_counter()
-            learner = FertLearner(cs, cs["store"]["url"], cs["fleet"]["registry_url"], str(sub / "learner_fert"),
-                                  base_ckpt, run_id=f"fert_n{n}")
-            with Fleet(cs, policy="latest", units=units, store_url=cs["store"]["url"]) as fleet:
-                while learner.state["round"] < rounds:
-                    version = reg.latest_version()
-                    reader = ExperienceStore.open(cs["store"]["url"])
-                    done = min(sum(1 for m in reader.episodes(unit_id=u, is_demo=False)
-                                   if int(m.policy_version) == version and not retry_of(m)) for u in units)
-                    if per_unit - done > 0:
-                        res = fleet.run(episodes_per_unit=per_unit - done)
-                        fails = [e for e in res.episodes if not e["success"]]
-                        rcfg = dict(cs["fert"].get("retry") or {})
-                        if fails and rcfg.get("enabled", True):
-                            run_retries(fleet, fails, rcfg, heldout, len(res.episodes))
-                    learner.run_round()
-            reader = ExperienceStore.open(cs["store"]["url"])
-            eps = [{"policy_version": m.policy_version, "success": m.success}
-                   for m in reader.episodes(is_demo=False)]
-            state.mark(stage, {"checkpoint": learner.final_checkpoint(), "fleet_episodes": len(eps),
-                               "wall_s": time.perf_counter() - t0, "per_version": _per_version(eps),
-                               "learner": learner.status()})
+            state.mark(stage, _sweep_size(cs, sub, n, units, state.get("demo_snapshot"), base_ckpt, per_unit, rounds,
+                                          heldout))
         arms[f"fert_n{n}"] = state.get(stage)["checkpoint"]
-    results = evaluate_arms(c, arms, out / "sweep", int(c["job"]["trials_per_task"]), units=heldout)
+    results = evaluate_arms(c, arms, out / "sweep", int(c["eval"]["trials_per_task"]), units=heldout)
     table = success_table(results)
     table["meta"] = {"fleet_sizes": sizes, "episodes_per_unit_per_round": per_unit, "rounds": rounds,
-                     "held_out_units": heldout, "trials_per_task": int(c["job"]["trials_per_task"]),
+                     "held_out_units": heldout, "trials_per_task": int(c["eval"]["trials_per_task"]),
                      "checkpoints": arms,
                      "fleet_episodes": {f"fert_n{n}": state.get(f"sweep_n{n}")["fleet_episodes"] for n in sizes}}
     history = {"FERT (held-out)": [{"fleet_size": n, "successes": table["arms"][f"fert_n{n}"]["average"]["successes"],
@@ -587,6 +592,46 @@ def fleet_size_sweep(c: dict, out: Path, state: JobState, sizes: list[int], base
     smallest = f"fert_n{min(sizes)}"
     paired = paired_differences(results, [(a, smallest) for a in arms if a != smallest])
     return {"table": table, "history": history, "paired": paired}
+
+
+def _sweep_size(cs: dict, sub: Path, n: int, units: list[int], demo_snapshot: str, base_ckpt: str, per_unit: int,
+                rounds: int, heldout: list[int]) -> dict:
+    """One fleet size of ``fleet_size_sweep`` in ``sub``: ``rounds`` rounds of ``per_unit`` episodes on each of
+    ``units`` (topped up after an interruption), failure retries, one FERT round each. Returns the stage record
+    ``{"checkpoint", "fleet_episodes", "wall_s", "per_version", "learner"}``."""
+    from experience_dict.retrieval import retry_of
+    from experience_dict.store import ExperienceStore
+    from fleet.coordinator import Fleet
+    from fleet.learner import FertLearner
+    from fleet.protocol import run_retries
+    from fleet.registry import CheckpointRegistry
+
+    if not (sub / "store").exists():
+        shutil.copytree(demo_snapshot, sub / "store")
+    reg = CheckpointRegistry(cs["fleet"]["registry_url"])
+    if reg.latest_version() is None:
+        reg.publish(base_ckpt, metadata={"run_id": "base", "round": -1, "kind": "base"})
+    print(f"fleet-size sweep: FERT with {n} unit(s), {per_unit} episodes per unit per round", flush=True)
+    t0 = time.perf_counter()
+    learner = FertLearner(cs, cs["store"]["url"], cs["fleet"]["registry_url"], str(sub / "learner_fert"),
+                          base_ckpt, run_id=f"fert_n{n}")
+    with Fleet(cs, policy="latest", units=units, store_url=cs["store"]["url"]) as fleet:
+        while learner.state["round"] < rounds:
+            version = reg.latest_version()
+            reader = ExperienceStore.open(cs["store"]["url"])
+            done = min(sum(1 for m in reader.episodes(unit_id=u, is_demo=False)
+                           if int(m.policy_version) == version and not retry_of(m)) for u in units)
+            if per_unit - done > 0:
+                res = fleet.run(episodes_per_unit=per_unit - done)
+                fails = [e for e in res.episodes if not e["success"]]
+                rcfg = dict(cs["fert"].get("retry") or {})
+                if fails and rcfg.get("enabled", True):
+                    run_retries(fleet, fails, rcfg, heldout, len(res.episodes))
+            learner.run_round()
+    reader = ExperienceStore.open(cs["store"]["url"])
+    eps = [{"policy_version": m.policy_version, "success": m.success} for m in reader.episodes(is_demo=False)]
+    return {"checkpoint": learner.final_checkpoint(), "fleet_episodes": len(eps), "wall_s": time.perf_counter() - t0,
+            "per_version": _per_version(eps), "learner": learner.status()}
 
 
 def staleness_summary(episodes: list[dict]) -> dict:

@@ -18,21 +18,15 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
-
-from experience_dict.store import CorruptChunkError, ExperienceStore
-from policies.aed_diffusion.training import train_policy
-from policies.factory import load_policy
 
 log = logging.getLogger("train")
 
@@ -41,7 +35,11 @@ log = logging.getLogger("train")
 def main(cfg: DictConfig) -> None:
     from configs.schema import check_or_exit
 
-    check_or_exit(cfg)   # every value against its rule, before any work
+    check_or_exit(cfg)   # every value against its rule, before any work (and before torch is imported)
+    from experience_dict.store import CorruptChunkError, ExperienceStore
+    from policies.aed_diffusion.training import train_policy
+    from policies.factory import load_policy
+
     tcfg = OmegaConf.to_container(cfg.train, resolve=True)
     out_dir = Path(tcfg.pop("out_dir") or cfg.output_dir)
     init_from, ep_filter = tcfg.pop("init_from"), tcfg.pop("episodes") or {}

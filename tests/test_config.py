@@ -40,6 +40,7 @@ def test_defaults_pass_and_every_rule_names_a_real_key():
     ("train.lr=0", "train.lr: expected a number > 0, given 0"),
     ("store.url=/proc/fleetmind/store", "store.url: expected a creatable directory"),
     ("train.steps=true", "train.steps: expected an integer >= 1, given True"),
+    ("+job.fleet_unitz=2", "job.fleet_unitz: unknown key (no component reads it"),
 ])
 def test_each_bad_value_is_named(override, line):
     with pytest.raises(ConfigError) as e:
@@ -47,18 +48,32 @@ def test_each_bad_value_is_named(override, line):
     assert line in str(e.value)
 
 
+def test_every_group_option_declares_what_it_sets_and_free_form_subtrees_stay_open():
+    """Every option of every config group composes without an unknown key; script-specific subtrees (``+bench.*``,
+    ``+store.storage_options``) are accepted, a misspelt key anywhere else is not."""
+    from configs.schema import unknown_keys
+
+    for group in sorted(p for p in (REPO / "configs").iterdir() if p.is_dir() and not p.name.startswith("_")):
+        for option in sorted(group.glob("*.yaml")):
+            assert [p for p in problems(cfg(f"{group.name}={option.stem}")) if "unknown key" in p] == [], option
+    c = cfg("+bench.cluster=true", "+store.storage_options={endpoint_url: x}", "+sim.check.extra=2")
+    assert problems(c) == []
+    assert unknown_keys({"task": {"tasks": [], "sute": "x"}, "job": {}, "fleet": {}}) == ["task.sute"]
+
+
 def test_all_problems_at_once_and_interpolations_follow_their_source(tmp_path):
     bad = problems(cfg("fleet.units=0", "eval.processes=0", f"store.url={tmp_path}/ok"))
     assert bad == ["fleet.units: expected an integer >= 1, given 0", "eval.processes: expected an integer >= 1, given 0"]
-    assert cfg("fleet.units=3").job.fleet_units == 3               # one name: job.fleet_units follows fleet.units
+    assert "fleet_units" not in cfg().job and "trials_per_task" not in cfg().job   # one quantity, one name
     (tmp_path / "file").write_text("x")
     assert problems(cfg(f"store.url={tmp_path}/file")) == [
         f"store.url: expected a directory (a file is in the way), given '{tmp_path}/file'"]
 
 
 @pytest.mark.parametrize("script,args", [("scripts/run.py", ["fleet.units=two"]),
+                                         ("scripts/run.py", ["+job.fleet_unitz=2"]),
                                          ("scripts/train.py", ["train.batch_size=-1"]),
-                                         ("scripts/fleet.py", ["fleet.units=two"])])
+                                         ("scripts/rollout.py", ["fleet.units=two"])])
 def test_scripts_refuse_a_bad_value_before_any_work(script, args, tmp_path):
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, script, *args, f"hydra.run.dir={tmp_path}/out", f"store.url={tmp_path}/s"],
@@ -67,3 +82,16 @@ def test_scripts_refuse_a_bad_value_before_any_work(script, args, tmp_path):
     assert p.returncode == 1 and "invalid config (nothing was run)" in p.stderr, p.stderr[-2000:]
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) <= 4
     assert not (tmp_path / "s").exists() and time.monotonic() - t0 < 120
+
+
+def test_the_fleetmind_command_runs_the_scripts_and_refuses_unknown_commands(tmp_path):
+    """``fleetmind <command>`` (fleet/cli.py, the console script) is the script itself: the same config check,
+    the same one-line error; an unknown command lists the known ones."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "RAY_AUTH_MODE": "disabled"}
+    p = subprocess.run([sys.executable, "-m", "fleet.cli", "train", "train.batch_size=-1",
+                        f"hydra.run.dir={tmp_path}/out"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       check=False, env=env)
+    assert p.returncode == 1 and "train.batch_size: expected an integer >= 1, given -1" in p.stderr, p.stderr[-2000:]
+    p = subprocess.run([sys.executable, "-m", "fleet.cli", "trian"], capture_output=True, text=True, timeout=60,
+                       check=False, env=env)
+    assert p.returncode == 2 and "unknown command 'trian'" in p.stderr and "train " in p.stderr
