@@ -3,23 +3,22 @@
 CLI: ``python -m experience_dict.store info|verify|stats URL``.
 """
 
-from experience_dict.store.store import (
+from experience_dict.store.reader import ExperienceStore, copy_episodes
+from experience_dict.store.schema import (
     DEFAULT_PROGRESS_KEYS,
     LOWDIM,
     READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
     CorruptChunkError,
     EpisodeMeta,
-    EpisodeWriter,
-    ExperienceStore,
     NonFiniteError,
     SchemaVersionError,
     SpecMismatchError,
     StoreError,
     WriterBusyError,
-    configure_storage,
-    copy_episodes,
 )
+from experience_dict.store.storage import configure_storage
+from experience_dict.store.writer import EpisodeWriter
 
 __all__ = [
     "DEFAULT_PROGRESS_KEYS",
