@@ -20,7 +20,9 @@ class Policy(Protocol):
 
     Attributes:
         name: the ``type`` written in ``config.json`` and looked up by ``policies.factory``.
-        config: a dataclass with ``to_dict()``; ``action_dim``, ``horizon`` and ``n_action_steps`` fields.
+        config: a dataclass with ``to_dict()``; ``action_dim``, ``horizon`` and ``n_action_steps`` fields and
+            ``input_shapes`` (``{observation feature: per-frame shape}``). A diffusion policy's config also has
+            ``num_inference_steps`` / ``num_train_timesteps`` (denoising steps; the runtime may change the first).
         tokenizer: the AED action tokenizer run in the DataLoader's collate, or None.
     """
 
@@ -35,6 +37,10 @@ class Policy(Protocol):
     def window_spec(self) -> dict[str, tuple[str, list[int]]]:
         """``{sample name: (store key, step offsets)}`` of one training sample (``WindowDataset``); offsets
         <= 0 are what inference reads, positive offsets (the future action chunk) are the training target."""
+
+    def inference_window_spec(self) -> dict[str, tuple[str, list[int]]]:
+        """The windows ``predict_action_chunk`` reads at one control step (offsets <= 0 from the current step):
+        what the policy server and the runtime build from an observation history."""
 
     def forward(self, batch: dict) -> tuple[Any, dict[str, float]]:
         """Training loss (scalar tensor; honours ``sample_weight`` ``(B,)`` when given) and logged metrics."""

@@ -85,19 +85,21 @@ def model_card(meta: dict[str, Any], success_table: Any = None) -> str:
     cfg, tr, src, git = meta["policy_config"], meta.get("training", {}), meta.get("source", {}), meta["git"]
     feats = "\n".join(f"- `{k}`: shape {v}" for k, v in meta["features"]["inputs"].items())
     act = meta["features"]["action"]
+    aed = cfg.get("aed") or {}
     lines = [
         f"# fleetmind policy: {meta['policy_type']}", "",
         (f"Exported {meta['created']} by `scripts/export.py` (format `{EXPORT_FORMAT}`). Load it with "
-        "`policies.runtime.PolicyRuntime.load(<this folder>)`: torch, safetensors, numpy, diffusers (DDIM) and "
-        "tokenizers; no Ray, MuJoCo, Hydra or wandb."), "",
+        "`policies.runtime.PolicyRuntime.load(<this folder>)`: torch, safetensors and numpy (a diffusion policy "
+        "also diffusers' DDIM scheduler and HF tokenizers); no Ray, MuJoCo, Hydra or wandb."), "",
         "## Inputs and outputs", feats,
         (f"- `action`: shape [{act['dim']}] ({', '.join(act['names'])}); relative dims {act['relative_dims']}, "
         f"absolute dims {act['absolute_dims']}; a chunk of {cfg['horizon']} actions, {cfg['n_action_steps']} "
         "executed per prediction"),
-        f"- control rate: {meta.get('control_hz') or 'unknown'} Hz; history: {cfg['n_obs_steps']} observation "
-        f"frames" + (f", {cfg['aed']['history_actions']} past actions (AED)" if cfg["aed"]["enabled"] else ""),
+        f"- control rate: {meta.get('control_hz') or 'unknown'} Hz; history: {cfg.get('n_obs_steps', 1)} observation "
+        f"frame(s)" + (f", {aed['history_actions']} past actions (AED)" if aed.get("enabled") else ""),
         (f"- DDIM denoising steps: {cfg['num_inference_steps']} (of {cfg['num_train_timesteps']} training "
-        f"timesteps); parameters: {meta['parameters']:,}"), "",
+         "timesteps)" if "num_inference_steps" in cfg else "- one forward pass per chunk (no denoising)")
+        + f"; parameters: {meta['parameters']:,}", "",
         "## Training",
         f"- source: {src.get('kind', '?')} `{src.get('path')}`"
         + (f", registry `{src['registry_url']}` version {src['version']}" if src.get("version") is not None else ""),
@@ -108,7 +110,9 @@ def model_card(meta: dict[str, Any], success_table: Any = None) -> str:
         lines.append(f"- run summary: `{json.dumps(tr['train_summary'])}`")
     if src.get("metadata"):
         lines.append(f"- registry metadata: `{json.dumps(src['metadata'])}`")
-    lines += ["- normalization: `stats.json` (" + f"state {cfg['state_norm']}, action {cfg['action_norm']})", ""]
+    if "state_norm" in cfg:
+        lines += [f"- normalization: `stats.json` (state {cfg['state_norm']}, action {cfg['action_norm']})"]
+    lines += [""]
     lines += ["## Success", _success_markdown(success_table) if success_table is not None else
               "No success table was given at export time.", ""]
     lines += ["## Code", f"- git commit: `{git['commit']}`" + (" (uncommitted changes)" if git["dirty"] else ""), ""]
@@ -128,14 +132,15 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, contro
         overwrite: replace an existing ``out_dir``.
     Raises:
         FileNotFoundError: a checkpoint file is missing. FileExistsError: ``out_dir`` exists and not
-        ``overwrite``. ValueError: the checkpoint does not load (from ``AEDDiffusionPolicy.from_pretrained``).
+        ``overwrite``. ValueError: the checkpoint does not load (from its class's ``from_pretrained``).
+        KeyError: an unknown policy type (``policies.factory``).
     """
-    from policies.aed_diffusion import AEDDiffusionPolicy
+    from policies.factory import load_policy
 
     src, out = Path(checkpoint_dir), Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"export folder {out} exists (pass overwrite=True / export.overwrite=true)")
-    policy = AEDDiffusionPolicy.from_pretrained(src)  # validates names, shapes, stats and tokenizer
+    policy = load_policy(src)  # any registered type; validates names, shapes, stats (and tokenizer)
     cfg = policy.config
     files = [f for f in CHECKPOINT_FILES if (src / f).is_file()]
     tmp = out.with_name(f".{out.name}.tmp-{time.time_ns()}")
@@ -149,8 +154,8 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, contro
             "features": {"inputs": cfg.input_shapes,
                          "action": {"dim": cfg.action_dim, "names": ACTION_NAMES[:cfg.action_dim]
                                     if cfg.action_dim == len(ACTION_NAMES) else [f"a{i}" for i in range(cfg.action_dim)],
-                                    "relative_dims": cfg.relative_action_dims,
-                                    "absolute_dims": cfg.absolute_action_dims}},
+                                    "relative_dims": list(getattr(cfg, "relative_action_dims", [])),
+                                    "absolute_dims": list(getattr(cfg, "absolute_action_dims", []))}},
             "control_hz": None if control_hz is None else float(control_hz),
             "parameters": policy.num_parameters(), "policy_config": cfg.to_dict(),
             "training": training_provenance(src), "source": {"kind": "checkpoint", "path": str(src), **(source or {})},

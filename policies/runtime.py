@@ -1,9 +1,10 @@
-"""Lean deployment runtime: loads an exported policy folder (``scripts/export.py``) and returns action chunks.
+"""Lean deployment runtime: loads an exported policy folder (``scripts/export.py``) of any registered policy type
+(``policies.factory``) and returns action chunks.
 
 Imports torch, numpy, safetensors and the policy package only: no Ray, MuJoCo, Hydra, wandb, zarr, gymnasium or
-fleet code (tested in a fresh interpreter). The policy's DDIM sampler comes from ``diffusers`` (imported by
-``policies.aed_diffusion``; ~2-3 s of import time, no network), the action-history tokenizer from HF
-``tokenizers``.
+fleet code (tested in a fresh interpreter). The AED diffusion policy's DDIM sampler comes from ``diffusers``
+(imported by ``policies.aed_diffusion``; ~2-3 s of import time, no network), its action-history tokenizer from HF
+``tokenizers``; the MLP chunk policy needs neither.
 
 Export folder layout (``EXPORT_FORMAT``)::
 
@@ -71,26 +72,44 @@ class PolicyRuntime:
     """An exported policy, ready to act.
 
     Args:
-        policy: the loaded policy module (eval mode), with ``predict_action_chunk``, ``select_action``, ``reset``.
+        policy: the loaded policy module (eval mode; ``policies.base.Policy``).
         meta: ``export.json`` contents.
-        num_inference_steps: DDIM denoising steps per chunk (None: the trained value), 1..num_train_timesteps.
+        num_inference_steps: DDIM denoising steps per chunk (None: the trained value), 1..num_train_timesteps;
+            only for a policy that denoises.
+        compile: compile the policy's per-step work (``policy.compile_for_inference()``, ``torch.compile``):
+            faster chunks after a first one that compiles (scripts/bench_runtime.py measures both).
     Raises:
-        ValueError: ``num_inference_steps`` out of range.
+        ValueError: ``num_inference_steps`` out of range, or given for a policy without denoising steps;
+            ``compile`` for a policy that offers no compiled inference.
     """
 
-    def __init__(self, policy: torch.nn.Module, meta: dict[str, Any], num_inference_steps: int | None = None):
+    def __init__(self, policy: torch.nn.Module, meta: dict[str, Any], num_inference_steps: int | None = None,
+                 compile: bool = False):
+        import inspect
+
         self.policy, self.meta = policy, meta
         self.config = policy.config
+        self.denoises = hasattr(self.config, "num_inference_steps")
+        # what the policy's sampling accepts (a regressor takes no noise, generator or step count)
+        self._chunk_kw = set(inspect.signature(policy.predict_action_chunk).parameters) - {"batch"}
+        self._select_kw = set(inspect.signature(policy.select_action).parameters) - {"obs"}
+        if num_inference_steps is not None and not self.denoises:
+            raise ValueError(f"num_inference_steps={num_inference_steps}: policy type {policy.name!r} has no "
+                             "denoising steps")
         if num_inference_steps is not None:
             n = int(num_inference_steps)
             if not 1 <= n <= self.config.num_train_timesteps:
                 raise ValueError(f"num_inference_steps: expected 1..{self.config.num_train_timesteps}, given {n}")
             self.config.num_inference_steps = n  # select_action's chunks use it too
+        if compile:
+            if not hasattr(policy, "compile_for_inference"):
+                raise ValueError(f"compile=True: policy type {policy.name!r} offers no compiled inference")
+            policy.compile_for_inference()
         self.reset()
 
     @classmethod
     def load(cls, folder: str | Path, device: str | torch.device = "cpu", num_inference_steps: int | None = None,
-             num_threads: int | None = None, verify: bool = True) -> PolicyRuntime:
+             num_threads: int | None = None, verify: bool = True, compile: bool = False) -> PolicyRuntime:
         """Load an export folder (sha256-verified unless ``verify=False``).
 
         Args:
@@ -98,21 +117,17 @@ class PolicyRuntime:
             device: torch device.
             num_inference_steps: DDIM steps (None: the value in the exported config).
             num_threads: ``torch.set_num_threads`` for CPU inference (None: leave torch's setting).
+            compile: see the class (``torch.compile`` of the per-step work).
         Raises:
-            FileNotFoundError / ValueError: see ``verify_export``; ValueError for an unknown policy type.
+            FileNotFoundError / ValueError: see ``verify_export``; KeyError for an unknown policy type.
         """
+        from policies.factory import load_policy
+
         folder = Path(folder)
         meta = verify_export(folder) if verify else json.loads((folder / EXPORT_META).read_text())
         if num_threads is not None:
             torch.set_num_threads(int(num_threads))
-        ptype = json.loads((folder / "config.json").read_text()).get("type", "aed_diffusion")
-        if ptype != "aed_diffusion":
-            raise ValueError(f"export {folder}: policy type {ptype!r} is not supported by the runtime "
-                             "(supported: 'aed_diffusion')")
-        from policies.aed_diffusion import AEDDiffusionPolicy
-
-        policy = AEDDiffusionPolicy.from_pretrained(folder, device=device)
-        return cls(policy, meta, num_inference_steps)
+        return cls(load_policy(folder, device=device), meta, num_inference_steps, compile=compile)
 
     # ------------------------------------------------------------------ description
     @property
@@ -152,8 +167,11 @@ class PolicyRuntime:
         Returns:
             (B, horizon, action_dim) float32 actions in raw units (``export.json`` ``features.action``).
         """
-        return self.policy.predict_action_chunk(batch, noise=noise, generator=generator,
-                                                num_inference_steps=num_inference_steps)
+        kw = {"noise": noise, "generator": generator, "num_inference_steps": num_inference_steps}
+        if any(v is not None for k, v in kw.items() if k not in self._chunk_kw):
+            raise ValueError(f"policy type {self.policy.name!r} samples no noise and has no denoising steps; "
+                             "give none of noise / generator / num_inference_steps")
+        return self.policy.predict_action_chunk(batch, **{k: v for k, v in kw.items() if k in self._chunk_kw})
 
     @torch.no_grad()
     def select_action(self, obs: dict[str, np.ndarray], generator: torch.Generator | None = None) -> np.ndarray:
@@ -162,4 +180,7 @@ class PolicyRuntime:
         Keeps the history windows itself; predicts a new chunk every ``n_action_steps`` steps.
         Raises ValueError for a missing feature or a wrongly shaped one (name, expected, given).
         """
-        return self.policy.select_action({k: np.asarray(v) for k, v in obs.items()}, generator=generator)
+        obs = {k: np.asarray(v) for k, v in obs.items()}
+        if "generator" in self._select_kw:
+            return self.policy.select_action(obs, generator=generator)
+        return self.policy.select_action(obs)

@@ -30,14 +30,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from bench_policy import load_policy_cfg, random_batch, synthetic
 
 from policies.aed_diffusion import AEDDiffusionPolicy
 from policies.export import export_checkpoint
 from policies.runtime import PolicyRuntime
+from scripts.bench_policy import load_policy_cfg, random_batch, synthetic
 
 HEAVY = ("ray", "mujoco", "hydra", "wandb", "metaworld", "zarr", "gymnasium", "sim", "fleet")
 
@@ -52,6 +49,18 @@ def cold_start(export_dir: Path) -> dict:
     out = subprocess.run([sys.executable, "-c", code, str(export_dir)], cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def same_actions(rt: PolicyRuntime, base: AEDDiffusionPolicy, batch: dict, dev: torch.device) -> dict:
+    """The runtime's first chunk (seconds; a compiled runtime compiles here) and its largest absolute difference
+    from the training policy's chunk on the same initial noise (actions in [-1, 1])."""
+    noise = torch.randn(1, base.config.horizon, base.config.action_dim, generator=torch.Generator().manual_seed(1))
+    t0 = time.perf_counter()
+    a = rt.predict_action_chunk(batch, noise=noise.to(dev))
+    first_s = time.perf_counter() - t0
+    with torch.no_grad():
+        b = base.predict_action_chunk(batch, noise=noise.to(dev))
+    return {"first_chunk_s": first_s, "max_abs_diff_vs_training_policy": float((a - b).abs().max())}
 
 
 def time_chunks(fn, n: int, dev: torch.device) -> dict:
@@ -91,23 +100,27 @@ def main(cfg: DictConfig) -> None:
         if dname == "cuda" and not torch.cuda.is_available():
             continue
         dev = torch.device(dname)
-        rt = PolicyRuntime.load(export_dir, device=dev)
         base = AEDDiffusionPolicy.from_pretrained(source if Path(source).is_dir() else export_dir, device=dev)
-        out["parameters"] = rt.policy.num_parameters()
-        batch = random_batch(rt.policy, 1, rt.inference_window_spec())
-        for threads in (bc["threads"] if dname == "cpu" else [torch.get_num_threads()]):
-            torch.set_num_threads(int(threads))
-            for steps in bc["num_inference_steps"]:
-                gen = torch.Generator(device=dev).manual_seed(0)
-                r = time_chunks(partial(rt.predict_action_chunk, batch, generator=gen, num_inference_steps=steps),
-                                bc["chunks"], dev)
-                b = time_chunks(partial(base.predict_action_chunk, batch, generator=gen, num_inference_steps=steps),
-                                bc["chunks"], dev)
-                r["baseline_training_policy_median_ms"] = b["median_ms"]
-                r["ratio_vs_training_policy"] = r["median_ms"] / b["median_ms"]
-                key = f"{dname}/threads={threads}/ddim_steps={steps}" if dname == "cpu" else f"{dname}/ddim_steps={steps}"
-                out["results"][key] = r
-                print(json.dumps({key: r}), flush=True)
+        for compiled in bc.get("compile", [False]):
+            rt = PolicyRuntime.load(export_dir, device=dev, compile=bool(compiled))
+            out["parameters"] = rt.policy.num_parameters()
+            batch = random_batch(rt.policy, 1, rt.inference_window_spec())
+            first = same_actions(rt, base, batch, dev)   # also compiles (compiled runtime): its time is reported
+            for threads in (bc["threads"] if dname == "cpu" else [torch.get_num_threads()]):
+                torch.set_num_threads(int(threads))
+                for steps in bc["num_inference_steps"]:
+                    gen = torch.Generator(device=dev).manual_seed(0)
+                    r = time_chunks(partial(rt.predict_action_chunk, batch, generator=gen, num_inference_steps=steps),
+                                    bc["chunks"], dev)
+                    b = time_chunks(partial(base.predict_action_chunk, batch, generator=gen, num_inference_steps=steps),
+                                    bc["chunks"], dev)
+                    r["baseline_training_policy_median_ms"] = b["median_ms"]
+                    r["ratio_vs_training_policy"] = r["median_ms"] / b["median_ms"]
+                    r.update(first)
+                    key = (f"{dname}/threads={threads}/ddim_steps={steps}" if dname == "cpu" else
+                           f"{dname}/ddim_steps={steps}") + ("/compiled" if compiled else "")
+                    out["results"][key] = r
+                    print(json.dumps({key: r}), flush=True)
     out["loadavg_1min_after"] = os.getloadavg()[0]  # the CPU may be shared: a load above cpu_count skews timings
     path = Path(bc["out"])
     path.parent.mkdir(parents=True, exist_ok=True)

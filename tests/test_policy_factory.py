@@ -1,7 +1,7 @@
 """The policy interface and factory: a second policy type (the MLP chunk policy) is made, trained, resumed and
 loaded through ``policies.factory`` and ``train_policy``, trains from ``scripts/train.py policy=mlp_chunk``,
-and acts in the real fleet (Ray workers, Meta-World, Zarr) and the vectorised evaluation, none of which names
-the type."""
+acts in the real fleet (Ray workers, Meta-World, Zarr) and the vectorised evaluation, and exports to the lean
+runtime (``policies.export`` / ``policies.runtime``), none of which names the type."""
 
 import json
 import os
@@ -143,3 +143,25 @@ def test_mlp_chunk_acts_in_the_fleet_and_the_evaluation(demos, tmp_path):
     assert [t["seed"] for t in trials] == [5, 6, 7] and all(t["length"] == 30 for t in trials)
     acts = ExperienceStore.open(str(tmp_path / "eval")).load_episode(trials[0]["episode_id"], keys=["action"])
     assert np.isfinite(acts["action"]).all() and np.abs(acts["action"]).max() <= 1.0
+    # ... and exports to the lean runtime, which acts in a real env exactly as the checkpoint does in-process
+    from policies.export import export_checkpoint
+    from policies.runtime import PolicyRuntime, verify_export
+    from sim import make_env
+
+    exp = export_checkpoint(ck, tmp_path / "export", control_hz=80.0)
+    meta = verify_export(exp)
+    assert meta["policy_type"] == "mlp_chunk" and meta["features"]["action"]["dim"] == 4
+    assert "one forward pass per chunk" in (exp / "README.md").read_text()
+    rt, ref = PolicyRuntime.load(exp, num_threads=1), load_policy(ck)
+    assert rt.inference_window_spec() == {k: (k, [0]) for k in ref.config.state_keys}
+    with pytest.raises(ValueError, match="no denoising steps"):
+        PolicyRuntime.load(exp, num_inference_steps=5)
+    env = make_env(task="reach-v3", unit_id=100, robot_cfg=c["robot"], obs_cfg=c["obs"], task_cfg=c["task"])
+    obs, _ = env.reset(seed=11)
+    rt.reset()
+    ref.reset()
+    for _ in range(12):   # three chunks of n_action_steps=4
+        a = rt.select_action(obs)
+        assert a.shape == (4,) and np.array_equal(a, ref.select_action({k: np.asarray(v) for k, v in obs.items()}))
+        obs, *_ = env.step(a)
+    env.close()

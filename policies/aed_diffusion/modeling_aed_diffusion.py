@@ -805,6 +805,13 @@ class AEDDiffusionPolicy(nn.Module):
                                  f"expects {tuple(own[k].shape)}")
         self.load_state_dict(sd, strict=True)
 
+    def compile_for_inference(self) -> None:
+        """Compile the denoising step (``Denoiser.denoise``, the per-DDIM-step work) with ``torch.compile``
+        (inductor; static shapes): one small fused kernel set instead of ~25 small ops per block, the same
+        actions up to float rounding. The first chunk pays the compilation (tens of seconds on a CPU); a new
+        batch size compiles again. Used by ``PolicyRuntime(compile=True)``."""
+        self.denoiser.denoise = torch.compile(self.denoiser.denoise, dynamic=False)
+
     def compile_modules(self) -> list[nn.Module]:
         """The submodules ``train.compile`` compiles (``torch.compile``): the denoiser and the observation encoder."""
         return [self.denoiser, self.obs_encoder]

@@ -39,6 +39,11 @@ class MLPChunkConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def input_shapes(self) -> dict[str, list[int]]:
+        """Observation features read, ``{name: per-frame shape}`` (as ``AEDDiffusionConfig.input_shapes``)."""
+        return {k: [int(d)] for k, d in zip(self.state_keys, self.state_dims)}
+
     def __post_init__(self):
         if len(self.state_keys) != len(self.state_dims):
             raise ValueError(
@@ -114,6 +119,10 @@ class MLPChunkPolicy(nn.Module):
         spec = {k: (k, [0]) for k in self.config.state_keys}
         spec["action"] = ("action", list(range(self.config.horizon)))
         return spec
+
+    def inference_window_spec(self) -> dict[str, tuple[str, list[int]]]:
+        """What one inference step reads: the current frame of each state key (no history, no past actions)."""
+        return {k: (k, [0]) for k in self.config.state_keys}
 
     def _inputs(self, batch: dict[str, Any]) -> torch.Tensor:
         xs = []
