@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first: the CPU wheel on machines that carry it, else the registry's build for this platform
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0" || $(BIN)/python -m pip install -q "torch>=2.4,<2.15"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[fleet,dev]"
 	touch $@
 
 # The LeRobot environment (its own venv; LeRobot 0.4.4 pins torch<2.11, so it is installed with --no-deps beside
@@ -33,7 +33,7 @@ $(LSTAMP): pyproject.toml requirements-lerobot.txt
 	test -x $(LBIN)/python || $(PY) -m venv $(LEROBOT_VENV)
 	$(LBIN)/python -m pip install -q --upgrade pip
 	$(LBIN)/python -c "import torchvision" 2>/dev/null || $(LBIN)/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
-	$(LBIN)/python -m pip install -q -e ".[dev]"
+	$(LBIN)/python -m pip install -q -e ".[fleet,dev]"
 	$(LBIN)/python -m pip install -q --no-deps "lerobot==0.4.4"
 	$(LBIN)/python -m pip install -q -r requirements-lerobot.txt
 	$(LBIN)/python -c "import lerobot, diffusers, torchvision; from lerobot.datasets.lerobot_dataset import LeRobotDataset"

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,8 +30,6 @@ from pathlib import Path
 import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleet.coordinator import _plain, ensure_ray  # noqa: E402
 from fleet.worker import RobotWorker  # noqa: E402

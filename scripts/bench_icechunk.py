@@ -36,13 +36,11 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 STEPS, COLS = 150, 32
 
 WRITER = r"""
 import sys, time, json, numpy as np
-sys.path.insert(0, {repo!r})
 from scripts.bench_icechunk import ours_writer, ice_writer
 kind, wid, n, start_at, opts = {kind!r}, {wid}, {n}, {start_at}, {opts!r}
 commit = (ours_writer if kind == "ours" else ice_writer)(opts, wid)

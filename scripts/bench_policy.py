@@ -31,8 +31,6 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from experience_dict.tokenizer import ActionTokenizer
 from policies.aed_diffusion import AEDDiffusionConfig, AEDDiffusionPolicy
 

@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def real_windows(n_episodes: int = 24, seed: int = 0) -> np.ndarray:

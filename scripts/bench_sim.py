@@ -18,7 +18,6 @@ import copy
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -27,13 +26,9 @@ import numpy as np
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
 import sim
+from scripts.sim_check import sim_settings
 from sim.units import as_dict
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_check import sim_settings
 
 
 def time_env(env, steps: int, seed: int = 0) -> dict:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -32,8 +31,6 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig
 from tqdm import tqdm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experience_dict.sampler import WindowDataset
 from experience_dict.store import DEFAULT_PROGRESS_KEYS, ExperienceStore

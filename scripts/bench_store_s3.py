@@ -22,13 +22,10 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experience_dict.sampler import WindowDataset
 from experience_dict.store import DEFAULT_PROGRESS_KEYS, ExperienceStore, configure_storage

@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 VARIANTS = {"1 thread": {"threads": "1", "env": {}},
             "all cores": {"threads": "all", "env": {"OMP_WAIT_POLICY": "ACTIVE"}},

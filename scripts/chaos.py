@@ -34,7 +34,6 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
@@ -142,7 +141,6 @@ def run(cfg) -> dict:
 
     from experience_dict.store import ExperienceStore
     from fleet.coordinator import Fleet
-    from fleet.registry import CheckpointRegistry
 
     m = main_cfg(cfg)
     c, ch, out = m["c"], m["chaos"], m["out"]
@@ -178,16 +176,7 @@ def run(cfg) -> dict:
             time.sleep(float(ch["interval_s"]))
             learner.ensure()
             kind = rng.choices(kinds, odds)[0]
-            pid = None
-            try:
-                if kind == "worker":
-                    pid = ray.get(fleet.actors[rng.choice(units)].pid.remote(), timeout=3)
-                elif kind == "server" and fleet.server is not None:
-                    pid = ray.get(fleet.server.pid.remote(), timeout=3)
-                elif kind == "learner":
-                    pid = learner.pid()
-            except Exception:  # noqa: BLE001 - the target is restarting: not a kill
-                pid = None
+            pid = _target_pid(kind, fleet, learner, rng, units)
             if pid is None:
                 skipped[kind] += 1
                 continue
@@ -212,6 +201,38 @@ def run(cfg) -> dict:
         alive = [u for u in units if _alive(ray, fleet.actors[u])]
         server_alive = fleet.server is not None and _alive(ray, fleet.server)
     learner_rc = learner.stop()
+    report = audit(c, out, box, reported, seen, units, alive, fleet.server is None or server_alive)
+    report.update({"kills": dict(kills), "kills_total": sum(kills.values()), "skipped_restarting": dict(skipped),
+                   "kill_phase_s": round(kill_s, 1), "learner_starts": learner.starts, "learner_exit": learner_rc,
+                   "server_alive_at_end": server_alive, "episodes_after_last_kill": len(reported) - n_before})
+    (out / "chaos.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _target_pid(kind: str, fleet, learner, rng: random.Random, units: list[int]) -> int | None:
+    """The pid of one process of ``kind`` (``worker``: a random unit's, ``server``, ``learner``); None when it is
+    restarting (then it is not killed)."""
+    import ray
+
+    try:
+        if kind == "worker":
+            return ray.get(fleet.actors[rng.choice(units)].pid.remote(), timeout=3)
+        if kind == "server" and fleet.server is not None:
+            return ray.get(fleet.server.pid.remote(), timeout=3)
+        if kind == "learner":
+            return learner.pid()
+    except Exception:  # noqa: BLE001 - the target is restarting: not a kill
+        return None
+    return None
+
+
+def audit(c: dict, out: Path, box: dict, reported: set[str], seen: set[str], units: list[int], alive: list[int],
+          server_ok: bool) -> dict:
+    """What survived: every episode reported committed or seen by a reader is in the store (``lost``), no (unit,
+    seed) twice among fleet episodes, ``verify`` ok, every published policy version fetches with its sha256."""
+    from experience_dict.store import ExperienceStore
+    from fleet.registry import CheckpointRegistry
+
     result = box.get("result")
     final = ExperienceStore.open(c["store"]["url"])
     eps = final.episodes(quarantined=None)
@@ -227,13 +248,10 @@ def run(cfg) -> dict:
             reg.fetch(v, out / "verify_cache" / f"v{v}")
         except Exception as e:  # noqa: BLE001 - reported
             bad_versions.append(f"v{v}: {e}")
-    report = {
-        "kills": dict(kills), "kills_total": sum(kills.values()), "skipped_restarting": dict(skipped),
-        "kill_phase_s": round(kill_s, 1), "learner_starts": learner.starts, "learner_exit": learner_rc,
-        "units_alive_at_end": alive, "server_alive_at_end": server_alive,
-        "survived": len(alive) == len(units) and (fleet.server is None or server_alive) and "error" not in box,
-        "episodes_committed": len(fleet_eps), "episodes_after_last_kill": len(reported) - n_before,
-        "reported_committed": len(reported), "lost": lost, "lost_count": len(lost),
+    return {
+        "units_alive_at_end": alive,
+        "survived": len(alive) == len(units) and server_ok and "error" not in box,
+        "episodes_committed": len(fleet_eps), "reported_committed": len(reported), "lost": lost, "lost_count": len(lost),
         "duplicated_unit_seed": dup, "duplicated_count": sum(n - 1 for n in dup.values()),
         "verify_ok": bool(check["ok"]), "verify_problems": check["problems"][:5],
         "policy_versions": len(versions), "bad_versions": bad_versions,
@@ -242,8 +260,6 @@ def run(cfg) -> dict:
                                               "dropped_units": result.dropped_units},
         "error": repr(box["error"]) if "error" in box else None,
     }
-    (out / "chaos.json").write_text(json.dumps(report, indent=1))
-    return report
 
 
 def _alive(ray, actor) -> bool:

@@ -15,7 +15,7 @@ node, which units, when), where every unit ran last, committed episodes, lost (r
 the store) and duplicated (unit, seed) trials, and whether the store verifies.
 
 Exit status 0 when nothing was lost or duplicated and the store verifies, else 1. On real machines run the
-same ``ray start`` commands one per machine and ``scripts/fleet.py fleet.ray_address=<head>:6379``
+same ``ray start`` commands one per machine and ``scripts/rollout.py fleet.ray_address=<head>:6379``
 (docs/CLUSTER.md).
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from collections import Counter
@@ -32,7 +31,6 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)

@@ -20,7 +20,6 @@ Prints and writes ``<output_dir>/collect_demos.json``: per-task counts and succe
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +27,6 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import sim
 from sim.units import as_dict
@@ -58,7 +55,10 @@ def render_units_png(cfg: DictConfig, task: str, units: list[int], heldout: set[
 
 def expert_table(cfg: DictConfig, tasks: list[str], units: list[int], episodes: int, noise_std: float,
                  compensate: bool = False) -> dict:
-    """Success rate of the scripted expert per task and unit over seeds ``0..episodes-1``."""
+    """Success rate of the scripted expert per task and unit over seeds ``0..episodes-1`` (``fleet.rollout``:
+    the fleet's own episode loop and fault rules)."""
+    from fleet.rollout import rollout
+
     rates: dict[str, dict[int, float]] = {}
     bar = tqdm(total=len(tasks) * len(units) * episodes, desc="expert episodes", unit="ep")
     for task in tasks:
@@ -68,12 +68,8 @@ def expert_table(cfg: DictConfig, tasks: list[str], units: list[int], episodes: 
             expert = sim.make_expert(env, noise_std=noise_std, seed=u, latency_compensation=compensate)
             wins = 0
             for seed in range(episodes):
-                obs, info = env.reset(seed=seed)
-                done = False
-                while not done:
-                    obs, _, terminated, truncated, info = env.step(expert.act(obs))
-                    done = terminated or truncated
-                wins += bool(info["episode_success"])
+                obs, _ = env.reset(seed=seed)
+                wins += rollout(env, lambda o, t: expert.act(o), obs).success   # until the env ends the episode
                 bar.update(1)
             rates[task][u] = wins / episodes
             env.close()

@@ -170,7 +170,7 @@ def test_policy_of_the_wrong_shape_fails_once_clearly(tmp_path):
 
 @pytest.mark.slow
 def test_fleet_script_exits_nonzero_and_says_why(tmp_path):
-    """scripts/fleet.py: a policy whose every action is NaN gives up its unit and exits 1 with the reason; a
+    """scripts/rollout.py: a policy whose every action is NaN gives up its unit and exits 1 with the reason; a
     checkpoint of the wrong shape exits 2 at once with the feature named."""
     nan_ckpt = tiny_aed_checkpoint(tmp_path / "nan")
     from safetensors.torch import load_file, save_file
@@ -179,7 +179,7 @@ def test_fleet_script_exits_nonzero_and_says_why(tmp_path):
     w = load_file(str(wfile))
     w = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in w.items()}
     save_file(w, str(wfile))
-    base = [sys.executable, "scripts/fleet.py", "task=mw_quick", "task.tasks=[reach-v3]", "robot=nominal",
+    base = [sys.executable, "scripts/rollout.py", "task=mw_quick", "task.tasks=[reach-v3]", "robot=nominal",
             "policy=aed_diffusion", "fleet.units=1", "fleet.episodes_per_unit=2", "task.max_episode_steps=20",
             f"store.url={tmp_path}/store", f"fleet.registry_url={tmp_path}/reg", f"fleet.cache_dir={tmp_path}/c",
             f"hydra.run.dir={tmp_path}/out"]

@@ -136,13 +136,13 @@ def test_sigkilled_writers_lose_nothing_committed_on_s3(s3):
 
 
 def test_store_storage_options_from_the_config(s3, tmp_path):
-    """The scripts' start-up check applies ``store.storage_options``: ``scripts/fleet.py`` runs an expert fleet
+    """The scripts' start-up check applies ``store.storage_options``: ``scripts/rollout.py`` runs an expert fleet
     into the S3 store (workers in their own Ray processes reach the server through the same options)."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         env.pop(k, None)
     opts = json.dumps(s3).replace('"', "")             # Hydra's flow-style mapping
-    r = subprocess.run([sys.executable, "scripts/fleet.py", "policy=expert", "task=mw_quick", "task.tasks=[reach-v3]",
+    r = subprocess.run([sys.executable, "scripts/rollout.py", "policy=expert", "task=mw_quick", "task.tasks=[reach-v3]",
                         "task.max_episode_steps=30", "robot=nominal", "fleet.units=1", "fleet.episodes_per_unit=2",
                         "fleet.num_cpus=2", "store.url=s3://fleet/from_config", f"+store.storage_options={opts}",
                         f"fleet.registry_url={tmp_path}/reg", f"hydra.run.dir={tmp_path}/run"],
@@ -197,7 +197,7 @@ def test_registry_on_s3_publishes_atomically_and_workers_fetch_from_it(s3, tmp_p
     for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         env.pop(k, None)
     opts = json.dumps(s3).replace('"', "")
-    r = subprocess.run([sys.executable, "scripts/fleet.py", "policy=aed_diffusion", "fleet.policy_version=latest",
+    r = subprocess.run([sys.executable, "scripts/rollout.py", "policy=aed_diffusion", "fleet.policy_version=latest",
                         "task=mw_quick", "task.tasks=[reach-v3]", "task.max_episode_steps=20", "robot=nominal",
                         "fleet.units=2", "fleet.episodes_per_unit=1", "fleet.num_cpus=2",
                         "store.url=s3://fleet/acted", f"+store.storage_options={opts}", f"fleet.registry_url={url}",

@@ -1,10 +1,10 @@
 """Run the simulated fleet: N robot units acting with one policy for a budget, every episode into the store.
 
-    python scripts/fleet.py task=mw_quick fleet.units=4 policy=expert
-    python scripts/fleet.py policy=random fleet.episodes_per_unit=null fleet.wall_time_s=60
-    python scripts/fleet.py policy=aed_diffusion fleet.policy_version=latest          # newest registry version
-    python scripts/fleet.py policy=aed_diffusion fleet.checkpoint=outputs/ckpt fleet.policy_server=true
-    python scripts/fleet.py fleet.ray_address=auto fleet.units=96 robot.train_units=0:96   # on a Ray cluster
+    python scripts/rollout.py task=mw_quick fleet.units=4 policy=expert
+    python scripts/rollout.py policy=random fleet.episodes_per_unit=null fleet.wall_time_s=60
+    python scripts/rollout.py policy=aed_diffusion fleet.policy_version=latest          # newest registry version
+    python scripts/rollout.py policy=aed_diffusion fleet.checkpoint=outputs/ckpt fleet.policy_server=true
+    python scripts/rollout.py fleet.ray_address=auto fleet.units=96 robot.train_units=0:96   # on a Ray cluster
 
 Prints per-task and per-unit success tables and writes them, with every episode summary, to
 ``<output_dir>/fleet_result.json``. Ctrl-C stops the fleet; committed episodes stay in the store.
@@ -24,7 +24,6 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)

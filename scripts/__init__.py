@@ -1,0 +1,1 @@
+"""fleetmind entry points (Hydra apps): `python scripts/<name>.py key=value ...` or `fleetmind <name> key=value ...`."""
