@@ -184,6 +184,8 @@ class FertLearner:
                 "steps": (r + 1) * int(self.lcfg["updates_per_version"]), "resume": True,
                 "lr": float(self.lcfg["lr"]), "warmup_steps": int(self.lcfg["warmup_steps"]),
                 "batch_size": int(self.lcfg["batch_size"]), "save_every": int(self.lcfg["updates_per_version"]),
+                # the learner's own thread count (learner.torch_threads), not the base training's train.num_threads
+                **({"num_threads": int(self.lcfg["torch_threads"])} if self.lcfg.get("torch_threads") else {}),
                 "progress": False, "wandb": {**dict((self.cfg.get("train") or {}).get("wandb") or {}),
                                              "name": f"learner-{self.run_id}"}}
         out = train_policy(tcfg, self.work_dir / "train", policy=policy, dataset=dataset,
