@@ -64,7 +64,7 @@ def same_actions(rt: PolicyRuntime, base: AEDDiffusionPolicy, batch: dict, dev: 
 
 
 def time_chunks(fn, n: int, dev: torch.device) -> dict:
-    for _ in range(3):
+    for _ in range(10):   # warm-up (allocator, caches; the first timed block of a process ran ~30% slow after 3)
         fn()
     ts = []
     for _ in range(n):
