@@ -154,7 +154,7 @@ class PolicyRuntime:
         """Clear the observation/action history and the action queue (call at every episode start)."""
         self.policy.reset()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def predict_action_chunk(self, batch: dict, noise: torch.Tensor | None = None,
                              generator: torch.Generator | None = None,
                              num_inference_steps: int | None = None) -> torch.Tensor:
@@ -173,7 +173,7 @@ class PolicyRuntime:
                              "give none of noise / generator / num_inference_steps")
         return self.policy.predict_action_chunk(batch, **{k: v for k, v in kw.items() if k in self._chunk_kw})
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def select_action(self, obs: dict[str, np.ndarray], generator: torch.Generator | None = None) -> np.ndarray:
         """One control step: ``obs`` {feature name: unbatched np.ndarray} -> (action_dim,) float32 action.
 
