@@ -8,6 +8,7 @@ the whole tree, tests sometimes part of it).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import tempfile
@@ -145,6 +146,7 @@ def _flat_keys(node: Any, prefix: str, out: dict[str, Any]) -> None:
         _flat_keys(v, key, out)
 
 
+@functools.lru_cache(maxsize=4)
 def declared_keys(config_dir: Path = CONFIG_DIR) -> tuple[frozenset[str], frozenset[str]]:
     """``(keys, open_keys)``: every dotted key some YAML file under ``config_dir`` declares (the root config's
     keys, each group option's keys under its group, ``configs/task/mw10.yaml``: ``task.*``, and an

@@ -405,17 +405,6 @@ class Fleet:
         result = FleetResult(restarts={u: 0 for u in self.units})
         return RunSupervisor(self, budget, result, progress, should_stop, on_episode).run()
 
-    @staticmethod
-    def _update_pbar(pbar, result: FleetResult, per_unit_done: Counter, t_start: float, n: int) -> None:
-        succ = sum(bool(e["success"]) for e in result.episodes)
-        elapsed = max(time.monotonic() - t_start, 1e-9)
-        pbar.update(n)
-        pbar.set_postfix_str(
-            f"success={succ / max(len(result.episodes), 1):.2f} steps/s={result.steps / elapsed:.0f} "
-            + " ".join(f"u{u}:{c}" for u, c in sorted(per_unit_done.items())),
-            refresh=False,
-        )
-
     def server_stats(self, reset: bool = False) -> dict | None:
         """The policy server's batch-size and latency report (``PolicyServer.stats``; ``reset``: start counting
         afresh after it), or None without a server."""

@@ -320,7 +320,7 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
     bool / float / int64, and a list of termination strings (as ``fleet.worker.RobotWorker.run_episode``)."""
     import torch
 
-    from fleet.worker import step_trial
+    from fleet.rollout import step_trial
 
     obs = [env.reset(seed=int(tr["seed"]))[0] for env, tr in zip(envs, wave)]
     gens = [torch.Generator().manual_seed(int(tr["seed"])) for tr in wave]

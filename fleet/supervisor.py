@@ -197,10 +197,19 @@ class RunSupervisor:
             self.budget.spent(unit, s)
             self.count(unit, s)
         if self.pbar is not None:
-            self.fleet._update_pbar(self.pbar, self.result, self.per_unit_done, self.t_start,
-                                    sum(s.get("episode_id") is not None for s in summaries))
+            self.update_pbar(sum(s.get("episode_id") is not None for s in summaries))
         if not gave_up:
             self.submit(unit)
+
+    def update_pbar(self, n: int) -> None:
+        """Advance the bar by ``n`` committed episodes; postfix: success so far, steps/s, episodes per unit."""
+        r = self.result
+        succ = sum(bool(e["success"]) for e in r.episodes)
+        elapsed = max(time.monotonic() - self.t_start, 1e-9)
+        self.pbar.update(n)
+        self.pbar.set_postfix_str(
+            f"success={succ / max(len(r.episodes), 1):.2f} steps/s={r.steps / elapsed:.0f} "
+            + " ".join(f"u{u}:{c}" for u, c in sorted(self.per_unit_done.items())), refresh=False)
 
     def count(self, unit: int, summary: dict) -> None:
         self.result.episodes.append(summary)

@@ -31,7 +31,7 @@ from fleet.policies import (
     load_checkpoint,
     resolve_device,
 )
-from fleet.rollout import _finite_obs, rollout, step_trial  # noqa: F401 - step_trial: part of this module's API
+from fleet.rollout import rollout
 
 
 class WorkerEpisodeError(RuntimeError):
