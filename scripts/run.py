@@ -145,7 +145,13 @@ def train_base(c: dict, reader, demos, out_dir: Path, aed: bool, val_reader=None
 def demo_config(c: dict) -> tuple[dict, list[int]]:
     """Config and units of the demonstration stage: ``robot.demo_units`` (default: the training units), with
     every variation range scaled by ``robot.demo_variation_scale`` (default 1; ``robot=shifted`` collects its
-    demonstrations on near-nominal units)."""
+    demonstrations on near-nominal units). Demonstration units that are not training units are added to the
+    stage config's ``train_units`` (after them, so the fleet's first ``fleet.units`` are unchanged), which makes
+    them known to ``sim.make_env``.
+
+    Raises:
+        ValueError: a demonstration unit that is also a held-out unit.
+    """
     from sim import unit_lists
 
     robot = dict(c["robot"])
@@ -154,6 +160,7 @@ def demo_config(c: dict) -> tuple[dict, list[int]]:
     bad = sorted(set(units) & set(heldout))
     if bad:
         raise ValueError(f"robot.demo_units: units {bad} are held-out units")
+    robot["train_units"] = train + [u for u in units if u not in train]
     scale = float(robot.get("demo_variation_scale", 1.0))
     if scale != 1.0:
         robot["variation"] = {k: (v * scale if k != "action_latency_max" else round(v * scale))
@@ -404,12 +411,15 @@ def stage_offline_arms(c: dict, sd: Path, seed: int, state: JobState, stages: St
 
 def unit_table(c: dict, units: list[int]) -> str:
     """Markdown table of the units' variation (gain, latency, friction, mass, observation noise)."""
+    from sim import unit_lists
     from sim.units import RobotUnit
 
     rows = ["| unit | action gain (x, y, z) | latency (steps) | friction x | mass x | obs noise (mm) |",
             "|---|---|---|---|---|---|"]
-    for u in units:
-        d = RobotUnit.draw(int(u), c["robot"])
+    dc, demo_units = demo_config(c)
+    only_demo = set(demo_units) - set(unit_lists(c["robot"])[0])
+    for u in units:   # a demonstration-only unit has the demonstrations' (scaled) variation
+        d = RobotUnit.draw(int(u), (dc if u in only_demo else c)["robot"])
         rows.append(f"| {u} | {', '.join(f'{g:.2f}' for g in d.action_gain)} | {d.action_latency} | "
                     f"{d.friction_scale:.2f} | {d.mass_scale:.2f} | {1000 * d.obs_noise_std:.2f} |")
     return "\n".join(rows)

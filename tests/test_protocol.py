@@ -297,3 +297,36 @@ def test_aed_key_embeds_the_action_history_in_metres(tmp_path):
     base.config.aed.enabled = False
     with pytest.raises(ValueError, match="no Action Experience Dictionary"):
         aed_history_encoder(base)
+
+
+def test_shifted_robot_demonstrations_run_on_their_own_near_nominal_units():
+    """``robot=shifted``: the demonstration units (200, 201) are neither training nor held-out units; the
+    demonstration stage's config makes them known to ``make_env`` with every variation range x 0.25 (so latency
+    0), and the unit table shows them with that variation."""
+    from hydra import compose, initialize_config_dir
+
+    from scripts.run import demo_config, unit_table
+    from sim import make_env, unit_lists
+
+    with initialize_config_dir(config_dir=os.path.abspath("configs"), version_base=None):
+        from omegaconf import OmegaConf
+
+        cfg = compose("config", overrides=["robot=shifted"])
+        c = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("robot", "obs", "task")}
+    dc, units = demo_config(c)
+    assert units == [200, 201]
+    assert unit_lists(dc["robot"])[0] == [0, 1, 2, 3, 200, 201]          # the fleet's first units unchanged
+    assert unit_lists(dc["robot"])[1] == unit_lists(c["robot"])[1]
+    with pytest.raises(ValueError, match="unknown unit id 200"):
+        make_env(task="reach-v3", unit_id=200, robot_cfg=c["robot"], obs_cfg=c["obs"], task_cfg=c["task"])
+    env = make_env(task="reach-v3", unit_id=200, robot_cfg=dc["robot"], obs_cfg=c["obs"], task_cfg=c["task"])
+    try:
+        gain_range = 0.25 * c["robot"]["variation"]["action_gain"]
+        assert env.unwrapped.unit.action_latency == 0
+        assert np.all(np.abs(np.asarray(env.unwrapped.unit.action_gain) - 1.0) <= gain_range + 1e-9)
+        obs, _ = env.reset(seed=0)
+        assert np.all(np.isfinite(obs["observation.state"]))
+    finally:
+        env.close()
+    row = [r for r in unit_table(c, [0, 200, 100]).splitlines() if r.startswith("| 200 |")][0]
+    assert row.split("|")[3].strip() == "0"          # latency column
