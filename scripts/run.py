@@ -282,7 +282,8 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
     state = JobState(sd / "job_state.json")
     train_units, heldout = unit_lists(c["robot"])
     fleet_units = train_units[: int(c["fleet"]["units"])]
-    reader, ckpt = stage_demos_and_bases(c, sd, seed, state, stages, progress)
+    reader, ckpt = stage_demos_and_bases(c, sd, seed, state, stages, progress,
+                                         need_no_aed=any(a.init == "base_no_aed" for a in arms))
     reg = CheckpointRegistry(c["fleet"]["registry_url"])
     if reg.latest_version() is None:
         reg.publish(ckpt["base"], metadata={"run_id": "base", "round": -1, "kind": "base"})
@@ -298,9 +299,11 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
     return {"results": results, "checkpoints": chosen, "rounds": rounds_rec, "config": c, "state": state}
 
 
-def stage_demos_and_bases(c: dict, sd: Path, seed: int, state: JobState, stages: Stages, progress: bool):
-    """Collect the demonstrations (and the validation demonstrations) and train the two bases (with and without
-    AED); returns ``(store reader, {"base": checkpoint dir, "base_no_aed": checkpoint dir})``."""
+def stage_demos_and_bases(c: dict, sd: Path, seed: int, state: JobState, stages: Stages, progress: bool,
+                          need_no_aed: bool = True):
+    """Collect the demonstrations (and the validation demonstrations) and train the bases: with AED, and
+    without it when ``need_no_aed`` (some arm starts from ``base_no_aed``); returns ``(store reader,
+    {"base": checkpoint dir[, "base_no_aed": checkpoint dir]})``."""
     from experience_dict.store import ExperienceStore
     from fleet.protocol import collect_demos
 
@@ -320,14 +323,15 @@ def stage_demos_and_bases(c: dict, sd: Path, seed: int, state: JobState, stages:
     reader = ExperienceStore.open(c["store"]["url"])
     demos = reader.episodes(is_demo=True, success=True)
     val_reader = ExperienceStore.open(val_url) if n_val and Path(val_url).is_dir() else None
-    for name, aed in (("base", True), ("base_no_aed", False)):
+    bases = [("base", True)] + ([("base_no_aed", False)] if need_no_aed else [])
+    for name, aed in bases:
         stages.start(f"seed {seed}: train {name} on {len(demos)} demonstrations (at most {job['base_steps']} steps, "
                      "the checkpoint with the lowest validation loss)")
         if not state.done(name):
             t0 = time.perf_counter()
             state.mark(name, {**train_base(c, reader, demos, sd / name, aed, val_reader),
                               "wall_s": time.perf_counter() - t0})
-    return reader, {"base": state.get("base")["checkpoint"], "base_no_aed": state.get("base_no_aed")["checkpoint"]}
+    return reader, {name: state.get(name)["checkpoint"] for name, _ in bases}
 
 
 def stage_sweep_snapshot(c: dict, sd: Path, state: JobState, reader) -> None:
@@ -454,7 +458,8 @@ def main(cfg: DictConfig) -> None:
     print(units_md, flush=True)
     n_off = sum(1 for a in arms if not a.in_loop and a.data != "none")
     # expected relative costs: demos 2, each base 6, each fleet round 5, each offline arm 2, evaluation 6
-    seed_w = [2, 6, 6] + [5] * int(c["fert"]["rounds"]) + [2] * n_off + [6]
+    no_aed = any(a.init == "base_no_aed" for a in arms)
+    seed_w = [2, 6] + [6] * no_aed + [5] * int(c["fert"]["rounds"]) + [2] * n_off + [6]
     stages = Stages(seed_w * len(seeds) + ([10] if sizes else []))
     try:
         per_seed = {}

@@ -103,6 +103,16 @@ def test_main_job_tiny_end_to_end(tmp_path):
                           "job.arms=[base,ferd]"], cwd=REPO, env=env, capture_output=True, text=True, check=False)
     assert bad.returncode != 0 and "unknown arms ['ferd']" in bad.stderr + bad.stdout
     assert not (tmp_path / "badarm" / "seed_0").exists()
+    # no arm starts from base_no_aed: that base is not trained (nor counted in the stage estimate)
+    only = tmp_path / "only_base"
+    small = [a for a in args if not a.startswith(("hydra.run.dir", "job.seeds", "job.fleet_sizes"))]
+    proc = subprocess.run([sys.executable, "scripts/run.py", f"hydra.run.dir={only}", *small, "job.seeds=[0]",
+                           "job.arms=[base,demos_bc]"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "train base_no_aed" not in proc.stdout and not (only / "seed_0" / "base_no_aed").exists()
+    assert set(json.loads((only / "results.json").read_text())["arms"]) == {"base", "demos_bc"}
+    assert "[stage 1/5]" in proc.stdout     # demos, base, fleet round, demos_bc, evaluation
 
     # scripts/ablate.py: a variant fine-tuned on the frozen seed-0 store, evaluated paired against the base
     ab = tmp_path / "ablate"
