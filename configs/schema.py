@@ -103,7 +103,7 @@ RULES: dict[str, Rule] = {
     "job.base_steps": POS, "job.demos_per_task": POS, "job.seeds": int_list(0),
     "eval.trials_per_task": POS, "eval.batch_size": POS, "eval.processes": POS, "eval.backend": one_of("vector", "ray"),
     "learner.updates_per_version": POS, "learner.batch_size": POS, "learner.lr": number(0, open_lo=True),
-    "learner.warmup_steps": integer(0),
+    "learner.warmup_steps": integer(0), "learner.wise_alpha": optional(number(0, 1)),
     "fert.rounds": integer(0), "fert.window": POS, "fert.top_k": POS, "fert.segment_steps": POS,
     "fert.temperature": number(0, open_lo=True), "fert.replay_ratio": number(0, 1),
     "fert.key": one_of("relative", "relative+aed", "absolute"), "fert.replay": one_of("demos", "successes"),

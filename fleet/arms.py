@@ -184,7 +184,8 @@ def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path
     ``pretrained_model`` directory. ``data="demos"``: the demonstrations only; ``data="successes"`` /
     ``"successes+retries"``: filtered BC (uniform over the windows of the successful training-unit episodes,
     the demonstrations included); ``data="fert"``: the arm's FERT rounds run one after the other on the final
-    store.
+    store. With ``learner.wise_alpha`` set, the returned policy is the fine-tuned one interpolated toward
+    ``init_ckpt`` (WiSE-FT, as the learner publishes it).
 
     Raises:
         ValueError: an arm without fine-tuning (``data="none"``) or an unknown ``data``.
@@ -207,4 +208,9 @@ def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path
     tcfg["wandb"] = {**tcfg.get("wandb", {}), "name": arm.name}
     res = train_policy(tcfg, out_dir, policy=load_policy(init_ckpt), reader=reader,
                        episodes=eps, device=cfg["device"])
-    return str(res["checkpoint"])
+    alpha = cfg["learner"].get("wise_alpha")
+    if alpha is None:
+        return str(res["checkpoint"])
+    from policies.factory import interpolate_checkpoint   # the learner's rule (FertLearner.deployed_checkpoint)
+
+    return str(interpolate_checkpoint(init_ckpt, res["checkpoint"], float(alpha), out_dir / "wise"))

@@ -190,15 +190,16 @@ class FertLearner:
                                              "name": f"learner-{self.run_id}"}}
         out = train_policy(tcfg, self.work_dir / "train", policy=policy, dataset=dataset,
                            device=str(self.lcfg["device"]))
+        ckpt = self.deployed_checkpoint(out["checkpoint"], r)
         audit = None
         if self.cfg["fert"].get("audit", True) and len(retrieval):
             audit = write_retrieval_audit(retrieval, self._fert.index, self.work_dir / "audits", r)
         validation = None
         if self.validator is not None and self.publish_versions:
-            accept, validation = self.validator(str(out["checkpoint"]), r)
+            accept, validation = self.validator(ckpt, r)
             if not accept:
                 self.state.setdefault("rejected", []).append(r)
-        version = self._publish_once(out["checkpoint"], r, out) if validation is None or accept else None
+        version = self._publish_once(ckpt, r, out) if validation is None or accept else None
         rec = {"validation": validation, "round": r, "version": version, "step": int(out["step"]), "fleet_episodes": n_eps,
                "contexts": len(retrieval.contexts), "retrieved": len(retrieval), "dataset": len(dataset),
                "update": upd, "loss": (out.get("metrics") or {}).get("loss"), "train_s": time.perf_counter() - t0,
@@ -212,6 +213,18 @@ class FertLearner:
         log.info("learner %s round %d: %d contexts, %d retrieved (%d from own retries), v%s", self.run_id, r,
                  rec["contexts"], rec["retrieved"], own, version)
         return rec
+
+    def deployed_checkpoint(self, trained: str | Path, r: int) -> str:
+        """The ``pretrained_model`` that round ``r`` validates and publishes: ``trained`` itself, or with
+        ``learner.wise_alpha`` set its interpolation toward the initial checkpoint
+        (``policies.factory.interpolate_checkpoint``, WiSE-FT) in ``<work_dir>/wise/round_<r>``."""
+        alpha = self.lcfg.get("wise_alpha")
+        if alpha is None:
+            return str(trained)
+        from policies.factory import interpolate_checkpoint
+
+        return str(interpolate_checkpoint(self.init_checkpoint, trained, float(alpha),
+                                          self.work_dir / "wise" / f"round_{r:03d}"))
 
     def _publish_once(self, checkpoint: str | Path, r: int, out: dict) -> int | None:
         """Publish ``checkpoint`` for round ``r`` unless a version for ``(run_id, r)`` exists already."""
@@ -243,11 +256,18 @@ class FertLearner:
         return self.status()
 
     def final_checkpoint(self) -> str | None:
-        """``pretrained_model`` directory of the learner's last training checkpoint (None before round 0)."""
+        """``pretrained_model`` directory of the learner's last round (None before round 0): the last training
+        checkpoint, or with ``learner.wise_alpha`` set its interpolation toward the initial checkpoint."""
         from policies.aed_diffusion.training import last_checkpoint
 
         last = last_checkpoint(self.work_dir / "train")
-        return str(last / "pretrained_model") if last is not None else None
+        if last is None:
+            return None
+        if self.lcfg.get("wise_alpha") is None:
+            return str(last / "pretrained_model")
+        r = max(int(self.state["round"]) - 1, 0)
+        wise = self.work_dir / "wise" / f"round_{r:03d}"
+        return str(wise) if wise.is_dir() else self.deployed_checkpoint(last / "pretrained_model", r)
 
     def pid(self) -> int:
         return os.getpid()

@@ -77,3 +77,63 @@ def make_policy(cfg: dict, reader, episodes) -> Any:
     if ptype in ("expert", "random"):
         raise ValueError(f"policy type {ptype!r} is not learned; give a learned policy (known: {sorted(POLICY_TYPES)})")
     return policy_class(ptype).build(cfg, reader, episodes)
+
+
+def interpolate_checkpoint(init_dir: str | Path, tuned_dir: str | Path, alpha: float, out_dir: str | Path) -> Path:
+    """Weight-space interpolation of a fine-tuned policy toward the policy it started from (WiSE-FT: Wortsman
+    et al., "Robust fine-tuning of zero-shot models", CVPR 2022): every floating-point tensor of
+    ``model.safetensors`` becomes ``init + alpha * (tuned - init)`` (computed in float32, stored in the tuned
+    tensor's dtype); other tensors and every other file (``config.json``, statistics, tokenizer) come from
+    ``tuned_dir``. ``alpha = 1`` is the fine-tuned policy, ``0`` the initial one. Written to ``out_dir``
+    atomically (a temporary sibling renamed into place); an existing ``out_dir`` is replaced.
+
+    Args:
+        init_dir, tuned_dir: ``pretrained_model`` directories of the same policy type and architecture.
+        alpha: weight of the fine-tuning update, in [0, 1].
+        out_dir: the interpolated ``pretrained_model`` directory.
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Raises:
+        ValueError: ``alpha`` outside [0, 1]; the two policies differ in type, tensor names, shapes or dtypes
+            (the message names the first difference).
+        FileNotFoundError: a missing ``config.json`` or ``model.safetensors``.
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    alpha = float(alpha)
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"interpolate_checkpoint: alpha must be in [0, 1], given {alpha}")
+    init_dir, tuned_dir, out_dir = Path(init_dir), Path(tuned_dir), Path(out_dir)
+    if policy_type(init_dir) != policy_type(tuned_dir):
+        raise ValueError(f"interpolate_checkpoint: policy types differ ({policy_type(init_dir)!r} at {init_dir}, "
+                         f"{policy_type(tuned_dir)!r} at {tuned_dir})")
+    for d in (init_dir, tuned_dir):
+        if not (d / "model.safetensors").is_file():
+            raise FileNotFoundError(f"checkpoint {str(d)!r} has no model.safetensors")
+    a, b = load_file(str(init_dir / "model.safetensors")), load_file(str(tuned_dir / "model.safetensors"))
+    if a.keys() != b.keys():
+        diff = sorted(a.keys() ^ b.keys())
+        raise ValueError(f"interpolate_checkpoint: tensor names differ between {init_dir} and {tuned_dir}: "
+                         f"{diff[:5]}{' ...' if len(diff) > 5 else ''}")
+    out = {}
+    for k, t in b.items():
+        if a[k].shape != t.shape or a[k].dtype != t.dtype:
+            raise ValueError(f"interpolate_checkpoint: tensor {k!r} is {tuple(a[k].shape)} {a[k].dtype} in {init_dir} "
+                             f"but {tuple(t.shape)} {t.dtype} in {tuned_dir}")
+        if t.is_floating_point():
+            a32 = a[k].to(torch.float32)
+            out[k] = (a32 + alpha * (t.to(torch.float32) - a32)).to(t.dtype).contiguous()
+        else:
+            out[k] = t.contiguous()
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(tuned_dir, tmp, ignore=shutil.ignore_patterns("model.safetensors"))
+    save_file(out, str(tmp / "model.safetensors"))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir

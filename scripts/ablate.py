@@ -93,7 +93,11 @@ def main(cfg: DictConfig) -> None:
         c["eval"] = {**frozen["eval"], "seed": int(a.eval_seed)}
     reader = ExperienceStore.open(frozen["store"]["url"])
     heldout = [int(u) for u in frozen["robot"]["heldout_units"]]
-    base = {"base": state["base"]["checkpoint"], "base_no_aed": state["base_no_aed"]["checkpoint"]}
+    base = {k: state[k]["checkpoint"] for k in ("base", "base_no_aed") if k in state}
+    missing = sorted({x.init for x in arms} - set(base))
+    if missing:
+        raise ValueError(f"ablate.arms: {[x.name for x in arms if x.init in missing]} start from {missing}, which "
+                         f"{run_dir} did not train (its job.arms had no arm that starts from it)")
     if a.get("reexplore"):   # the same failures, explored again with this command line's fert.retry
         reader = reexplore_store(c, reader, base["base"], heldout, out)
     seeds = [int(s) for s in a.seeds]

@@ -117,12 +117,23 @@ def test_main_job_tiny_end_to_end(tmp_path):
     # scripts/ablate.py: a variant fine-tuned on the frozen seed-0 store, evaluated paired against the base
     ab = tmp_path / "ablate"
     proc = subprocess.run([sys.executable, "scripts/ablate.py", f"hydra.run.dir={ab}", f"ablate.run_dir={sd}",
-                           "ablate.arms=[fert_no_gate]", "learner.updates_per_version=3", "learner.batch_size=16"],
+                           "ablate.arms=[fert_no_gate]", "learner.updates_per_version=3", "learner.batch_size=16",
+                           "learner.wise_alpha=0.5"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     at = json.loads((ab / "ablate.json").read_text())
     assert set(at["arms"]) == {"base", "fert_no_gate"} and at["meta"]["fert"]["fert_no_gate"]["gate"]["enabled"] is False
     assert json.loads((ab / "ablate_paired.json").read_text())["pairs"][0]["average"]["pairs"] == 2
+    # learner.wise_alpha: the arm's policy is its fine-tuned weights interpolated halfway toward the base
+    from safetensors.torch import load_file
+
+    wise = Path((ab / "seed_0" / "fert_no_gate" / "checkpoint.txt").read_text())
+    assert wise.parent.name == "wise"
+    w, b0 = load_file(str(wise / "model.safetensors")), load_file(str(Path(state["base"]["checkpoint"]) / "model.safetensors"))
+    tuned = load_file(str(ab / "seed_0" / "fert_no_gate" / "train" / "checkpoints" / "0000003" / "pretrained_model"
+                          / "model.safetensors"))
+    k = next(k for k in w if w[k].is_floating_point() and not bool((tuned[k] == b0[k]).all()))
+    assert bool(((w[k] - (b0[k] + tuned[k]) / 2).abs() < 1e-5).all())
 
     # scripts/eval.py: any checkpoints on any units and tasks, same table, paired against a baseline, videos
     ev = tmp_path / "eval"

@@ -98,6 +98,37 @@ def test_mlp_chunk_trains_resumes_and_loads_through_the_factory(demos, tmp_path)
         load_policy(tmp_path / "bad")
 
 
+def test_wise_interpolation_between_two_checkpoints(demos, tmp_path):
+    """``interpolate_checkpoint`` (WiSE-FT): alpha 0 / 1 give the initial / fine-tuned weights exactly, 0.5 the
+    midpoint; the result loads through the factory and acts; mismatched policies and a bad alpha are refused."""
+    from policies.factory import interpolate_checkpoint
+
+    reader = ExperienceStore.open(demos)
+    out = train_policy(TRAIN, tmp_path / "run", policy_cfg=MLP, reader=reader, episodes=reader.episodes(is_demo=True),
+                       device="cpu")
+    init, tuned = tmp_path / "run" / "checkpoints" / "0000020" / "pretrained_model", out["checkpoint"]
+    a, b = load_file(str(init / "model.safetensors")), load_file(str(tuned / "model.safetensors"))
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    for alpha, want in ((0.0, a), (1.0, b), (0.5, {k: (a[k] + b[k]) / 2 for k in a})):
+        d = interpolate_checkpoint(init, tuned, alpha, tmp_path / f"wise_{alpha}")
+        got = load_file(str(d / "model.safetensors"))
+        assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in a)
+        assert (d / "config.json").read_text() == (tuned / "config.json").read_text()
+    p = load_policy(tmp_path / "wise_0.5")
+    ep = reader.load_episode(reader.episodes()[0].episode_id,
+                             keys=["observation.state", "observation.environment_state"])
+    p.reset()
+    act = p.select_action({k: torch.as_tensor(v[:1]) for k, v in ep.items()})
+    assert act.shape[-1] == 4 and torch.isfinite(act).all()
+    with pytest.raises(ValueError, match="alpha must be in"):
+        interpolate_checkpoint(init, tuned, 1.5, tmp_path / "bad_alpha")
+    other = train_policy({**TRAIN, "steps": 2, "save_every": 2}, tmp_path / "other", policy_cfg={**MLP, "hidden_dim": 16},
+                         reader=reader, episodes=reader.episodes(is_demo=True), device="cpu")["checkpoint"]
+    with pytest.raises(ValueError, match=r"is \(16,\) torch.float32 in .* but \(32,\)"):
+        interpolate_checkpoint(other, tuned, 0.5, tmp_path / "bad_shape")
+    assert not (tmp_path / "bad_shape").exists()
+
+
 def test_scripts_train_takes_policy_mlp_chunk(demos, tmp_path):
     out = tmp_path / "train"
     r = subprocess.run([sys.executable, "scripts/train.py", "task=mw_quick", "task.tasks=[reach-v3]",
