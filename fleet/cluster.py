@@ -37,6 +37,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid`` (a ``ray start`` launched with ``start_new_session``: its
+    raylet and agents keep its session id after it exits)."""
+    import psutil
+
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid:
+                os.kill(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            pass
+
+
 class ClusterError(RuntimeError):
     """A node did not start (the message carries the tail of its log)."""
 
@@ -51,6 +64,9 @@ class LocalRayCluster:
             dead within ~3-5 s instead of ~30 s).
         log_dir: where each node's ``ray start`` output goes (default: a temporary directory).
         start_timeout_s: seconds to wait for each node.
+        start_attempts: launches of a node whose ``ray start`` exits before it is up. Ray gives a new raylet a
+            fixed 30 s to register with the GCS (``ray/_private/node.py``) and exits otherwise, which a heavily
+            loaded machine can exceed; the failed launch's processes are killed before the next one.
 
     Attributes:
         address: ``"127.0.0.1:<port>"`` of the head's GCS (``ray.init(address=...)``, ``fleet.ray_address``).
@@ -60,7 +76,7 @@ class LocalRayCluster:
     """
 
     def __init__(self, nodes: list[dict[str, Any]], env: dict[str, str] | None = None,
-                 log_dir: str | Path | None = None, start_timeout_s: float = 120.0):
+                 log_dir: str | Path | None = None, start_timeout_s: float = 120.0, start_attempts: int = 3):
         if not nodes:
             raise ValueError("LocalRayCluster: give at least the head node")
         self.nodes = [dict(n) for n in nodes]
@@ -71,6 +87,8 @@ class LocalRayCluster:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="fleetmind_cluster_"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.start_timeout_s = float(start_timeout_s)
+        self.start_attempts = max(int(start_attempts), 1)
+        self.attempts: list[int] = []   # launches each node took
         self.temp_dir = tempfile.mkdtemp(prefix="fmray_", dir="/tmp")   # short: Ray's socket paths must fit 107 bytes
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -99,26 +117,43 @@ class LocalRayCluster:
         return cmd
 
     def start(self) -> None:
-        """Start the head, then every worker node, waiting for each to report it is up."""
+        """Start the head, then every worker node, waiting for each to report it is up (a node whose ``ray
+        start`` exits first is launched again, up to ``start_attempts`` times)."""
         for i in range(len(self.nodes)):
-            log = open(self.log_dir / f"node{i}.log", "w")  # noqa: SIM115 - kept open while the node runs
-            self.procs.append(subprocess.Popen(self._command(i), stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                               cwd=self.log_dir, start_new_session=True))
-            self._wait_up(i)
+            for attempt in range(1, self.start_attempts + 1):
+                log = open(self.log_dir / f"node{i}.log", "w" if attempt == 1 else "a")  # noqa: SIM115 - kept open while the node runs
+                proc = subprocess.Popen(self._command(i), stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                        cwd=self.log_dir, start_new_session=True)
+                self.procs[i:] = [proc]
+                if self._wait_up(i):
+                    self.attempts.append(attempt)
+                    break
+                if proc.poll() is None or attempt == self.start_attempts:
+                    self._fail(i)
+                _kill_session(proc.pid)   # what the failed launch left (its raylet may outlive `ray start`)
+                log.write(f"\n[fleetmind] node {i}: `ray start` exited before the node was up; launching it again "
+                          f"(attempt {attempt + 1} of {self.start_attempts})\n")
+                log.flush()
 
-    def _wait_up(self, i: int) -> None:
+    def _wait_up(self, i: int) -> bool:
+        """True once node ``i`` logs that it is up; False when its ``ray start`` exits first or the time is up."""
         path = self.log_dir / f"node{i}.log"
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             text = path.read_text(errors="replace") if path.exists() else ""
             if "block forever" in text:
-                return
+                return True
             if self.procs[i].poll() is not None:
-                break
+                return False
             time.sleep(0.2)
+        return False
+
+    def _fail(self, i: int) -> None:
+        path = self.log_dir / f"node{i}.log"
         self.stop()
-        raise ClusterError(f"node {i} ({'head' if i == 0 else 'worker'}) did not start within "
-                           f"{self.start_timeout_s:g} s: {' '.join(self._command(i))}\n"
+        raise ClusterError(f"node {i} ({'head' if i == 0 else 'worker'}) did not start (each launch of "
+                           f"{self.start_attempts} waited at most {self.start_timeout_s:g} s): "
+                           f"{' '.join(self._command(i))}\n"
                            + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
 
     def node_pids(self, i: int) -> list[int]:

@@ -89,3 +89,30 @@ def test_two_node_fleet_survives_losing_a_node(tmp_path, setup):  # noqa: F811 -
     assert status["round"] == 1, status
     metas = [CheckpointRegistry(setup["registry"]).manifest(v)["metadata"] for v in CheckpointRegistry(setup["registry"]).versions()]
     assert any(m.get("run_id") == "cluster" for m in metas)
+
+
+def test_a_node_whose_ray_start_exits_is_launched_again(tmp_path):
+    """Ray gives a raylet a fixed 30 s to register and then exits `ray start` (seen on a loaded 2-core machine):
+    LocalRayCluster launches that node again; a node that never comes up fails with a ClusterError naming it."""
+    from fleet.cluster import ClusterError
+
+    class FlakyFirstLaunch(LocalRayCluster):
+        launches = 0
+
+        def _command(self, i):
+            type(self).launches += 1
+            return ["sh", "-c", "echo simulated startup timeout; exit 1"] if type(self).launches == 1 \
+                else super()._command(i)
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    with FlakyFirstLaunch([{"num_cpus": 1}], log_dir=tmp_path / "flaky") as cluster:
+        assert cluster.attempts == [2]
+        log = (tmp_path / "flaky" / "node0.log").read_text()
+        assert "simulated startup timeout" in log and "launching it again (attempt 2 of 3)" in log
+
+    class NeverUp(LocalRayCluster):
+        def _command(self, i):
+            return ["sh", "-c", "exit 1"]
+
+    with pytest.raises(ClusterError, match="node 0 \\(head\\) did not start \\(each launch of 2"):
+        NeverUp([{"num_cpus": 1}], log_dir=tmp_path / "never", start_attempts=2).start()
