@@ -191,7 +191,7 @@ def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path
         ValueError: an arm without fine-tuning (``data="none"``) or an unknown ``data``.
     """
     from policies.aed_diffusion.training import train_policy
-    from policies.factory import load_policy
+    from policies.factory import deployed_checkpoint, load_policy
 
     if arm.data == "fert":
         lrn = make_learner(cfg, arm, out_dir, init_ckpt, None, seed, offline=True)
@@ -208,9 +208,4 @@ def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path
     tcfg["wandb"] = {**tcfg.get("wandb", {}), "name": arm.name}
     res = train_policy(tcfg, out_dir, policy=load_policy(init_ckpt), reader=reader,
                        episodes=eps, device=cfg["device"])
-    alpha = cfg["learner"].get("wise_alpha")
-    if alpha is None:
-        return str(res["checkpoint"])
-    from policies.factory import interpolate_checkpoint   # the learner's rule (FertLearner.deployed_checkpoint)
-
-    return str(interpolate_checkpoint(init_ckpt, res["checkpoint"], float(alpha), out_dir / "wise"))
+    return deployed_checkpoint(cfg["learner"].get("wise_alpha"), init_ckpt, res["checkpoint"], out_dir / "wise")

@@ -218,13 +218,12 @@ class FertLearner:
         """The ``pretrained_model`` that round ``r`` validates and publishes: ``trained`` itself, or with
         ``learner.wise_alpha`` set its interpolation toward the initial checkpoint
         (``policies.factory.interpolate_checkpoint``, WiSE-FT) in ``<work_dir>/wise/round_<r>``."""
-        alpha = self.lcfg.get("wise_alpha")
-        if alpha is None:
-            return str(trained)
-        from policies.factory import interpolate_checkpoint
+        from policies.factory import deployed_checkpoint
 
-        return str(interpolate_checkpoint(self.init_checkpoint, trained, float(alpha),
-                                          self.work_dir / "wise" / f"round_{r:03d}"))
+        return deployed_checkpoint(self.lcfg.get("wise_alpha"), self.init_checkpoint, trained, self._wise_dir(r))
+
+    def _wise_dir(self, r: int) -> Path:
+        return self.work_dir / "wise" / f"round_{r:03d}"
 
     def _publish_once(self, checkpoint: str | Path, r: int, out: dict) -> int | None:
         """Publish ``checkpoint`` for round ``r`` unless a version for ``(run_id, r)`` exists already."""
@@ -265,8 +264,8 @@ class FertLearner:
             return None
         if self.lcfg.get("wise_alpha") is None:
             return str(last / "pretrained_model")
-        r = max(int(self.state["round"]) - 1, 0)
-        wise = self.work_dir / "wise" / f"round_{r:03d}"
+        r = max(int(self.state["round"]) - 1, 0)   # the round that wrote it, interpolated then (or now)
+        wise = self._wise_dir(r)
         return str(wise) if wise.is_dir() else self.deployed_checkpoint(last / "pretrained_model", r)
 
     def pid(self) -> int:

@@ -137,3 +137,11 @@ def interpolate_checkpoint(init_dir: str | Path, tuned_dir: str | Path, alpha: f
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def deployed_checkpoint(alpha: float | None, init_dir: str | Path, tuned_dir: str | Path, out_dir: str | Path) -> str:
+    """The policy a fine-tuning run hands on (``learner.wise_alpha``): ``tuned_dir`` itself when ``alpha`` is None,
+    else ``interpolate_checkpoint(init_dir, tuned_dir, alpha, out_dir)``. Raises as ``interpolate_checkpoint``."""
+    if alpha is None:
+        return str(tuned_dir)
+    return str(interpolate_checkpoint(init_dir, tuned_dir, float(alpha), out_dir))

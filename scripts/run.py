@@ -283,7 +283,7 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
     train_units, heldout = unit_lists(c["robot"])
     fleet_units = train_units[: int(c["fleet"]["units"])]
     reader, ckpt = stage_demos_and_bases(c, sd, seed, state, stages, progress,
-                                         need_no_aed=any(a.init == "base_no_aed" for a in arms))
+                                         need_no_aed=needs_no_aed(arms))
     reg = CheckpointRegistry(c["fleet"]["registry_url"])
     if reg.latest_version() is None:
         reg.publish(ckpt["base"], metadata={"run_id": "base", "round": -1, "kind": "base"})
@@ -297,6 +297,11 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
     results = evaluate_arms(c, chosen, sd, int(c["eval"]["trials_per_task"]), units=heldout, progress=progress)
     rounds_rec = [state.get(f"round_{r}") for r in range(int(c["fert"]["rounds"]))]
     return {"results": results, "checkpoints": chosen, "rounds": rounds_rec, "config": c, "state": state}
+
+
+def needs_no_aed(arms: list) -> bool:
+    """Whether some arm starts from ``base_no_aed`` (only then is that base trained)."""
+    return any(a.init == "base_no_aed" for a in arms)
 
 
 def stage_demos_and_bases(c: dict, sd: Path, seed: int, state: JobState, stages: Stages, progress: bool,
@@ -458,8 +463,7 @@ def main(cfg: DictConfig) -> None:
     print(units_md, flush=True)
     n_off = sum(1 for a in arms if not a.in_loop and a.data != "none")
     # expected relative costs: demos 2, each base 6, each fleet round 5, each offline arm 2, evaluation 6
-    no_aed = any(a.init == "base_no_aed" for a in arms)
-    seed_w = [2, 6] + [6] * no_aed + [5] * int(c["fert"]["rounds"]) + [2] * n_off + [6]
+    seed_w = [2, 6] + [6] * needs_no_aed(arms) + [5] * int(c["fert"]["rounds"]) + [2] * n_off + [6]
     stages = Stages(seed_w * len(seeds) + ([10] if sizes else []))
     try:
         per_seed = {}

@@ -328,5 +328,5 @@ def test_shifted_robot_demonstrations_run_on_their_own_near_nominal_units():
         assert np.all(np.isfinite(obs["observation.state"]))
     finally:
         env.close()
-    row = [r for r in unit_table(c, [0, 200, 100]).splitlines() if r.startswith("| 200 |")][0]
+    row = next(r for r in unit_table(c, [0, 200, 100]).splitlines() if r.startswith("| 200 |"))
     assert row.split("|")[3].strip() == "0"          # latency column
