@@ -113,6 +113,9 @@ RULES: dict[str, Rule] = {
     "fert.retry.attempts": integer(0), "fert.retry.action_noise_std": number(0), "fert.retry.growth": number(0, open_lo=True),
     "fert.retry.hold_steps": POS, "fert.retry.max_share": number(0),
     "fert.retry.noise_temperature": number(0, open_lo=True), "fert.retry.temperature_growth": number(0, open_lo=True),
+    "deploy.export.onnx_steps": lambda v: None if v is None or (isinstance(v, list | tuple) and all(
+        integer(1)(x) is None for x in v)) else "null or a list of integers >= 1",
+    "deploy.export.onnx_batch_size": POS, "deploy.run.backend": one_of("auto", "torch", "onnx"),
     "chaos.kills": integer(0), "chaos.units": POS, "chaos.interval_s": number(0, open_lo=True),
 }
 

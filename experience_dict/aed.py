@@ -63,6 +63,8 @@ class ActionExperienceDictionary(nn.Module):
         if tokens.ndim != 3 or tokens.shape[1:] != (self.num_groups, self.max_tokens):
             raise ValueError(f"AED tokens: expected (B, {self.num_groups}, {self.max_tokens}), "
                              f"given {tuple(tokens.shape)}")
+        if torch.onnx.is_in_onnx_export():  # a traced graph cannot size a tensor by the batch's distinct ids
+            return self._forward_direct(tokens, token_mask, group_mask)
         # proj(embed(id)) depends on the id only: project each distinct id of the batch once.
         ids, inverse = torch.unique(tokens, return_inverse=True)
         table = self.proj(self.embed(ids))  # (U, D)
@@ -80,6 +82,21 @@ class ActionExperienceDictionary(nn.Module):
             logits = logits.masked_fill(~token_mask, float("-inf"))
             w = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # all-pad groups -> zeros (replaced below)
             pooled = (w.unsqueeze(-1) * x).sum(-2)
+        valid = (group_mask & token_mask.any(-1)).unsqueeze(-1)
+        pooled = torch.where(valid, pooled, self.null.to(pooled.dtype))
+        return pooled + self.group_pos
+
+    def _forward_direct(self, tokens: torch.Tensor, token_mask: torch.Tensor, group_mask: torch.Tensor) -> torch.Tensor:
+        """``forward`` without ``torch.unique``: every slot's embedding projected, shapes fixed by (B, G, L) (the
+        ONNX export's path; the same values up to float rounding, tests/test_aed.py)."""
+        x = self.proj(self.embed(tokens)) + self.token_pos  # (B, G, L, D)
+        if self.pooling == "mean":
+            m = token_mask.to(x.dtype).unsqueeze(-1)
+            pooled = (x * m).sum(-2) / m.sum(-2).clamp_min(1.0)
+        else:
+            logits = (x @ self.pool_query) / x.shape[-1] ** 0.5
+            logits = logits.masked_fill(~token_mask, float("-inf"))
+            pooled = (torch.softmax(logits, dim=-1).nan_to_num(0.0).unsqueeze(-1) * x).sum(-2)
         valid = (group_mask & token_mask.any(-1)).unsqueeze(-1)
         pooled = torch.where(valid, pooled, self.null.to(pooled.dtype))
         return pooled + self.group_pos

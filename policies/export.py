@@ -121,7 +121,8 @@ def model_card(meta: dict[str, Any], success_table: Any = None) -> str:
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, control_hz: float | None = None,
                       success_table: Any = None, source: dict[str, Any] | None = None,
-                      overwrite: bool = False) -> Path:
+                      overwrite: bool = False, onnx_steps: list[int] | None = None, onnx_batch_size: int = 1,
+                      onnx_optimize: bool = True) -> Path:
     """Export ``checkpoint_dir`` (a ``save_pretrained`` folder) to ``out_dir``; returns ``out_dir``.
 
     Args:
@@ -130,6 +131,11 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, contro
         source: provenance (``{"kind": "checkpoint" | "registry", "path", "registry_url", "version",
             "metadata"}``).
         overwrite: replace an existing ``out_dir``.
+        onnx_steps: DDIM step counts to also export the chunk sampler for as ONNX graphs
+            (``policies.onnx.export_onnx``; ``onnx/chunk_ddim<steps>_b<batch>.onnx``, each checked against
+            PyTorch, listed under ``export.json`` ``onnx``), which ``PolicyRuntime`` runs in ONNX Runtime.
+            None / []: none.
+        onnx_batch_size: the graphs' batch size (1: one robot). onnx_optimize: see ``export_onnx``.
     Raises:
         FileNotFoundError: a checkpoint file is missing. FileExistsError: ``out_dir`` exists and not
         ``overwrite``. ValueError: the checkpoint does not load (from its class's ``from_pretrained``).
@@ -148,6 +154,14 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, contro
     try:
         for f in files:
             shutil.copy2(src / f, tmp / f)
+        graphs = []
+        if onnx_steps:
+            from policies.onnx import export_onnx, graph_name
+
+            for steps in dict.fromkeys(int(n) for n in onnx_steps):
+                rel = graph_name(steps, onnx_batch_size)
+                graphs.append({"file": rel, **export_onnx(policy, tmp / rel, steps, onnx_batch_size, onnx_optimize)})
+                files.append(rel)
         meta = {
             "format": EXPORT_FORMAT, "policy_type": policy.name,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -162,6 +176,8 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, contro
             "git": git_commit(), "success_table": success_table,
             "files": {f: sha256_file(tmp / f) for f in files},
         }
+        if graphs:
+            meta["onnx"] = graphs
         (tmp / EXPORT_META).write_text(json.dumps(meta, indent=1))
         (tmp / MODEL_CARD).write_text(model_card(meta, success_table))
         if out.exists():

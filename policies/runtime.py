@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 EXPORT_FORMAT = "fleetmind-export/1"
+BACKENDS = ("auto", "torch", "onnx")
 EXPORT_META = "export.json"
 MODEL_CARD = "README.md"
 
@@ -68,6 +69,12 @@ def verify_export(folder: str | Path) -> dict[str, Any]:
     return meta
 
 
+def _onnxruntime_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("onnxruntime") is not None
+
+
 class PolicyRuntime:
     """An exported policy, ready to act.
 
@@ -78,13 +85,21 @@ class PolicyRuntime:
             only for a policy that denoises.
         compile: compile the policy's per-step work (``policy.compile_for_inference()``, ``torch.compile``):
             faster chunks after a first one that compiles (scripts/bench_runtime.py measures both).
+        backend: ``"torch"`` (eager PyTorch), ``"onnx"`` (the export's ONNX graph for the step count and batch
+            size in ONNX Runtime, ``policies.onnx``; anything else raises) or ``"auto"`` (ONNX where the export
+            has a graph for the call's step count and batch size and onnxruntime is installed, else PyTorch).
+        folder: the export folder (where ``export.json``'s ONNX graphs are); needed for the ONNX backend.
+        num_threads: ONNX Runtime's intra-op threads (None: torch's current setting).
     Raises:
         ValueError: ``num_inference_steps`` out of range, or given for a policy without denoising steps;
-            ``compile`` for a policy that offers no compiled inference.
+            ``compile`` for a policy that offers no compiled inference; an unknown backend; ``backend="onnx"``
+            without a graph for the step count (names the graphs the export has) or with ``compile``.
+        ImportError: ``backend="onnx"`` without onnxruntime.
     """
 
     def __init__(self, policy: torch.nn.Module, meta: dict[str, Any], num_inference_steps: int | None = None,
-                 compile: bool = False):
+                 compile: bool = False, backend: str = "torch", folder: str | Path | None = None,
+                 num_threads: int | None = None):
         import inspect
 
         self.policy, self.meta = policy, meta
@@ -105,11 +120,70 @@ class PolicyRuntime:
             if not hasattr(policy, "compile_for_inference"):
                 raise ValueError(f"compile=True: policy type {policy.name!r} offers no compiled inference")
             policy.compile_for_inference()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, given {backend!r}")
+        self.folder = None if folder is None else Path(folder)
+        self._graph_files = {(int(g["num_inference_steps"]), int(g["batch_size"])): g["file"]
+                             for g in meta.get("onnx", [])} if self.folder is not None else {}
+        self._samplers: dict[tuple[int, int], Any] = {}
+        self._ort_threads = int(num_threads) if num_threads is not None else torch.get_num_threads()
+        if backend == "auto" and (compile or not self._graph_files or not _onnxruntime_installed()):
+            backend = "torch"
+        if backend == "onnx":
+            if compile:
+                raise ValueError("backend='onnx' runs the ONNX graph: compile=True does not apply to it")
+            steps = int(self.config.num_inference_steps)
+            if not any(k[0] == steps for k in self._graph_files):
+                raise ValueError(f"backend='onnx': the export has no ONNX graph for {steps} DDIM steps (it has "
+                                 f"{sorted(self._graph_files) or 'none'} as (steps, batch size); export with "
+                                 f"deploy.export.onnx_steps=[{steps}])")
+            self._sampler(next(k for k in self._graph_files if k[0] == steps))  # load now: fail early
+        self.backend = backend
+        if backend != "torch":  # select_action's chunks too (AEDDiffusionPolicy.chunk_sampler)
+            policy.chunk_sampler = self._chunk
         self.reset()
+
+    def _sampler(self, key: tuple[int, int]):
+        if key not in self._samplers:
+            from policies.onnx import OnnxChunkSampler
+
+            self._samplers[key] = OnnxChunkSampler(self.folder / self._graph_files[key], self._ort_threads)
+        return self._samplers[key]
+
+    def uses_onnx(self, num_inference_steps: int | None = None, batch_size: int = 1) -> bool:
+        """Whether a chunk at this step count (None: the runtime's) and batch size runs the ONNX graph."""
+        steps = int(num_inference_steps or getattr(self.config, "num_inference_steps", 0))
+        return self.backend != "torch" and (steps, int(batch_size)) in self._graph_files
+
+    def _chunk(self, batch: dict, noise: torch.Tensor | None = None, generator: torch.Generator | None = None,
+               num_inference_steps: int | None = None, noise_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+        """An action chunk from the ONNX graph when there is one for (steps, B), else from PyTorch (backend
+        "auto"; "onnx" raises ValueError). Same arguments and result as the policy's ``predict_action_chunk``."""
+        p, cfg = self.policy, self.config
+        B = int(np.shape(next(v for k, v in batch.items() if not k.endswith("_is_pad")))[0])
+        steps = int(num_inference_steps or cfg.num_inference_steps)
+        if not self.uses_onnx(steps, B):
+            if self.backend == "onnx":
+                raise ValueError(f"backend='onnx': no ONNX graph for {steps} DDIM steps at batch size {B} (the "
+                                 f"export has {sorted(self._graph_files)} as (steps, batch size))")
+            return type(p).predict_action_chunk(p, batch, noise=noise, generator=generator,
+                                                num_inference_steps=num_inference_steps, noise_scale=noise_scale)
+        shape = (B, cfg.horizon, cfg.action_dim)
+        if noise is None:
+            noise = torch.randn(shape, generator=generator)
+        if tuple(noise.shape) != shape:
+            raise ValueError(f"noise: expected shape {shape}, given {tuple(noise.shape)}")
+        scale = torch.as_tensor(noise_scale, dtype=torch.float32)
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()) or scale.numel() not in (1, B):
+            raise ValueError(f"noise_scale: expected a finite value >= 0 (or one per batch row, B={B}), given "
+                             f"{noise_scale}")
+        x = noise.float().cpu() * scale.reshape(-1, 1, 1)
+        return self._sampler((steps, B))(p.tokenize_history(batch), x)
 
     @classmethod
     def load(cls, folder: str | Path, device: str | torch.device = "cpu", num_inference_steps: int | None = None,
-             num_threads: int | None = None, verify: bool = True, compile: bool = False) -> PolicyRuntime:
+             num_threads: int | None = None, verify: bool = True, compile: bool = False,
+             backend: str = "auto") -> PolicyRuntime:
         """Load an export folder (sha256-verified unless ``verify=False``).
 
         Args:
@@ -118,6 +192,8 @@ class PolicyRuntime:
             num_inference_steps: DDIM steps (None: the value in the exported config).
             num_threads: ``torch.set_num_threads`` for CPU inference (None: leave torch's setting).
             compile: see the class (``torch.compile`` of the per-step work).
+            backend: ``"auto"`` (default: the export's ONNX graph where it has one, on a CPU device), ``"torch"``
+                or ``"onnx"`` (see the class).
         Raises:
             FileNotFoundError / ValueError: see ``verify_export``; KeyError for an unknown policy type.
         """
@@ -127,7 +203,10 @@ class PolicyRuntime:
         meta = verify_export(folder) if verify else json.loads((folder / EXPORT_META).read_text())
         if num_threads is not None:
             torch.set_num_threads(int(num_threads))
-        return cls(load_policy(folder, device=device), meta, num_inference_steps, compile=compile)
+        if backend == "auto" and torch.device(device).type != "cpu":
+            backend = "torch"  # the graphs run on ONNX Runtime's CPU provider
+        return cls(load_policy(folder, device=device), meta, num_inference_steps, compile=compile, backend=backend,
+                   folder=folder, num_threads=num_threads)
 
     # ------------------------------------------------------------------ description
     @property
@@ -171,6 +250,8 @@ class PolicyRuntime:
         if any(v is not None for k, v in kw.items() if k not in self._chunk_kw):
             raise ValueError(f"policy type {self.policy.name!r} samples no noise and has no denoising steps; "
                              "give none of noise / generator / num_inference_steps")
+        if self.backend != "torch":
+            return self._chunk(batch, noise=noise, generator=generator, num_inference_steps=num_inference_steps)
         return self.policy.predict_action_chunk(batch, **{k: v for k, v in kw.items() if k in self._chunk_kw})
 
     @torch.inference_mode()

@@ -6,7 +6,9 @@
 For each device / thread count / DDIM step count: median and p90 milliseconds of one action chunk at batch 1
 (``PolicyRuntime.predict_action_chunk`` on the policy's inference windows), beside a same-process baseline: the
 training-side ``AEDDiffusionPolicy.from_pretrained`` on the checkpoint the export was made from (ratio ~1: the
-runtime adds no work). Also the cold import + load time of the runtime in a fresh interpreter and whether it
+runtime adds no work). With ``deploy.bench.onnx`` also the runtime's ONNX backend (``policies.onnx``: the chunk
+graph in ONNX Runtime, exported into the folder if it lacks one) against the same baseline, and its action
+difference. Also the cold import + load time of the runtime in a fresh interpreter and whether it
 pulled in Ray / MuJoCo / Hydra / wandb, and the 1-minute load average (timings on a shared CPU are noisy). Without ``deploy.bench.export_dir`` a default-size
 ``policy=aed_diffusion`` (Meta-World shapes, synthetic stats and tokenizer; untrained weights, same latency) is
 saved and exported to a temporary folder. Writes JSON to ``deploy.bench.out``.
@@ -33,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 from policies.aed_diffusion import AEDDiffusionPolicy
 from policies.export import export_checkpoint
-from policies.runtime import PolicyRuntime
+from policies.runtime import PolicyRuntime, sha256_file
 from scripts.bench_policy import load_policy_cfg, random_batch, synthetic
 
 HEAVY = ("ray", "mujoco", "hydra", "wandb", "metaworld", "zarr", "gymnasium", "sim", "fleet")
@@ -78,6 +80,37 @@ def time_chunks(fn, n: int, dev: torch.device) -> dict:
     return {"median_ms": float(np.median(ts)), "p90_ms": float(np.percentile(ts, 90)), "n": n}
 
 
+def time_onnx(export_dir: Path, base: AEDDiffusionPolicy, batch: dict, steps: int, threads: int, n: int) -> dict:
+    """The runtime on its ONNX backend (``policies.onnx``; the graph exported into ``export_dir/onnx`` at ``steps``
+    if the export lacks it, export time reported), timed beside the training policy in PyTorch on the same
+    thread count, and the largest action difference between the two on the same noise."""
+    from policies.onnx import export_onnx, graph_name
+
+    meta_path = export_dir / "export.json"
+    meta = json.loads(meta_path.read_text())
+    export_s = None
+    if not any(g["num_inference_steps"] == steps and g["batch_size"] == 1 for g in meta.get("onnx", [])):
+        rel = graph_name(steps, 1)
+        g = {"file": rel, **export_onnx(base, export_dir / rel, steps, 1)}
+        export_s = g["export_s"]
+        meta.setdefault("onnx", []).append(g)
+        meta["files"][rel] = sha256_file(export_dir / rel)
+        meta_path.write_text(json.dumps(meta, indent=1))
+    torch.set_num_threads(threads)
+    rt = PolicyRuntime.load(export_dir, num_threads=threads, backend="onnx", num_inference_steps=steps)
+    noise = torch.randn(1, base.config.horizon, base.config.action_dim, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = float((rt.predict_action_chunk(batch, noise=noise) - base.predict_action_chunk(
+            batch, noise=noise, num_inference_steps=steps)).abs().max())
+    gen = torch.Generator().manual_seed(0)
+    r = time_chunks(partial(rt.predict_action_chunk, batch, generator=gen), n, torch.device("cpu"))
+    b = time_chunks(partial(base.predict_action_chunk, batch, generator=gen, num_inference_steps=steps), n,
+                    torch.device("cpu"))
+    return {**r, "baseline_training_policy_median_ms": b["median_ms"], "ratio_vs_training_policy": r["median_ms"] /
+            b["median_ms"], "speedup_vs_training_policy": b["median_ms"] / r["median_ms"],
+            "max_abs_diff_vs_training_policy": diff, "export_s": export_s}
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     if "deploy" not in cfg:
@@ -102,7 +135,7 @@ def main(cfg: DictConfig) -> None:
         dev = torch.device(dname)
         base = AEDDiffusionPolicy.from_pretrained(source if Path(source).is_dir() else export_dir, device=dev)
         for compiled in bc.get("compile", [False]):
-            rt = PolicyRuntime.load(export_dir, device=dev, compile=bool(compiled))
+            rt = PolicyRuntime.load(export_dir, device=dev, compile=bool(compiled), backend="torch")
             out["parameters"] = rt.policy.num_parameters()
             batch = random_batch(rt.policy, 1, rt.inference_window_spec())
             first = same_actions(rt, base, batch, dev)   # also compiles (compiled runtime): its time is reported
@@ -121,6 +154,10 @@ def main(cfg: DictConfig) -> None:
                            f"{dname}/ddim_steps={steps}") + ("/compiled" if compiled else "")
                     out["results"][key] = r
                     print(json.dumps({key: r}), flush=True)
+                    if bc.get("onnx") and dname == "cpu" and not compiled:
+                        key = f"{dname}/threads={threads}/ddim_steps={steps}/onnx"
+                        out["results"][key] = r = time_onnx(export_dir, base, batch, steps, int(threads), bc["chunks"])
+                        print(json.dumps({key: r}), flush=True)
     out["loadavg_1min_after"] = os.getloadavg()[0]  # the CPU may be shared: a load above cpu_count skews timings
     path = Path(bc["out"])
     path.parent.mkdir(parents=True, exist_ok=True)

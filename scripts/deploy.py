@@ -75,7 +75,8 @@ def main(cfg: DictConfig) -> None:
 
         rt = PolicyRuntime.load(export, device=run_fields.pop("device"),
                                 num_inference_steps=run_fields.pop("num_inference_steps"),
-                                num_threads=run_fields.pop("num_threads"), compile=bool(run_fields.pop("compile", False)))
+                                num_threads=run_fields.pop("num_threads"), compile=bool(run_fields.pop("compile", False)),
+                                backend=run_fields.pop("backend", "auto"))
         report_path = Path(run_fields.pop("report") or Path(cfg.output_dir) / "deploy_report.json")
         robot_fields = OmegaConf.to_container(d.robot, resolve=True)
         if robot_fields.get("type") == SIM_TYPE:

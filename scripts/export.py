@@ -57,6 +57,18 @@ def store_control_hz(ckpt: Path) -> float | None:
         return None
 
 
+def onnx_steps(given, ckpt: Path) -> list[int]:
+    """``deploy.export.onnx_steps`` resolved: a given list as is; null -> the checkpoint's own
+    ``num_inference_steps`` when its policy type has a chunk graph (``policies.onnx``), else none."""
+    if given is not None:
+        return [int(n) for n in given]
+    from policies.factory import policy_class, policy_type
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    has_graph = hasattr(policy_class(policy_type(ckpt)), "chunk_graph")
+    return [int(cfg["num_inference_steps"])] if has_graph and "num_inference_steps" in cfg else []
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     from configs.schema import check_or_exit
@@ -80,7 +92,8 @@ def main(cfg: DictConfig) -> None:
                       "metadata": manifest.get("metadata")}
         hz = ecfg.control_hz if ecfg.control_hz is not None else store_control_hz(ckpt)
         out = export_checkpoint(ckpt, ecfg.out_dir, control_hz=hz, success_table=table, source=source,
-                                overwrite=bool(ecfg.overwrite))
+                                overwrite=bool(ecfg.overwrite), onnx_steps=onnx_steps(ecfg.onnx_steps, ckpt),
+                                onnx_batch_size=int(ecfg.onnx_batch_size), onnx_optimize=bool(ecfg.onnx_optimize))
     meta = json.loads((out / "export.json").read_text())
     print(json.dumps({"export_dir": str(out), "files": sorted(meta["files"]), "parameters": meta["parameters"],
                       "control_hz": meta["control_hz"], "git": meta["git"]}, indent=1))

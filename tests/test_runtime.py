@@ -107,6 +107,70 @@ def test_compiled_runtime_gives_the_same_actions(exported):
         torch.testing.assert_close(rt.predict_action_chunk(batch, noise=noise), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def exported_onnx(tmp_path_factory, exported):
+    policy, _ = exported
+    root = tmp_path_factory.mktemp("export_onnx")
+    policy.save_pretrained(root / "ckpt")
+    return policy, export_checkpoint(root / "ckpt", root / "export", control_hz=30.0, onnx_steps=[6, 4])
+
+
+def test_onnx_backend_gives_the_training_policys_actions(exported_onnx, exported, tmp_path):
+    """The export's ONNX chunk graphs (policies/onnx.py) in ONNX Runtime: the PyTorch policy's chunks and closed-loop
+    actions at batch 1 and both exported step counts; other batch sizes run in PyTorch under "auto" and are refused
+    under "onnx"; the graph files are sha256-checked like the weights."""
+    policy, folder = exported_onnx
+    meta = verify_export(folder)
+    assert [(g["file"], g["num_inference_steps"], g["batch_size"]) for g in meta["onnx"]] == [
+        ("onnx/chunk_ddim6_b1.onnx", 6, 1), ("onnx/chunk_ddim4_b1.onnx", 4, 1)]
+    assert all(g["max_abs_diff_vs_torch"] < 1e-4 and g["file"] in meta["files"] for g in meta["onnx"])
+    rt = PolicyRuntime.load(folder, backend="onnx", num_threads=1)
+    assert rt.backend == "onnx" and rt.uses_onnx(6, 1) and rt.uses_onnx(4, 1) and not rt.uses_onnx(6, 3)
+    batch = _batch(policy, B=1, seed=7)
+    noise = torch.randn(1, 8, 4, generator=torch.Generator().manual_seed(1))
+    for steps in (None, 4):
+        ref = policy.predict_action_chunk(batch, noise=noise, num_inference_steps=steps)
+        torch.testing.assert_close(rt.predict_action_chunk(batch, noise=noise, num_inference_steps=steps), ref,
+                                   atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(rt.predict_action_chunk(_batch(policy, B=1, seed=8), noise=noise), ref, atol=1e-3)
+    b3 = _batch(policy, B=3, seed=2)
+    n3 = torch.randn(3, 8, 4, generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="no ONNX graph for 6 DDIM steps at batch size 3"):
+        rt.predict_action_chunk(b3, noise=n3)
+    auto = PolicyRuntime.load(folder, num_threads=1)
+    assert auto.backend == "auto" and auto.uses_onnx()
+    torch.testing.assert_close(auto.predict_action_chunk(b3, noise=n3), policy.predict_action_chunk(b3, noise=n3))
+    # closed loop (the chunk boundary every 4 steps): the same actions as the PyTorch policy from the same seed
+    policy.reset()
+    rng = np.random.default_rng(1)
+    ga, gb = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for _ in range(9):
+        obs = {"observation.state": rng.uniform(0, 1, 4).astype(np.float32),
+               "observation.environment_state": rng.uniform(-1, 1, 17).astype(np.float32)}
+        np.testing.assert_allclose(rt.select_action(obs, generator=ga), policy.select_action(obs, generator=gb),
+                                   atol=1e-5)
+    # the AED's trace-friendly path (no torch.unique) pools exactly as the training path
+    t = policy.tokenize_history(batch)
+    torch.testing.assert_close(policy.aed._forward_direct(t["history.tokens"], t["history.token_mask"].bool(),
+                                                          t["history.group_mask"].bool()),
+                               policy.aed(t["history.tokens"], t["history.token_mask"].bool(),
+                                          t["history.group_mask"].bool()))
+    # refused: an export without graphs under backend="onnx", a step count without a graph, a tampered graph
+    with pytest.raises(ValueError, match="has no ONNX graph for 6 DDIM steps"):
+        PolicyRuntime.load(exported[1], backend="onnx")
+    with pytest.raises(ValueError, match="has no ONNX graph for 5 DDIM steps"):
+        PolicyRuntime.load(folder, backend="onnx", num_inference_steps=5)
+    assert PolicyRuntime.load(exported[1]).backend == "torch"          # auto without graphs
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    with open(bad / "onnx" / "chunk_ddim4_b1.onnx", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ValueError, match="chunk_ddim4_b1.onnx has sha256"):
+        PolicyRuntime.load(bad)
+
+
 def test_export_folder_contents_and_model_card(exported):
     _, folder = exported
     names = {p.name for p in folder.iterdir()}
@@ -185,6 +249,9 @@ def test_export_script_from_a_registry_version(exported, tmp_path):
     assert meta["source"]["metadata"] == {"run_id": "t", "round": 1}
     assert f"version {v}" in (tmp_path / "out" / "README.md").read_text()
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    # by default the chunk graph at the policy's own step count is exported too (the runtime's fast CPU path)
+    assert [(g["num_inference_steps"], g["batch_size"]) for g in meta["onnx"]] == [(6, 1)]
+    assert PolicyRuntime.load(tmp_path / "out").uses_onnx()
 
 
 def test_export_takes_the_control_rate_recorded_by_training(exported, tmp_path):

@@ -366,6 +366,20 @@ class Denoiser(nn.Module):
         return self._head(x, final)
 
 
+class ChunkGraph(nn.Module):
+    """``AEDDiffusionPolicy.chunk_graph``'s module: ``forward(noise, *inputs)`` -> raw actions (B, horizon, A),
+    DDIM at a fixed step count (``policies.onnx`` traces it)."""
+
+    def __init__(self, policy: nn.Module, steps: int, names: list[str]):
+        super().__init__()
+        self.policy, self.steps, self.names = policy, steps, names
+
+    def forward(self, noise: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        batch = dict(zip(self.names, inputs))
+        obs, prefix = self.policy._conditioning(batch)
+        return self.policy._denoise_chunk(obs, prefix, noise, self.steps)
+
+
 class MTDecoder(nn.Module):
     """Motion-aware transition decoder: (query (B, D), span k (B,), hidden (B, horizon, D), key mask (B, horizon))
     -> (B, F) predicted feature change."""
@@ -478,6 +492,8 @@ class AEDDiffusionPolicy(nn.Module):
                      "prediction_type": cfg.prediction_type}
         self.noise_scheduler = DDPMScheduler(**sched)
         self.inference_scheduler = DDIMScheduler(**sched, set_alpha_to_one=True, steps_offset=0)
+        # select_action's chunk function when set (policies.runtime's ONNX backend); else predict_action_chunk
+        self.chunk_sampler = None
         self.reset()
 
     # ------------------------------------------------------------------ windows and preprocessing
@@ -675,8 +691,14 @@ class AEDDiffusionPolicy(nn.Module):
         x = noise.to(self.device, obs.dtype)
         if scale.numel() != 1 or float(scale) != 1.0:
             x = x * scale.to(self.device, obs.dtype).reshape(-1, 1, 1)
+        return self._denoise_chunk(obs, prefix, x, num_inference_steps or cfg.num_inference_steps, use_cache)
+
+    def _denoise_chunk(self, obs: torch.Tensor, prefix: torch.Tensor | None, x: torch.Tensor, steps: int,
+                       use_cache: bool = True) -> torch.Tensor:
+        """DDIM from the initial noise x (B, horizon, A) to raw actions, given the conditioning (``_conditioning``).
+        Tensor ops only (the step count is a Python int): ``ChunkGraph`` traces it for the ONNX export."""
         sched = self.inference_scheduler
-        sched.set_timesteps(num_inference_steps or cfg.num_inference_steps)
+        sched.set_timesteps(steps)
         if use_cache:
             cache = self.denoiser.condition(obs, prefix)
             mods = self.denoiser.step_modulation(sched.timesteps.to(self.device))
@@ -687,6 +709,22 @@ class AEDDiffusionPolicy(nn.Module):
                 out = self.denoiser.forward_masked(x, t.to(self.device), obs, prefix)[0]
             x = sched.step(out.float(), t, x.float()).prev_sample.to(obs.dtype)
         return self.normalizer.unnormalize("action", x.float())
+
+    def chunk_graph(self, num_inference_steps: int) -> tuple[nn.Module, list[str]]:
+        """The whole action-chunk sampler at a fixed DDIM step count as a tensors-in, tensors-out module, for
+        ``policies.onnx.export_onnx`` (tracing).
+
+        Returns:
+            (module, input names): ``module(noise (B, horizon, A) float32, *inputs)`` -> (B, horizon, A) float32
+            raw actions, where ``inputs`` are the tensors named by ``input names`` in that order: the
+            inference windows after ``tokenize_history`` (the action history's BPE tokens are computed outside
+            the graph, by HF ``tokenizers``). The same code as ``predict_action_chunk`` (``_denoise_chunk``).
+        """
+        names = sorted(self.inference_window_spec())
+        names = sorted(set(names) | {f"{n}_is_pad" for n in names})
+        if self.tokenizer is not None:
+            names = sorted(set(names) | {"history.tokens", "history.token_mask", "history.group_mask"})
+        return ChunkGraph(self, int(num_inference_steps), names), names
 
     def reset(self):
         """Clear the deployment history and action queue (call at every episode start)."""
@@ -733,8 +771,8 @@ class AEDDiffusionPolicy(nn.Module):
                     raise ValueError(f"generators: expected {B} (one per batch row), given {len(generators)}")
                 shape = (self.config.horizon, self.config.action_dim)
                 noise = torch.stack([torch.randn(shape, generator=g, device=g.device) for g in generators])
-            chunk = self.predict_action_chunk(self.history.batch(), noise=noise, generator=generator,
-                                              noise_scale=noise_scale)
+            chunk = (self.chunk_sampler or self.predict_action_chunk)(self.history.batch(), noise=noise,
+                                                                      generator=generator, noise_scale=noise_scale)
             self._queue.extend(chunk[:, : self.config.n_action_steps].transpose(0, 1).cpu())
         a = self._queue.popleft()
         self.history.push_action(a)
