@@ -168,16 +168,7 @@ class PolicyRuntime:
                                  f"export has {sorted(self._graph_files)} as (steps, batch size))")
             return type(p).predict_action_chunk(p, batch, noise=noise, generator=generator,
                                                 num_inference_steps=num_inference_steps, noise_scale=noise_scale)
-        shape = (B, cfg.horizon, cfg.action_dim)
-        if noise is None:
-            noise = torch.randn(shape, generator=generator)
-        if tuple(noise.shape) != shape:
-            raise ValueError(f"noise: expected shape {shape}, given {tuple(noise.shape)}")
-        scale = torch.as_tensor(noise_scale, dtype=torch.float32)
-        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()) or scale.numel() not in (1, B):
-            raise ValueError(f"noise_scale: expected a finite value >= 0 (or one per batch row, B={B}), given "
-                             f"{noise_scale}")
-        x = noise.float().cpu() * scale.reshape(-1, 1, 1)
+        x = p.initial_noise(B, noise, generator, noise_scale).cpu()
         return self._sampler((steps, B))(p.tokenize_history(batch), x)
 
     @classmethod

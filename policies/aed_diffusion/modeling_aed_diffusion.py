@@ -675,11 +675,20 @@ class AEDDiffusionPolicy(nn.Module):
         Raises:
             ValueError: a missing window, noise of the wrong shape, or a negative / non-finite noise_scale.
         """
-        cfg = self.config
         batch = self._to_device(self.tokenize_history(batch))
         obs, prefix = self._conditioning(batch)
-        B = obs.shape[0]
-        shape = (B, cfg.horizon, cfg.action_dim)
+        x = self.initial_noise(obs.shape[0], noise, generator, noise_scale).to(obs.dtype)
+        return self._denoise_chunk(obs, prefix, x, num_inference_steps or self.config.num_inference_steps, use_cache)
+
+    def initial_noise(self, B: int, noise: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                      noise_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+        """The sampler's starting point (B, horizon, action_dim) float32 on the policy's device: ``noise`` (or
+        ``torch.randn`` with ``generator``) times ``noise_scale`` (a float or one per row).
+
+        Raises:
+            ValueError: noise of the wrong shape, or a negative / non-finite noise_scale.
+        """
+        shape = (B, self.config.horizon, self.config.action_dim)
         if noise is None:
             noise = torch.randn(shape, generator=generator, device=generator.device if generator else self.device)
         if tuple(noise.shape) != shape:
@@ -688,10 +697,10 @@ class AEDDiffusionPolicy(nn.Module):
         if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()) or scale.numel() not in (1, B):
             raise ValueError(f"noise_scale: expected a finite value >= 0 (or one per batch row, B={B}), given "
                              f"{noise_scale}")
-        x = noise.to(self.device, obs.dtype)
+        x = noise.to(self.device, torch.float32)
         if scale.numel() != 1 or float(scale) != 1.0:
-            x = x * scale.to(self.device, obs.dtype).reshape(-1, 1, 1)
-        return self._denoise_chunk(obs, prefix, x, num_inference_steps or cfg.num_inference_steps, use_cache)
+            x = x * scale.to(self.device).reshape(-1, 1, 1)
+        return x
 
     def _denoise_chunk(self, obs: torch.Tensor, prefix: torch.Tensor | None, x: torch.Tensor, steps: int,
                        use_cache: bool = True) -> torch.Tensor:
