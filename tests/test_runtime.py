@@ -52,6 +52,21 @@ def _batch(policy, B=3, seed=0) -> dict:
     return out
 
 
+def _same_closed_loop(rt: PolicyRuntime, policy, seed: int, atol: float) -> None:
+    """9 control steps of random observations (chunk boundaries every n_action_steps): the runtime's and the policy's
+    ``select_action`` give the same (4,) float32 actions from the same generator seed."""
+    rt.reset()
+    policy.reset()
+    rng = np.random.default_rng(seed)
+    ga, gb = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for _ in range(9):
+        obs = {"observation.state": rng.uniform(0, 1, 4).astype(np.float32),
+               "observation.environment_state": rng.uniform(-1, 1, 17).astype(np.float32)}
+        a, b = rt.select_action(obs, generator=ga), policy.select_action(obs, generator=gb)
+        assert a.shape == (4,) and a.dtype == np.float32
+        np.testing.assert_allclose(a, b, atol=atol)
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
@@ -80,16 +95,7 @@ def test_runtime_gives_the_training_policys_actions(exported):
     torch.testing.assert_close(PolicyRuntime.load(folder, num_inference_steps=4).predict_action_chunk(batch, noise=noise),
                                ref4)
     # closed loop: select_action with the same generator seed gives the same action stream
-    rt.reset()
-    policy.reset()
-    rng = np.random.default_rng(0)
-    ga, gb = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    for _ in range(9):
-        obs = {"observation.state": rng.uniform(0, 1, 4).astype(np.float32),
-               "observation.environment_state": rng.uniform(-1, 1, 17).astype(np.float32)}
-        a, b = rt.select_action(obs, generator=ga), policy.select_action(obs, generator=gb)
-        assert a.shape == (4,) and a.dtype == np.float32
-        np.testing.assert_allclose(a, b, atol=1e-6)
+    _same_closed_loop(rt, policy, seed=0, atol=1e-6)
     assert rt.control_hz == 30.0 and rt.action_dim == 4 and rt.input_shapes == TINY["input_shapes"]
 
 
@@ -141,14 +147,7 @@ def test_onnx_backend_gives_the_training_policys_actions(exported_onnx, exported
     assert auto.backend == "auto" and auto.uses_onnx()
     torch.testing.assert_close(auto.predict_action_chunk(b3, noise=n3), policy.predict_action_chunk(b3, noise=n3))
     # closed loop (the chunk boundary every 4 steps): the same actions as the PyTorch policy from the same seed
-    policy.reset()
-    rng = np.random.default_rng(1)
-    ga, gb = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    for _ in range(9):
-        obs = {"observation.state": rng.uniform(0, 1, 4).astype(np.float32),
-               "observation.environment_state": rng.uniform(-1, 1, 17).astype(np.float32)}
-        np.testing.assert_allclose(rt.select_action(obs, generator=ga), policy.select_action(obs, generator=gb),
-                                   atol=1e-5)
+    _same_closed_loop(rt, policy, seed=1, atol=1e-5)
     # the AED's trace-friendly path (no torch.unique) pools exactly as the training path
     t = policy.tokenize_history(batch)
     torch.testing.assert_close(policy.aed._forward_direct(t["history.tokens"], t["history.token_mask"].bool(),
