@@ -137,8 +137,12 @@ def test_main_job_tiny_end_to_end(tmp_path):
 
     # scripts/eval.py: any checkpoints on any units and tasks, same table, paired against a baseline, videos
     ev = tmp_path / "eval"
-    ckpts = {"base": state["base"]["checkpoint"],
-             "fert": str(Path(table["meta"]["checkpoints"]["0"]["fert"]).parent)}   # a step dir is resolved too
+    from policies.aed_diffusion.training import last_checkpoint
+
+    # the fert arm is the learner's newest version, by default its weights halfway back to the base (WiSE-FT)
+    assert Path(table["meta"]["checkpoints"]["0"]["fert"]).parent.name == "wise"
+    ckpts = {"base": state["base"]["checkpoint"],   # a training step dir is resolved to its pretrained_model too
+             "fert": str(last_checkpoint(out / "seed_0" / "learner_fert" / "train"))}
     arg = "eval.checkpoints={" + ", ".join(f"{k}: '{v}'" for k, v in ckpts.items()) + "}"
     proc = subprocess.run([sys.executable, "scripts/eval.py", f"hydra.run.dir={ev}", arg, "eval.baseline=base",
                            "eval.trials_per_task=3", "eval.units=[101]", "task.tasks=[reach-v3]",
