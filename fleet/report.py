@@ -356,7 +356,8 @@ def plot_arms(table: Mapping, path: str | Path, title: str = "held-out success p
     ax.set_ylim(0, 1.02)
     ax.set_title("per task", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=6, ncol=2, loc="lower left", framealpha=0.8)
+    # below the axes: inside, it covered the bars of a task every arm solves (drawer-close at 100%)
+    ax.legend(fontsize=7, ncol=min(len(arms), 4), loc="upper center", bbox_to_anchor=(0.5, -0.09), frameon=False)
     if show_rounds:
         ax2 = axes[0][2]
         for label, pts in rounds.items():
@@ -380,6 +381,6 @@ def _save(fig, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")   # keeps a legend placed outside the axes
     plt.close(fig)
     return path

@@ -105,6 +105,35 @@ def _variation_ranges(robot_cfg: Any) -> dict[str, float]:
     return out
 
 
+def _stratify_block(cfg: Mapping[str, Any]) -> int:
+    """``robot.stratify_block`` as an int (absent/None/0/1: no stratification).
+
+    Raises:
+        ValueError: not a non-negative integer.
+    """
+    b = cfg.get("stratify_block")
+    if b is None:
+        return 0
+    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 0:
+        raise ValueError(f"robot.stratify_block: expected an integer >= 0 (0: independent draws), given {b!r}")
+    return int(b)
+
+
+def _stratified(x: float, unit_id: int, block: int, fleet_seed: int, dim: int) -> float:
+    """A unit-free sample in [-1, 1) stratified over blocks of ``block`` consecutive unit ids.
+
+    Ids ``b*block .. b*block + block - 1`` share one random permutation ``perm`` of the ``block`` equal strata of
+    [-1, 1) per dimension ``dim`` (drawn from ``(fleet_seed, b, dim)``); unit ``u`` takes stratum
+    ``perm[u % block]`` and the unit's own uniform sample ``x`` in [-1, 1] places it inside the stratum. So every
+    aligned block (training units 0-3, held-out units 100-103) covers each range once per stratum, like a Latin
+    hypercube sample (McKay, Beckman & Conover, Technometrics 1979), while units of different blocks differ.
+    """
+    b, k = divmod(int(unit_id), int(block))
+    perm = np.random.default_rng([int(fleet_seed), 7919, b, int(dim)]).permutation(int(block))
+    frac = min(max((float(x) + 1.0) / 2.0, 0.0), 1.0 - 1e-12)
+    return -1.0 + 2.0 * (int(perm[k]) + frac) / int(block)
+
+
 def _zero_cameras() -> dict[str, tuple[float, float, float]]:
     return {c: (0.0, 0.0, 0.0) for c in CAMERAS}
 
@@ -127,6 +156,11 @@ class RobotUnit:
             ``unit_id % (action_latency_max + 1)``, stratified so training and held-out units cover the same
             latencies.
         obs_noise_std: std of Gaussian noise on the position entries of state observations, metres.
+
+    With ``robot.stratify_block`` = B > 1 (the default config: 4), mass, friction, the three action gains and the
+    observation noise are stratified over blocks of B consecutive ids (``_stratified``): each aligned block of B
+    units covers each of those ranges once per stratum. Independent uniform draws once gave the four training
+    units 0-3 friction 1.10-1.19 and the four held-out units 0.82-1.02 (docs/RESULTS.md, experiment 14).
     """
 
     unit_id: int
@@ -160,6 +194,12 @@ class RobotUnit:
         light, table_rgb, obj_rgb = u(), u(3), u(3)
         mass, friction, gain = u(), u(), u(3)
         latency_u, noise_u = rng.uniform(), rng.uniform()
+        block = _stratify_block(cfg)
+        if block > 1:   # Latin hypercube per block of ids: the unit's own draw only places it inside its stratum
+            mass, friction, g0, g1, g2, noise = (
+                _stratified(x, unit_id, block, fleet_seed, dim)
+                for dim, x in enumerate((mass, friction, gain[0], gain[1], gain[2], 2.0 * noise_u - 1.0)))
+            gain, noise_u = np.array([g0, g1, g2]), (noise + 1.0) / 2.0
         tup = lambda a: tuple(float(x) for x in a)
         return cls(
             unit_id=int(unit_id), embodiment=str(cfg.get("embodiment", "sawyer")), fleet_seed=fleet_seed,

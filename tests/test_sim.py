@@ -120,6 +120,27 @@ def test_unit_variation_differs_between_units_and_repeats_per_unit():
     assert np.array_equal(before[0], e1.mj_model.body_mass) and np.array_equal(before[1], e1.mj_model.cam_quat)
 
 
+def test_units_are_stratified_so_training_and_heldout_blocks_cover_the_same_ranges():
+    """Every aligned block of ``stratify_block`` ids takes one value per stratum of each physical range."""
+    block, r = int(ROBOT.stratify_block), ROBOT.variation
+    assert block == 4
+    for units in ([0, 1, 2, 3], [100, 101, 102, 103], [4, 5, 6, 7]):
+        draws = [RobotUnit.draw(u, ROBOT) for u in units]
+        for name, values, half in (("friction", [d.friction_scale - 1 for d in draws], r.friction_scale),
+                                   ("mass", [d.mass_scale - 1 for d in draws], r.mass_scale),
+                                   ("gain z", [d.action_gain[2] - 1 for d in draws], r.action_gain),
+                                   ("obs noise", [2 * d.obs_noise_std / r.obs_noise_std - 1 for d in draws], 1.0)):
+            strata = sorted(int((v / half + 1) / 2 * block) for v in values)
+            assert strata == list(range(block)), (units, name, values)
+    # two blocks are different draws; the same id draws the same unit; 0 turns stratification off
+    assert RobotUnit.draw(0, ROBOT).friction_scale != RobotUnit.draw(100, ROBOT).friction_scale
+    assert RobotUnit.draw(5, ROBOT) == RobotUnit.draw(5, ROBOT)
+    iid = OmegaConf.merge(ROBOT, {"stratify_block": 0})
+    assert [round(RobotUnit.draw(u, iid).friction_scale, 2) for u in range(4)] == [1.11, 1.19, 1.10, 1.13]
+    with pytest.raises(ValueError, match="stratify_block"):
+        RobotUnit.draw(0, OmegaConf.merge(ROBOT, {"stratify_block": -1}))
+
+
 def test_model_variation_targets_table_and_objects_only():
     env = sim.make_env("push-v3", 0, None, STATE, QUICK)
     m = env.mj_model
