@@ -315,7 +315,7 @@ def test_shifted_robot_demonstrations_run_on_their_own_near_nominal_units():
         c = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("robot", "obs", "task")}
     dc, units = demo_config(c)
     assert units == [200, 201]
-    assert unit_lists(dc["robot"])[0] == [0, 1, 2, 3, 200, 201]          # the fleet's first units unchanged
+    assert unit_lists(dc["robot"])[0] == list(range(16)) + [200, 201]    # the fleet's first units unchanged
     assert unit_lists(dc["robot"])[1] == unit_lists(c["robot"])[1]
     with pytest.raises(ValueError, match="unknown unit id 200"):
         make_env(task="reach-v3", unit_id=200, robot_cfg=c["robot"], obs_cfg=c["obs"], task_cfg=c["task"])
