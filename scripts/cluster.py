@@ -47,6 +47,7 @@ def run(cfg: DictConfig) -> dict:
     from experience_dict.store import ExperienceStore
     from fleet.cluster import LocalRayCluster
     from fleet.coordinator import Fleet, _plain
+    from sim import unit_lists
 
     cl = {**DEFAULTS, **(OmegaConf.to_container(cfg.cluster, resolve=True) if "cluster" in cfg else {})}
     out = Path(cfg.output_dir)
@@ -54,7 +55,7 @@ def run(cfg: DictConfig) -> dict:
     c = _plain(cfg)
     c["task"].update(tasks=[cl["task"]], max_episode_steps=int(cl["max_episode_steps"]))
     units = list(range(int(cl["units"])))
-    c["robot"]["train_units"] = sorted(set(units) | set(c["robot"].get("train_units") or []))
+    c["robot"]["train_units"] = sorted(set(units) | set(unit_lists(c["robot"])[0]))   # a list or a "start:stop" range
     c["store"] = {**c["store"], "url": str(out / "store")}
     cpus = sum(float(n.get("num_cpus", 1)) for n in cl["nodes"])
     c["fleet"].update(placement="spread", worker_cpus=min(1.0, cpus / len(units)) / 2,

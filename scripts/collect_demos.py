@@ -4,7 +4,8 @@
     python scripts/collect_demos.py task=mw10 obs=vision store.demos.per_task=25 store.url=outputs/demos
 
 For every task of ``cfg.task.tasks``, ``store.demos.per_task`` episodes of Meta-World's scripted expert
-(``sim.make_expert``) run on the training units (``robot.train_units``, round-robin) and are committed with
+(``sim.make_expert``) run on the demonstration units (``store.demos.units``, else ``robot.demo_units``, else
+``robot.train_units``; round-robin) and are committed with
 ``is_demo=True`` and ``policy_version=-1`` (the scripted expert's version, as in ``configs/policy/expert.yaml``).
 Each unit writes its own shard (writer id ``<store.demos.writer_id>-unit-<id>``). Episode seeds are
 ``store.demos.seed + 1000 * task_index + demo_index + 100000 * attempt``; with ``successful_only`` a failed
@@ -65,7 +66,7 @@ def main(cfg: DictConfig) -> None:
     tasks = list(cfg.task.tasks)
     if dcfg.get("on_fleet", False):
         return collect_on_fleet(cfg)
-    units = list(dcfg.units) if dcfg.units is not None else list(cfg.robot.train_units)
+    units = demo_units(cfg)
     if not units or not tasks:
         raise SystemExit(f"collect_demos: need tasks and units, given tasks={tasks} units={units}")
     robot_cfg, obs_cfg, task_cfg = (OmegaConf.to_container(c, resolve=True) for c in (cfg.robot, cfg.obs, cfg.task))
@@ -130,6 +131,17 @@ def finish(cfg: DictConfig, result: dict) -> None:
         raise SystemExit(f"store verify failed: {check['problems'][:3]}")
 
 
+def demo_units(cfg: DictConfig) -> list[int]:
+    """The units the demonstrations run on: ``store.demos.units``, else ``robot.demo_units``, else the training
+    units (``robot.train_units``, a list or a ``"start:stop"`` range)."""
+    from sim import unit_lists
+
+    for units in (cfg.store.demos.get("units"), cfg.robot.get("demo_units")):
+        if units is not None:
+            return [int(u) for u in units]
+    return unit_lists(OmegaConf.to_container(cfg.robot, resolve=True))[0]
+
+
 def collect_on_fleet(cfg: DictConfig) -> None:
     """Collect the demonstrations on the Ray fleet (one worker per unit, in parallel)."""
     from fleet.coordinator import collect
@@ -138,7 +150,7 @@ def collect_on_fleet(cfg: DictConfig) -> None:
     t0 = time.time()
     res = collect(cfg, policy={"kind": "expert", "noise_std": float(dcfg.noise_std)}, is_demo=True,
                   episodes_per_task=int(dcfg.per_task),
-                  units=list(dcfg.units) if dcfg.units is not None else None, store_url=str(cfg.store.url))
+                  units=demo_units(cfg), store_url=str(cfg.store.url))
     print(res.table("task"))
     finish(cfg, {"episodes": len(res.episodes), "wall_s": round(time.time() - t0, 1)})
 

@@ -95,3 +95,19 @@ def test_the_fleetmind_command_runs_the_scripts_and_refuses_unknown_commands(tmp
     p = subprocess.run([sys.executable, "-m", "fleet.cli", "trian"], capture_output=True, text=True, timeout=60,
                        check=False, env=env)
     assert p.returncode == 2 and "unknown command 'trian'" in p.stderr and "train " in p.stderr
+
+
+def test_collect_demos_runs_on_the_demonstration_units_of_a_range_config(tmp_path):
+    """``scripts/collect_demos.py`` with the default robot config (``train_units: "0:16"``, a range string) runs the
+    scripted expert on ``robot.demo_units`` (0-3), round-robin, into a real store; ``store.demos.units`` wins."""
+    from experience_dict.store import ExperienceStore
+
+    env = {**os.environ, "WANDB_MODE": "disabled", "RAY_AUTH_MODE": "disabled", "MUJOCO_GL": "egl"}
+    for extra, want in (([], {0, 1, 2, 3}), (["store.demos.units=[7]"], {7})):
+        url = tmp_path / f"s{len(extra)}"
+        p = subprocess.run([sys.executable, "scripts/collect_demos.py", "task.tasks=[reach-v3]",
+                            "store.demos.per_task=5", f"store.url={url}", f"hydra.run.dir={tmp_path}/out", *extra],
+                           cwd=REPO, capture_output=True, text=True, timeout=300, check=False, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        eps = ExperienceStore.open(str(url)).episodes(is_demo=True)
+        assert len(eps) == 5 and {int(m.unit_id) for m in eps} == want
