@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_main_job_tiny_end_to_end(tmp_path):
     out = tmp_path / "run"
     args = [f"hydra.run.dir={out}", "task.tasks=[reach-v3]", "task.max_episode_steps=80",
-            "robot.train_units=[0,1]", "robot.heldout_units=[100,101]", "fleet.num_cpus=2", "job.seeds=[0,1]",
+            "robot.train_units=[0,1]", "robot.demo_units=[0,1]", "robot.heldout_units=[100,101]", "fleet.num_cpus=2",
+            "job.seeds=[0,1]",
             "job.demos_per_task=3", "job.base_steps=10", "fleet.units=2", "job.fleet_episodes_per_unit=3",
             "job.videos=1", "job.video_episodes=2", "eval.trials_per_task=2",
             "fert.rounds=1", "learner.updates_per_version=5", "learner.batch_size=16",
