@@ -133,13 +133,12 @@ def finish(cfg: DictConfig, result: dict) -> None:
 
 def demo_units(cfg: DictConfig) -> list[int]:
     """The units the demonstrations run on: ``store.demos.units``, else ``robot.demo_units``, else the training
-    units (``robot.train_units``, a list or a ``"start:stop"`` range)."""
-    from sim import unit_lists
+    units (``sim.demo_unit_list``)."""
+    from sim import demo_unit_list
 
-    for units in (cfg.store.demos.get("units"), cfg.robot.get("demo_units")):
-        if units is not None:
-            return [int(u) for u in units]
-    return unit_lists(OmegaConf.to_container(cfg.robot, resolve=True))[0]
+    if cfg.store.demos.get("units") is not None:
+        return [int(u) for u in cfg.store.demos.units]
+    return demo_unit_list(OmegaConf.to_container(cfg.robot, resolve=True))
 
 
 def collect_on_fleet(cfg: DictConfig) -> None:

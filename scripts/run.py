@@ -152,11 +152,11 @@ def demo_config(c: dict) -> tuple[dict, list[int]]:
     Raises:
         ValueError: a demonstration unit that is also a held-out unit.
     """
-    from sim import unit_lists
+    from sim import demo_unit_list, unit_lists
 
     robot = dict(c["robot"])
     train, heldout = unit_lists(robot)
-    units = [int(u) for u in (robot.get("demo_units") or train)]
+    units = demo_unit_list(robot)
     bad = sorted(set(units) & set(heldout))
     if bad:
         raise ValueError(f"robot.demo_units: units {bad} are held-out units")

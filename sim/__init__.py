@@ -18,7 +18,7 @@ from sim.metaworld_env import CONTROL_HZ, PROGRESS_KEYS, MetaWorldEnv
 from sim.metaworld_env import _all_tasks as _mw_tasks
 from sim.metaworld_env import make_env as _make_mw_env
 from sim.so100 import TASKS as SO100_TASKS
-from sim.units import CAMERAS, RobotUnit, as_dict, unit_lists
+from sim.units import CAMERAS, RobotUnit, as_dict, demo_unit_list, unit_lists
 
 
 @dataclass(frozen=True)
@@ -134,4 +134,4 @@ register_suite("so100", "so100", lambda: list(SO100_TASKS), _make_so100_env, _ma
 __all__ = ["CAMERAS", "CONTROL_HZ", "GL_BACKEND", "PROGRESS_KEYS", "SO100_TASKS", "MetaWorldEnv", "RobotUnit",
            "ScriptedExpert",
            "Suite", "check_task", "list_tasks", "make_env", "make_expert", "register_suite", "suite_of", "suites",
-           "unit_lists"]
+           "demo_unit_list", "unit_lists"]

@@ -77,6 +77,19 @@ def unit_lists(robot_cfg: Any) -> tuple[list[int], list[int]]:
     return train, heldout
 
 
+def demo_unit_list(robot_cfg: Any) -> list[int]:
+    """The units the scripted demonstrations run on: ``robot.demo_units`` (a list or a ``"start:stop"`` range),
+    else the training units.
+
+    Raises:
+        ValueError: malformed unit lists (see :func:`unit_lists`).
+    """
+    cfg = as_dict(robot_cfg)
+    train, _ = unit_lists(cfg)
+    demo = cfg.get("demo_units")
+    return parse_units(demo, "demo_units") if demo else train
+
+
 def check_unit(unit_id: int, robot_cfg: Any) -> None:
     """Raise ValueError unless ``unit_id`` is one of the robot config's training or held-out units (no check
     without a config)."""
