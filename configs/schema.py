@@ -52,6 +52,10 @@ def one_of(*choices: str) -> Rule:
     return lambda v: None if v in choices else f"one of {list(choices)}"
 
 
+def boolean(v) -> str | None:
+    return None if isinstance(v, bool) else "true or false"
+
+
 def optional(rule: Rule) -> Rule:
     return lambda v: None if v is None else (None if rule(v) is None else f"null or {rule(v)}")
 
@@ -105,6 +109,7 @@ RULES: dict[str, Rule] = {
     "eval.trials_per_task": POS, "eval.batch_size": POS, "eval.processes": POS, "eval.backend": one_of("vector", "ray"),
     "learner.updates_per_version": POS, "learner.batch_size": POS, "learner.lr": number(0, open_lo=True),
     "learner.warmup_steps": integer(0), "learner.wise_alpha": optional(number(0, 1)),
+    "learner.failure_replay": boolean,
     "fert.rounds": integer(0), "fert.window": POS, "fert.top_k": POS, "fert.segment_steps": POS,
     "fert.temperature": number(0, open_lo=True), "fert.replay_ratio": number(0, 1),
     "fert.key": one_of("relative", "relative+aed", "absolute"), "fert.replay": one_of("demos", "successes"),

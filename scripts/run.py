@@ -215,6 +215,7 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
           f"{retries['failures']} failures, {retries['retries']} retries recovered {retries['recovered']} "
           f"({_pct(retries['recovered_share'])}) {retries['per_attempt']}", flush=True)
     return {"version": version, "successes": succ, "episodes": len(eps), "per_task": per_task, "retries": retries,
+            "failed_trials": [{k: f[k] for k in ("task", "unit_id", "seed")} for f in fails],
             "wall_s": time.perf_counter() - t0}
 
 
@@ -386,6 +387,9 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
                   + (f"published v{out['version']}" if out["version"] else "not published"), flush=True)
             rec["learners"][arm.name] = {k: out.get(k) for k in ("contexts", "retrieved", "dataset", "loss", "version",
                                                                  "validation", "own_retry_entries")}
+            if publishing and c["learner"].get("failure_replay", True):
+                rec["learners"][arm.name]["failure_replay"] = replay_round_failures(
+                    c, lrn.final_checkpoint(), rec, sd / "failure_replay" / f"round_{r}", heldout)
         state.mark(f"round_{r}", rec)
     for arm in in_loop:
         ckpt[arm.name] = make_learner(c, arm, sd / f"learner_{arm.name}", ckpt[arm.init], None, seed).final_checkpoint()
@@ -398,6 +402,18 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
             ckpt["fert"] = ckpt["base"]
         elif int(meta.get("round", -1)) != rounds - 1:
             ckpt["fert"] = str(reg.fetch(v, sd / "cache" / "arms" / f"v{v:06d}"))
+
+
+def replay_round_failures(c: dict, checkpoint: str, rec: dict, out: Path, heldout: list[int]) -> dict:
+    """``fleet.protocol.failure_replay`` of a round's failed fleet trials with the round's new weights; printed."""
+    from fleet.protocol import failure_replay
+
+    fr = failure_replay(c, checkpoint, rec.get("failed_trials") or [], str(out / "store"), heldout,
+                        batch_size=int(c["eval"].get("batch_size", 32)))
+    tasks = ", ".join(f"{t} {k}/{n}" for t, (k, n) in sorted(fr["per_task"].items()))
+    print(f"  failure replay: the new weights solve {fr['solved']} of the {fr['failures']} fleet trials that "
+          f"v{rec['version']} failed ({tasks or 'none'}; each replayed from its reset seed, no exploration)", flush=True)
+    return fr
 
 
 def stage_offline_arms(c: dict, sd: Path, seed: int, state: JobState, stages: Stages, arms: list, ckpt: dict,

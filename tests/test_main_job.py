@@ -57,6 +57,10 @@ def test_main_job_tiny_end_to_end(tmp_path):
         assert rnd["learners"]["fert"]["validation"]["accepted"] is True
         assert [p["step"] for p in state["base"]["val_curve"]] == [5, 10]
         assert rnd["retries"]["failures"] == 6 - rnd["successes"]
+        # failure replay: the round's new weights replayed exactly the failed fleet trials
+        fr = rnd["learners"]["fert"]["failure_replay"]
+        assert fr["failures"] == len(rnd["failed_trials"]) == 6 - rnd["successes"]
+        assert 0 <= fr["solved"] <= fr["failures"] and sum(n for _, n in fr["per_task"].values()) == fr["failures"]
         # the fleet ran the fixed plan with the base (v1); retries re-ran failed trials on training units only
         train_eps = ExperienceStore.open(str(sd / "store")).episodes()
         assert {m.unit_id for m in train_eps} <= {0, 1}
@@ -74,6 +78,17 @@ def test_main_job_tiny_end_to_end(tmp_path):
         eps = {arm: json.loads((sd / "episodes" / f"{arm}.json").read_text()) for arm in arms}
         trials = {arm: sorted((e["task"], e["unit_id"], e["seed"]) for e in v) for arm, v in eps.items()}
         assert len({tuple(t) for t in trials.values()}) == 1 and len(trials["fert"]) == 2
+    # replayed by the version that failed them (the base, v1), every failed fleet trial fails again: a trial is
+    # a function of (task, unit, reset seed, weights), so failure_replay counts only what an update changed
+    from fleet.protocol import failure_replay
+
+    sd0 = out / "seed_0"
+    st0 = json.loads((sd0 / "job_state.json").read_text())
+    c0 = json.loads((sd0 / "config.json").read_text())
+    failed = st0["round_0"]["failed_trials"]
+    if failed:
+        again = failure_replay(c0, st0["base"]["checkpoint"], failed, str(tmp_path / "replay_store"), [100, 101])
+        assert again["failures"] == len(failed) and again["solved"] == 0
     # the same plan on both seeds' held-out evaluation; different fleet trials per seed
     s0 = json.loads((out / "seed_0" / "episodes" / "base.json").read_text())
     s1 = json.loads((out / "seed_1" / "episodes" / "base.json").read_text())
