@@ -112,6 +112,24 @@ def collect_demos(cfg: dict, units: Sequence[int], demos_per_task: int, noise_st
     return {"episodes": n_eps, "successes": got, "waves": wave}
 
 
+def policy_failures(failures: Sequence[dict], heldout: Sequence[int]) -> list[dict]:
+    """The failed fleet trials of training units: ``failures`` without held-out units and without failed
+    retries (``retry_of``: failures of the exploration, not of the policy). Retried and replayed alike."""
+    held = {int(u) for u in heldout}
+    return [f for f in failures if int(f["unit_id"]) not in held and not f.get("retry_of")]
+
+
+def success_by_task(trials) -> dict[str, list[int]]:
+    """``{task: [successes, trials]}`` of episode summaries or ``EpisodeMeta`` (``task``, ``success``)."""
+    out: dict[str, list[int]] = {}
+    for t in trials:
+        task, ok = (t["task"], t["success"]) if isinstance(t, dict) else (t.task, t.success)
+        cell = out.setdefault(str(task), [0, 0])
+        cell[0] += int(bool(ok))
+        cell[1] += 1
+    return out
+
+
 def retry_plan(failures: Sequence[dict], cfg: dict, attempt: int, heldout: Sequence[int], budget: int) -> list[dict]:
     """Retry trials of one exploration wave.
 
@@ -132,14 +150,11 @@ def retry_plan(failures: Sequence[dict], cfg: dict, attempt: int, heldout: Seque
     unknown = sorted(set(cfg) - RETRY_KEYS)
     if unknown:
         raise ValueError(f"fert.retry: unknown keys {unknown}; expected {sorted(RETRY_KEYS)}")
-    held = {int(u) for u in heldout}
     cfg = {**RETRY_DEFAULTS, **dict(cfg)}
     std = float(cfg["action_noise_std"]) * float(cfg["growth"]) ** int(attempt)
     temp = float(cfg["noise_temperature"]) * float(cfg["temperature_growth"]) ** int(attempt)
     out = []
-    for f in failures:
-        if int(f["unit_id"]) in held or f.get("retry_of"):
-            continue
+    for f in policy_failures(failures, heldout):
         out.append({"task": f["task"], "unit_id": int(f["unit_id"]), "seed": int(f["seed"]),
                     "explore": {"action_noise_std": std, "hold_steps": int(cfg["hold_steps"]),
                                 "noise_temperature": temp, "retry_of": f["episode_id"], "attempt": int(attempt)}})
@@ -157,7 +172,7 @@ def run_retries(fleet, failures: Sequence[dict], cfg: dict, heldout: Sequence[in
     """
     cfg = {**RETRY_DEFAULTS, **dict(cfg)}
     budget = int(float(cfg["max_share"]) * int(n_fleet_episodes))
-    todo = [f for f in failures if int(f["unit_id"]) not in {int(u) for u in heldout} and not f.get("retry_of")]
+    todo = policy_failures(failures, heldout)
     n_fail = len(todo)
     episodes, per_attempt = [], []
     for attempt in range(int(cfg["attempts"])):
@@ -195,15 +210,10 @@ def failure_replay(cfg: dict, checkpoint: str, failures: Sequence[dict], store_u
     """
     from fleet.evaluation import run_plan_vectorised
 
-    held = {int(u) for u in heldout}
-    plan = [{"task": str(f["task"]), "unit_id": int(f["unit_id"]), "seed": int(f["seed"])} for f in failures
-            if int(f["unit_id"]) not in held and not f.get("retry_of")]
-    per_task: dict[str, list[int]] = {}
-    if plan:
-        for e in run_plan_vectorised(cfg, checkpoint, plan, store_url, batch_size=batch_size, desc="failure replay"):
-            cell = per_task.setdefault(str(e["task"]), [0, 0])
-            cell[0] += int(bool(e["success"]))
-            cell[1] += 1
+    plan = [{"task": str(f["task"]), "unit_id": int(f["unit_id"]), "seed": int(f["seed"])}
+            for f in policy_failures(failures, heldout)]
+    per_task = success_by_task(run_plan_vectorised(cfg, checkpoint, plan, store_url, batch_size=batch_size,
+                                                   desc="failure replay")) if plan else {}
     solved = sum(v[0] for v in per_task.values())
     return {"failures": len(plan), "solved": solved, "share": solved / len(plan) if plan else None,
             "per_task": per_task}

@@ -184,7 +184,7 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
     (success, failures, retries and how many failures they recovered)."""
     from experience_dict.store import ExperienceStore
     from fleet.coordinator import Fleet
-    from fleet.protocol import fleet_plan, run_retries
+    from fleet.protocol import fleet_plan, run_retries, success_by_task
     from fleet.registry import CheckpointRegistry
 
     version = CheckpointRegistry(c["fleet"]["registry_url"]).latest_version()
@@ -206,11 +206,7 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
             retries = run_retries(fleet, fails, rcfg, heldout, len(plan), progress)
             retries.pop("episodes", None)
     succ = sum(bool(m.success) for m in eps)
-    per_task = {}
-    for m in eps:
-        per_task.setdefault(m.task, [0, 0])
-        per_task[m.task][0] += int(bool(m.success))
-        per_task[m.task][1] += 1
+    per_task = success_by_task(eps)
     print(f"round {r}: fleet v{version} {succ}/{len(eps)} successes on units {units}; "
           f"{retries['failures']} failures, {retries['retries']} retries recovered {retries['recovered']} "
           f"({_pct(retries['recovered_share'])}) {retries['per_attempt']}", flush=True)
@@ -408,7 +404,7 @@ def replay_round_failures(c: dict, checkpoint: str, rec: dict, out: Path, heldou
     """``fleet.protocol.failure_replay`` of a round's failed fleet trials with the round's new weights; printed."""
     from fleet.protocol import failure_replay
 
-    fr = failure_replay(c, checkpoint, rec.get("failed_trials") or [], str(out / "store"), heldout,
+    fr = failure_replay(c, checkpoint, rec["failed_trials"], str(out / "store"), heldout,
                         batch_size=int(c["eval"].get("batch_size", 32)))
     tasks = ", ".join(f"{t} {k}/{n}" for t, (k, n) in sorted(fr["per_task"].items()))
     print(f"  failure replay: the new weights solve {fr['solved']} of the {fr['failures']} fleet trials that "
