@@ -75,11 +75,14 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[Any, int]:
     The class comes from ``config.json``'s ``"type"`` (``policies.factory``; a config without one is taken as
     ``aed_diffusion``). When the directory holds a registry ``MANIFEST.json`` every file is first verified
     against it (``fleet.registry.verify_checkpoint_dir``) and the version comes from it; otherwise the version
-    is ``UNVERSIONED`` (0).
+    is ``UNVERSIONED`` (0). A success critic saved beside the weights (``critic.safetensors``, FERT's
+    ``fert.critic``) is installed: the policy then executes, of ``candidates`` sampled chunks, the one the critic
+    ranks highest (``policies.critic.CriticGuidedSampler``).
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``path``.
         KeyError: unknown policy type.
+        ValueError: a critic whose files are incomplete or do not fit (``policies.critic.load_critic``).
         fleet.registry.ChecksumMismatchError: a file differs from the manifest.
     """
     from fleet.registry import MANIFEST, verify_checkpoint_dir
@@ -94,7 +97,11 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[Any, int]:
     version = UNVERSIONED
     if (path / MANIFEST).is_file():
         version = int(verify_checkpoint_dir(path)["version"])
-    return load_policy(path, device), version
+    from policies.critic import install_critic
+
+    model = load_policy(path, device)
+    install_critic(model, path, device)
+    return model, version
 
 
 def resolve_device(device: str = "auto") -> str:

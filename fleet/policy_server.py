@@ -154,10 +154,11 @@ class PolicyServer:
             if set(s) != keys:
                 raise ValueError(f"PolicyServer: requests in one batch have different keys: {sorted(keys)} vs {sorted(s)}")
         batch = {k: torch.as_tensor(np.stack([s[k] for s in samples])).to(self.device) for k in keys}
+        sample = getattr(model, "chunk_sampler", None) or model.predict_action_chunk   # a critic's choice, if any
         if noise_scales is not None and any(x != 1.0 for x in noise_scales):
-            chunk = model.predict_action_chunk(batch, noise_scale=torch.tensor(noise_scales, dtype=torch.float32))
+            chunk = sample(batch, noise_scale=torch.tensor(noise_scales, dtype=torch.float32))
         else:
-            chunk = model.predict_action_chunk(batch)
+            chunk = sample(batch)
         chunk = chunk.float().cpu().numpy()
         self._batch_sizes.append(len(samples))
         self._forward_s.append(time.perf_counter() - t0)

@@ -1,0 +1,334 @@
+"""Success critic: value-guided selection among sampled action chunks, learned from the fleet's successes AND failures.
+
+Imitation (filtered BC, FERT's retrieval) can only use the fleet's successes; a failure says nothing to it. A
+critic can use both: ``SuccessCritic`` estimates, from the state and a candidate action chunk, the discounted
+probability that the episode succeeds (a Monte-Carlo value of the fleet's behaviour, fitted by
+:func:`fit_critic` on every committed episode of the store, retries included). At deployment the policy samples
+``candidates`` chunks from its own denoiser (different initial noise) and executes the one the critic ranks
+highest (:class:`CriticGuidedSampler`). Every executed chunk is still the diffusion policy's own output; the
+critic only chooses among them. This is value-guided policy steering (V-GPS: Nakamoto et al., "Steering Your
+Generalists: Improving Robotic Foundation Models via Value Guidance", CoRL 2024), here with a Monte-Carlo
+success target instead of their Cal-QL critic.
+
+Files (beside the policy's own in a checkpoint directory): ``critic.safetensors`` (weights and input
+standardisation) and ``critic.json`` (shapes and the recipe). :func:`load_critic` returns None for a checkpoint
+without them; ``fleet.policies.load_checkpoint`` installs a found critic on the policy it loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+CRITIC_WEIGHTS = "critic.safetensors"
+CRITIC_CONFIG = "critic.json"
+CRITIC_FILES = (CRITIC_WEIGHTS, CRITIC_CONFIG)
+
+DEFAULTS: dict[str, Any] = {
+    "enabled": True,     # fit a critic with every FERT round and ship it in the published checkpoint
+    "candidates": 8,     # K: chunks sampled per decision (the first from the trial's own noise)
+    "members": 5,        # ensemble size (each member sees its own bootstrap of the batch)
+    "hidden": 256,       # width of the 3 hidden layers
+    "dropout": 0.2,
+    "updates": 1000,     # optimizer updates
+    "batch_size": 512,
+    "lr": 1.0e-3,
+    "weight_decay": 1.0e-4,
+    "gamma": 0.99,       # discount per control step of the success target
+    "val_fraction": 0.1,  # episodes held out for the reported validation loss (not used to pick anything)
+}
+
+
+class SuccessCritic(nn.Module):
+    """An ensemble of MLPs ``Q(s_t, s_t - s_{t-1}, a_{t:t+n}) -> logit of the discounted success``.
+
+    Args:
+        state_dim: D, the width of the concatenated state keys (``state_keys`` of the policy's inputs).
+        action_dim: A. chunk_steps: n, the executed steps of a chunk scored (the policy's ``n_action_steps``).
+        members / hidden / dropout: ensemble size, hidden width (3 layers, LayerNorm, ReLU), dropout.
+        state_keys: observation keys concatenated (in this order) into the state.
+
+    Inputs are standardised with the ``mean`` / ``std`` buffers (set by :func:`fit_critic`).
+    """
+
+    def __init__(self, state_dim: int, action_dim: int, chunk_steps: int, members: int = 5, hidden: int = 256,
+                 dropout: float = 0.2, state_keys: Sequence[str] = ()):
+        super().__init__()
+        if min(state_dim, action_dim, chunk_steps, members, hidden) < 1:
+            raise ValueError(f"SuccessCritic: every size must be >= 1, given state_dim={state_dim}, action_dim="
+                             f"{action_dim}, chunk_steps={chunk_steps}, members={members}, hidden={hidden}")
+        self.state_dim, self.action_dim, self.chunk_steps = int(state_dim), int(action_dim), int(chunk_steps)
+        self.members, self.hidden, self.dropout = int(members), int(hidden), float(dropout)
+        self.state_keys = list(state_keys)
+        d_in = 2 * self.state_dim + self.chunk_steps * self.action_dim
+        self.nets = nn.ModuleList([nn.Sequential(
+            nn.Linear(d_in, hidden), nn.LayerNorm(hidden), nn.ReLU(),
+            nn.Linear(hidden, hidden), nn.LayerNorm(hidden), nn.ReLU(),
+            nn.Linear(hidden, hidden), nn.LayerNorm(hidden), nn.ReLU(), nn.Dropout(self.dropout),
+            nn.Linear(hidden, 1)) for _ in range(self.members)])
+        self.register_buffer("mean", torch.zeros(d_in))
+        self.register_buffer("std", torch.ones(d_in))
+
+    def features(self, state: torch.Tensor, prev_state: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+        """(B, D), (B, D), (B, >= n, A) raw units -> (B, 2D + nA) standardised inputs."""
+        if state.shape[-1] != self.state_dim or chunk.shape[-1] != self.action_dim or chunk.shape[1] < self.chunk_steps:
+            raise ValueError(f"SuccessCritic: expected state (B, {self.state_dim}) and chunk (B, >={self.chunk_steps}, "
+                             f"{self.action_dim}), given {tuple(state.shape)} and {tuple(chunk.shape)}")
+        x = torch.cat([state, state - prev_state, chunk[:, : self.chunk_steps].flatten(1)], -1).float()
+        return (x - self.mean) / self.std
+
+    def forward(self, state: torch.Tensor, prev_state: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+        """(members, B) logits of the discounted success."""
+        x = self.features(state, prev_state, chunk)
+        return torch.stack([m(x).squeeze(-1) for m in self.nets])
+
+    @torch.no_grad()
+    def success_probability(self, state: torch.Tensor, prev_state: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+        """(B,) the ensemble's mean discounted success probability in [0, 1] (eval mode: no dropout)."""
+        return torch.sigmoid(self.forward(state, prev_state, chunk)).mean(0)
+
+    def config(self) -> dict:
+        return {"state_dim": self.state_dim, "action_dim": self.action_dim, "chunk_steps": self.chunk_steps,
+                "members": self.members, "hidden": self.hidden, "dropout": self.dropout,
+                "state_keys": self.state_keys}
+
+
+def success_targets(length: int, success: bool, steps_after_success: int, gamma: float) -> np.ndarray:
+    """The critic's target per step of one episode, (length,) float32 in [0, 1].
+
+    A successful episode ran ``steps_after_success`` steps past its first success (``task.steps_after_success``),
+    so its success step is ``t_s = max(length - steps_after_success, 0)`` and step ``t`` gets
+    ``gamma ** max(t_s - t, 0)``; every step of a failed episode gets 0 (a Monte-Carlo return of the reward
+    "1 at the first success").
+
+    Raises:
+        ValueError: ``length < 1`` or ``gamma`` outside (0, 1].
+    """
+    if int(length) < 1 or not 0.0 < float(gamma) <= 1.0:
+        raise ValueError(f"success_targets: expected length >= 1 and gamma in (0, 1], given {length}, {gamma}")
+    if not success:
+        return np.zeros(int(length), np.float32)
+    t_s = max(int(length) - int(steps_after_success), 0)
+    return (float(gamma) ** np.maximum(t_s - np.arange(int(length)), 0)).astype(np.float32)
+
+
+def critic_arrays(reader, episodes: Sequence, state_keys: Sequence[str], chunk_steps: int,
+                  steps_after_success: int, gamma: float) -> dict[str, np.ndarray]:
+    """Training rows of every step of ``episodes`` (``EpisodeMeta`` of ``reader``, an ``ExperienceStore``).
+
+    Returns:
+        ``{"state": (N, D), "prev_state": (N, D), "chunk": (N, n, A), "target": (N,), "episode": (N,) int64}``,
+        float32 but ``episode`` (the index into ``episodes``). The chunk at ``t`` is the executed ``a_{t:t+n}``,
+        the last action repeated past the episode's end; ``prev_state`` at ``t = 0`` is the state itself.
+
+    Raises:
+        ValueError: no episodes, or a state key the store lacks.
+    """
+    if not episodes:
+        raise ValueError("critic_arrays: no episodes to fit the critic on")
+    missing = [k for k in state_keys if k not in reader.keys]
+    if missing:
+        raise ValueError(f"critic_arrays: the store lacks state keys {missing}; it has {reader.keys}")
+    out: dict[str, list] = {k: [] for k in ("state", "prev_state", "chunk", "target", "episode")}
+    for i, m in enumerate(episodes):
+        d = reader.load_episode(m.episode_id, keys=[*state_keys, "action"])
+        s = np.concatenate([np.asarray(d[k], np.float32).reshape(len(d["action"]), -1) for k in state_keys], 1)
+        a = np.asarray(d["action"], np.float32)
+        T = len(a)
+        if T == 0:
+            continue
+        idx = np.minimum(np.arange(T)[:, None] + np.arange(int(chunk_steps))[None], T - 1)
+        out["state"].append(s)
+        out["prev_state"].append(np.concatenate([s[:1], s[:-1]]))
+        out["chunk"].append(a[idx])
+        out["target"].append(success_targets(T, bool(m.success), steps_after_success, gamma))
+        out["episode"].append(np.full(T, i, np.int64))
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+
+def fit_critic(reader, episodes: Sequence, state_keys: Sequence[str], action_dim: int, chunk_steps: int,
+               steps_after_success: int, cfg: dict | None = None, seed: int = 0,
+               device: str = "cpu") -> tuple[SuccessCritic, dict]:
+    """Fit a :class:`SuccessCritic` on every step of ``episodes`` (successes and failures).
+
+    Binary cross-entropy on the soft target :func:`success_targets`; AdamW; each ensemble member draws its own
+    minibatch (bootstrap). ``cfg`` overrides :data:`DEFAULTS` (``fert.critic``). A fraction ``val_fraction`` of
+    the episodes (every ``1/val_fraction``-th) is held out for the reported validation loss only.
+
+    Returns:
+        ``(critic in eval mode, record)``; record: ``{"episodes", "steps", "positive_share", "train_loss",
+        "val_loss", "members", "updates"}``.
+
+    Raises:
+        ValueError: as :func:`critic_arrays`, or a bad ``cfg`` value.
+    """
+    c = {**DEFAULTS, **dict(cfg or {})}
+    if int(c["updates"]) < 1 or int(c["batch_size"]) < 1 or not 0.0 <= float(c["val_fraction"]) < 1.0:
+        raise ValueError(f"fit_critic: expected updates >= 1, batch_size >= 1, val_fraction in [0, 1), given {c}")
+    data = critic_arrays(reader, episodes, state_keys, chunk_steps, steps_after_success, float(c["gamma"]))
+    g = torch.Generator().manual_seed(int(seed))
+    torch.manual_seed(int(seed))
+    every = int(round(1.0 / float(c["val_fraction"]))) if float(c["val_fraction"]) > 0 else 0
+    val = (data["episode"] % every == every - 1) if every > 1 else np.zeros(len(data["target"]), bool)
+    if val.all():
+        val[:] = False
+    S, P, A, Y = (torch.as_tensor(data[k]) for k in ("state", "prev_state", "chunk", "target"))
+    critic = SuccessCritic(S.shape[1], int(action_dim), int(chunk_steps), int(c["members"]), int(c["hidden"]),
+                           float(c["dropout"]), state_keys)
+    tr = torch.as_tensor(~val)
+    with torch.no_grad():
+        x = torch.cat([S, S - P, A[:, :chunk_steps].flatten(1)], -1)[tr]
+        critic.mean.copy_(x.mean(0))
+        critic.std.copy_(x.std(0) + 1e-3)
+    critic.to(device).train()
+    opt = torch.optim.AdamW(critic.parameters(), lr=float(c["lr"]), weight_decay=float(c["weight_decay"]))
+    idx = torch.nonzero(tr).squeeze(1)
+    bce = nn.BCEWithLogitsLoss()
+    loss = torch.tensor(float("nan"))
+    for _ in range(int(c["updates"])):
+        b = idx[torch.randint(len(idx), (critic.members, int(c["batch_size"])), generator=g)]
+        logits = torch.stack([net(critic.features(S[b[k]].to(device), P[b[k]].to(device), A[b[k]].to(device))).squeeze(-1)
+                              for k, net in enumerate(critic.nets)])
+        loss = bce(logits, Y[b].to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    critic.eval()
+    val_loss = None
+    if val.any():
+        v = torch.as_tensor(val)
+        p = torch.cat([critic.success_probability(S[v][i:i + 4096].to(device), P[v][i:i + 4096].to(device),
+                                                  A[v][i:i + 4096].to(device)).cpu()
+                       for i in range(0, int(v.sum()), 4096)])
+        val_loss = float(nn.functional.binary_cross_entropy(p.clamp(1e-6, 1 - 1e-6), Y[v]))
+    rec = {"episodes": len(episodes), "steps": int(len(Y)), "positive_share": float((Y > 0).float().mean()),
+           "train_loss": float(loss.detach()), "val_loss": val_loss, "members": critic.members, "updates": int(c["updates"])}
+    return critic, rec
+
+
+def save_critic(critic: SuccessCritic, directory: str | Path, candidates: int) -> Path:
+    """Write ``critic.safetensors`` and ``critic.json`` (shapes, ``candidates``) into ``directory``."""
+    from safetensors.torch import save_file
+
+    if int(candidates) < 1:
+        raise ValueError(f"save_critic: candidates must be >= 1, given {candidates}")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in critic.state_dict().items()}, str(d / CRITIC_WEIGHTS))
+    (d / CRITIC_CONFIG).write_text(json.dumps({**critic.config(), "candidates": int(candidates),
+                                               "source": "V-GPS (Nakamoto et al. 2024), Monte-Carlo success target"},
+                                              indent=1))
+    return d
+
+
+def load_critic(directory: str | Path, device: str = "cpu") -> tuple[SuccessCritic, int] | None:
+    """``(critic in eval mode, candidates)`` from a checkpoint directory, or None when it has no critic.
+
+    Raises:
+        ValueError: only one of the two files present, a malformed ``critic.json``, or weights whose shapes do
+            not match it (the message names the tensor).
+    """
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    have = [(d / f).is_file() for f in CRITIC_FILES]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(f"checkpoint {str(d)!r}: a critic needs both {CRITIC_FILES}; found only "
+                         f"{[f for f, h in zip(CRITIC_FILES, have) if h]}")
+    try:
+        cfg = json.loads((d / CRITIC_CONFIG).read_text())
+        critic = SuccessCritic(int(cfg["state_dim"]), int(cfg["action_dim"]), int(cfg["chunk_steps"]),
+                               int(cfg["members"]), int(cfg["hidden"]), float(cfg["dropout"]), cfg["state_keys"])
+        candidates = int(cfg["candidates"])
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint {str(d)!r}: malformed {CRITIC_CONFIG}: {e}") from None
+    state = load_file(str(d / CRITIC_WEIGHTS))
+    own = critic.state_dict()
+    bad = sorted(k for k in set(own) | set(state) if k not in state or k not in own or own[k].shape != state[k].shape)
+    if bad:
+        raise ValueError(f"checkpoint {str(d)!r}: {CRITIC_WEIGHTS} does not fit {CRITIC_CONFIG} (tensors {bad[:5]})")
+    critic.load_state_dict(state)
+    return critic.to(device).eval(), candidates
+
+
+class CriticGuidedSampler:
+    """The policy's ``chunk_sampler``: sample ``candidates`` chunks per batch row and return the one ``critic``
+    ranks highest, (B, horizon, A).
+
+    Candidate 0 starts from the row's own initial noise (what the policy alone would execute); the others from
+    noise drawn by a generator seeded with a CRC32 of that noise, so a row's choice depends on its own noise only
+    (a batched evaluation still acts like one episode at a time). The state the critic scores is the last two
+    frames of the policy's observation window (``state_keys``).
+
+    Args:
+        policy: a policy with ``predict_action_chunk(batch, noise=, noise_scale=)`` and ``config.horizon``,
+            ``config.action_dim``. critic: a :class:`SuccessCritic`. candidates: K >= 1 (1: the policy alone).
+        inner: the chunk function to call (default ``policy.predict_action_chunk``; e.g. an ONNX runtime's).
+    """
+
+    def __init__(self, policy, critic: SuccessCritic, candidates: int, inner=None):
+        if int(candidates) < 1:
+            raise ValueError(f"CriticGuidedSampler: candidates must be >= 1, given {candidates}")
+        self.policy, self.critic, self.candidates = policy, critic, int(candidates)
+        self.inner = inner or policy.predict_action_chunk
+        self.picked_own = 0      # decisions where candidate 0 (the policy's own sample) won
+        self.decisions = 0
+
+    def __call__(self, batch: dict, noise: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                 noise_scale: float | torch.Tensor = 1.0, **kw) -> torch.Tensor:
+        K = self.candidates
+        H, A = int(self.policy.config.horizon), int(self.policy.config.action_dim)
+        keys = self.critic.state_keys
+        missing = [k for k in keys if k not in batch]
+        if missing:
+            raise ValueError(f"CriticGuidedSampler: the observation window lacks {missing} (critic state keys {keys})")
+        st = torch.cat([batch[k].float().flatten(2) for k in keys], -1)      # (B, T_obs, D)
+        B = st.shape[0]
+        if noise is None:
+            noise = torch.randn(B, H, A, generator=generator)
+        noise = noise.detach().cpu().float()
+        extra = []
+        for i in range(B):
+            g = torch.Generator().manual_seed(zlib.crc32(noise[i].numpy().tobytes()))
+            extra.append(torch.randn(K - 1, H, A, generator=g))
+        nz = torch.cat([noise[:, None], torch.stack(extra)], 1).reshape(B * K, H, A)
+        scale = noise_scale
+        if torch.is_tensor(scale) and scale.numel() > 1:
+            scale = scale.reshape(-1).repeat_interleave(K)
+        rep = {k: (v.repeat_interleave(K, 0) if torch.is_tensor(v) else np.repeat(np.asarray(v), K, axis=0))
+               for k, v in batch.items()}
+        chunks = self.inner(rep, noise=nz, noise_scale=scale, **kw)             # (B*K, H, A)
+        dev = self.critic.mean.device
+        cur, prev = st[:, -1], st[:, -2] if st.shape[1] > 1 else st[:, -1]
+        q = self.critic.success_probability(cur.repeat_interleave(K, 0).to(dev), prev.repeat_interleave(K, 0).to(dev),
+                                            chunks.to(dev)).reshape(B, K)
+        pick = q.argmax(1).to(chunks.device)
+        self.picked_own += int((pick == 0).sum())
+        self.decisions += B
+        return chunks.reshape(B, K, H, A)[torch.arange(B, device=chunks.device), pick]
+
+
+def install_critic(policy, directory: str | Path, device: str = "cpu") -> bool:
+    """Load ``directory``'s critic (if any) and make it choose ``policy``'s chunks (``policy.chunk_sampler``);
+    returns whether one was installed. A policy without ``chunk_sampler`` is left as it is."""
+    found = load_critic(directory, device)
+    if found is None or not hasattr(policy, "chunk_sampler"):
+        return False
+    critic, k = found
+    missing = [key for key in critic.state_keys if key not in getattr(policy.config, "input_shapes", {})]
+    if missing:
+        raise ValueError(f"checkpoint {str(directory)!r}: the critic scores {missing}, which the policy does not observe")
+    if k > 1:
+        policy.chunk_sampler = CriticGuidedSampler(policy, critic, k, inner=policy.chunk_sampler)
+    return True
