@@ -30,7 +30,17 @@ bc_retries_focus          base         filtered_bc_retries with the successful r
                                        the windows (exploration data concentrated, no retrieval)
 demos_bc                  base         the demonstrations only, the same budget: no fleet data at all (what
                                        fine-tuning alone does to the base; the control for every other arm)
+fert_no_critic            fert         FERT's weights without its success critic (the policy's own chunk
+                                       every step): what the retrieval fine-tuning alone gives
+base_critic               base         the base's weights with FERT's success critic choosing among its
+                                       chunks: what the critic alone gives, without fine-tuning
 ========================  ===========  =================================================================
+
+``fert`` (and ``fert_no_aed``) ship a success critic with every round when ``fert.critic.enabled``
+(``policies.critic``): fitted on the store's successes and failures, it picks one of ``fert.critic.candidates``
+chunks sampled from the policy at every decision. The two critic arms reuse checkpoints (no training):
+``critic="drop"`` copies its ``init`` checkpoint without the critic's files, ``critic="fert"`` copies its ``init``
+checkpoint and adds the ``fert`` arm's critic.
 
 ``in_loop`` arms are trained round by round by their own ``fleet.learner.FertLearner`` while the fleet
 collects (``fert`` publishes the versions the fleet acts with); the others are fine-tuned once the fleet is
@@ -51,7 +61,9 @@ class Arm:
     from, or is), ``data`` (``"none"``, ``"demos"``, ``"successes"``, ``"successes+retries"``, ``"fert"``), ``fert``
     (overrides of ``cfg.fert`` for ``data="fert"``), ``in_loop``, a one-line ``description`` and
     ``retry_share`` (``data="successes+retries"`` only: the successful retries' share of the training windows,
-    reached by repeating the retry episodes; None: each window once)."""
+    reached by repeating the retry episodes; None: each window once) and ``critic`` (``data="none"`` arms made
+    from another arm's checkpoint: ``"drop"`` without its success critic, ``"fert"`` with the ``fert`` arm's critic;
+    ``init`` may then be ``"fert"``)."""
     name: str
     init: str
     data: str
@@ -59,6 +71,7 @@ class Arm:
     fert: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     in_loop: bool = False
     retry_share: float | None = None
+    critic: str | None = None
 
 
 ARMS: dict[str, Arm] = {a.name: a for a in [
@@ -86,10 +99,14 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
     Arm("bc_retries_focus", "base", "successes+retries", "filtered BC + retries, retries tiled to 50% of windows",
         retry_share=0.5),
     Arm("demos_bc", "base", "demos", "fine-tuned on the demonstrations only (no fleet data), same budget"),
+    Arm("fert_no_critic", "fert", "none", "FERT's weights without its success critic", critic="drop"),
+    Arm("base_critic", "base", "none", "the base's weights with FERT's success critic", critic="fert"),
 ]}
 
 # (arm, baseline) pairs reported trial by trial, in this order, when both arms ran
-PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retries"), ("filtered_bc_retries", "base"),
+PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retries"), ("fert", "fert_no_critic"),
+         ("fert_no_critic", "base"), ("base_critic", "base"), ("fert", "base_critic"),
+         ("fert_no_critic", "filtered_bc_retries"), ("filtered_bc_retries", "base"),
          ("filtered_bc_retries", "filtered_bc"),
          ("filtered_bc", "base"), ("fert", "fert_no_retries"), ("fert", "fert_no_gate"), ("fert", "fert_abs_key"),
          ("fert_aed_key", "fert"), ("fert_confidence", "base"), ("fert_replay_fleet", "base"),
@@ -113,6 +130,9 @@ def get_arms(names: Iterable[str]) -> list[Arm]:
         raise ValueError(f"job.arms: unknown arms {unknown}; known: {sorted(ARMS)}")
     if len(set(names)) != len(names):
         raise ValueError(f"job.arms: repeated arm names in {names}")
+    need_fert = [n for n in names if ARMS[n].critic is not None]
+    if need_fert and "fert" not in names:
+        raise ValueError(f"job.arms: {need_fert} are made from the fert arm's checkpoint or critic; add fert")
     return [ARMS[n] for n in names]
 
 
@@ -209,3 +229,38 @@ def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path
     res = train_policy(tcfg, out_dir, policy=load_policy(init_ckpt), reader=reader,
                        episodes=eps, device=cfg["device"])
     return deployed_checkpoint(cfg["learner"].get("wise_alpha"), init_ckpt, res["checkpoint"], out_dir / "wise")
+
+
+def critic_arm_checkpoint(arm: Arm, ckpt: dict, out_dir: str | Path) -> str:
+    """The checkpoint of a critic arm (``arm.critic`` set): ``ckpt[arm.init]``'s files copied to ``out_dir``
+    without the success critic (``"drop"``), or with the ``fert`` arm's critic (``"fert"``). The registry manifest
+    is not copied (the file set changed; the copy loads as an unversioned policy).
+
+    Raises:
+        ValueError: ``arm.critic`` unknown, or ``"fert"`` when the fert checkpoint has no critic
+            (``fert.critic.enabled: false``).
+    """
+    import shutil
+
+    from fleet.registry import MANIFEST
+    from policies.critic import CRITIC_FILES
+
+    if arm.critic not in ("drop", "fert"):
+        raise ValueError(f"arm {arm.name}: critic must be 'drop' or 'fert', given {arm.critic!r}")
+    src, fert = Path(ckpt[arm.init]), Path(ckpt["fert"])
+    if arm.critic == "fert" and not all((fert / f).is_file() for f in CRITIC_FILES):
+        raise ValueError(f"arm {arm.name}: the fert checkpoint {str(fert)!r} has no success critic "
+                         "(fert.critic.enabled is false?)")
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in (*CRITIC_FILES, MANIFEST):
+            shutil.copy2(f, tmp / f.name)
+    if arm.critic == "fert":
+        for f in CRITIC_FILES:
+            shutil.copy2(fert / f, tmp / f)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return str(out)

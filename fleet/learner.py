@@ -9,7 +9,10 @@ One round, read top to bottom in :meth:`FertLearner.run_round`:
    from the whole fleet (the method of "Learning from Fleet Experience", see docs/FLEET_LEARNING.md);
 4. train ``updates_per_version`` updates on the retrieved windows mixed with demonstration replay
    (``policies.aed_diffusion.training.train_policy``, resumable);
-5. write the retrieval audit, publish the EMA weights as the next policy version (atomically, sha256 manifest).
+5. with ``fert.critic.enabled``, fit a success critic on the store's successes *and* failures and save it beside
+   the weights (``policies.critic``: the policy then executes, of K sampled chunks, the one it ranks highest);
+6. write the retrieval audit, publish the weights (and critic) as the next policy version (atomically, sha256
+   manifest).
 
 Fault tolerance: the trainer's checkpoints (weights, EMA, optimizer, LR schedule, step) live in
 ``<work_dir>/train``; the round cursor in ``<work_dir>/learner_state.json`` (written atomically). A learner
@@ -43,6 +46,12 @@ LEARNER_DEFAULTS: dict[str, Any] = {
     "torch_threads": 1,           # CPU threads for training (the fleet's workers use the other cores)
     "seed": 0,                    # round r trains with seed 1000 * seed + r (data order, noise, timesteps)
 }
+
+
+def _device(device: str) -> str:
+    from fleet.policies import resolve_device
+
+    return resolve_device(device)
 
 
 def _atomic_write_json(path: Path, obj: Any) -> None:
@@ -191,6 +200,7 @@ class FertLearner:
         out = train_policy(tcfg, self.work_dir / "train", policy=policy, dataset=dataset,
                            device=str(self.lcfg["device"]))
         ckpt = self.deployed_checkpoint(out["checkpoint"], r)
+        critic = self.fit_critic(ckpt, policy, round_seed)
         audit = None
         if self.cfg["fert"].get("audit", True) and len(retrieval):
             audit = write_retrieval_audit(retrieval, self._fert.index, self.work_dir / "audits", r)
@@ -203,7 +213,7 @@ class FertLearner:
         rec = {"validation": validation, "round": r, "version": version, "step": int(out["step"]), "fleet_episodes": n_eps,
                "contexts": len(retrieval.contexts), "retrieved": len(retrieval), "dataset": len(dataset),
                "update": upd, "loss": (out.get("metrics") or {}).get("loss"), "train_s": time.perf_counter() - t0,
-               "audit": (audit or {}).get("files")}
+               "audit": (audit or {}).get("files"), "critic": critic}
         self.state["round"] = r + 1
         self.state["episodes_seen"] = n_eps
         self.state["history"].append(rec)
@@ -212,6 +222,38 @@ class FertLearner:
         rec["own_retry_entries"] = own
         log.info("learner %s round %d: %d contexts, %d retrieved (%d from own retries), v%s", self.run_id, r,
                  rec["contexts"], rec["retrieved"], own, version)
+        return rec
+
+    def critic_episodes(self) -> list:
+        """The episodes the round's success critic learns from: every committed, unquarantined episode of the
+        training units (demonstrations, fleet successes and failures; the failure retries when
+        ``fert.include_retries``)."""
+        from experience_dict.retrieval import retry_of
+
+        retries = bool(self.cfg["fert"].get("include_retries", True))
+        return [m for m in self._reader.episodes() if int(m.unit_id) not in self.heldout
+                and not getattr(m, "quarantined", False) and (retries or not retry_of(m))]
+
+    def fit_critic(self, checkpoint: str | Path, policy, seed: int) -> dict | None:
+        """With ``fert.critic.enabled``: fit a success critic (``policies.critic.fit_critic``) on
+        :meth:`critic_episodes` and save it into ``checkpoint`` (validated and published with the weights, so the
+        fleet and the evaluation choose chunks with it); returns the fit's record, or None when disabled."""
+        ccfg = dict(self.cfg["fert"].get("critic") or {})
+        if not ccfg.get("enabled", False):
+            return None
+        from policies.critic import fit_critic, save_critic
+
+        keys = [k for k, shape in policy.config.input_shapes.items() if len(shape) == 1]   # state vectors, no images
+        t0 = time.perf_counter()
+        critic, rec = fit_critic(self._reader, self.critic_episodes(), keys, int(policy.config.action_dim),
+                                 int(policy.config.n_action_steps),
+                                 int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
+                                 {k: v for k, v in ccfg.items() if k not in ("enabled", "candidates")}, seed=seed,
+                                 device=_device(str(self.lcfg["device"])))
+        save_critic(critic, checkpoint, int(ccfg.get("candidates", 8)))
+        rec["fit_s"] = time.perf_counter() - t0
+        log.info("learner %s: success critic on %d episodes (%d steps), validation BCE %s, %.0f s", self.run_id,
+                 rec["episodes"], rec["steps"], rec["val_loss"], rec["fit_s"])
         return rec
 
     def deployed_checkpoint(self, trained: str | Path, r: int) -> str:

@@ -106,6 +106,10 @@ class Learner:
                                  "min_new_episodes": 10, "max_wait_s": 120, "poll_s": 1.0, "batch_size": 16,
                                  "device": "cpu", "torch_threads": 1, "warmup_steps": 2},
                 "train": {**c.get("train", {}), "wandb": {"enabled": False}, "log_every": 5, "progress": False}}
+        # the success critic (fert.critic) fitted as briefly as the policy: rounds stay short, versions frequent
+        critic = dict(c["fert"].get("critic") or {})
+        if critic.get("enabled"):
+            lcfg["fert"] = {**c["fert"], "critic": {**critic, "updates": int(ch["learner_updates"])}}
         self.spec.write_text(json.dumps({"cfg": lcfg, "store": c["store"]["url"], "registry": c["fleet"]["registry_url"],
                                          "work_dir": str(out / "learner"), "base": base,
                                          "stop_file": str(self.stop_file)}))

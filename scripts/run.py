@@ -381,8 +381,14 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
                   f"segments ({out.get('own_retry_entries', 0)} from the failures' own retries), "
                   f"{out['dataset']} training windows, loss {out['loss']}, "
                   + (f"published v{out['version']}" if out["version"] else "not published"), flush=True)
+            if out.get("critic"):
+                cr = out["critic"]
+                print(f"  {arm.name} round {r}: success critic on {cr['episodes']} episodes ({cr['steps']} steps, "
+                      f"{100 * cr['positive_share']:.0f}% on the way to a success), validation BCE "
+                      f"{cr['val_loss'] if cr['val_loss'] is None else round(cr['val_loss'], 3)}, "
+                      f"{cr['fit_s']:.0f} s", flush=True)
             rec["learners"][arm.name] = {k: out.get(k) for k in ("contexts", "retrieved", "dataset", "loss", "version",
-                                                                 "validation", "own_retry_entries")}
+                                                                 "validation", "own_retry_entries", "critic")}
             if publishing and c["learner"].get("failure_replay", True):
                 rec["learners"][arm.name]["failure_replay"] = replay_round_failures(
                     c, lrn.final_checkpoint(), rec, sd / "failure_replay" / f"round_{r}", heldout)
@@ -415,7 +421,8 @@ def replay_round_failures(c: dict, checkpoint: str, rec: dict, out: Path, heldou
 def stage_offline_arms(c: dict, sd: Path, seed: int, state: JobState, stages: Stages, arms: list, ckpt: dict,
                        reader, heldout: list[int]) -> None:
     """Fine-tune every arm trained outside the fleet loop (filtered BC, demos_bc, ...) on the final store; sets
-    ``ckpt[arm]``. Arms without data (the bases) and in-loop arms are skipped."""
+    ``ckpt[arm]``. Arms without data (the bases) and in-loop arms are skipped; the critic arms
+    (``fert_no_critic``, ``base_critic``) are copies of a checkpoint with or without FERT's success critic."""
     from fleet.arms import train_offline_arm
 
     for arm in arms:
@@ -428,6 +435,11 @@ def stage_offline_arms(c: dict, sd: Path, seed: int, state: JobState, stages: St
                                                                   heldout, seed),
                                   "wall_s": time.perf_counter() - t0})
         ckpt[arm.name] = state.get(arm.name)["checkpoint"]
+    from fleet.arms import critic_arm_checkpoint
+
+    for arm in arms:   # FERT's weights without its critic, the base with it: copies, no training
+        if arm.critic is not None:
+            ckpt[arm.name] = critic_arm_checkpoint(arm, ckpt, sd / arm.name)
 
 
 def unit_table(c: dict, units: list[int]) -> str:

@@ -179,3 +179,43 @@ def test_learner_replays_demos_or_every_fleet_success(setup, tmp_path):
     lrn._setup()
     with pytest.raises(ValueError, match="fert.replay"):
         lrn.replay_episodes()
+
+
+def test_learner_ships_a_success_critic_that_the_fleet_loads(setup, tmp_path):
+    """``fert.critic.enabled``: the round fits a critic on successes and failures of the training units, saves it
+    beside the weights, and the published version loads with it choosing the policy's chunks."""
+    from fleet.arms import ARMS, critic_arm_checkpoint
+    from fleet.policies import load_checkpoint
+    from policies.critic import CRITIC_FILES, CriticGuidedSampler
+    from sim import make_env
+
+    cfg = learner_cfg(2)
+    cfg["task"] = TASK_CFG
+    cfg["fert"]["critic"] = {"enabled": True, "candidates": 3, "members": 2, "hidden": 16, "updates": 5,
+                             "batch_size": 32}
+    reg_url = str(tmp_path / "registry")
+    lrn = FertLearner(cfg, setup["store"], reg_url, str(tmp_path / "work"), setup["base"], run_id="c")
+    rec = lrn.run(rounds=1)["history"][0]["critic"]
+    reader = ExperienceStore.open(setup["store"])
+    train = [m for m in reader.episodes() if m.unit_id in (0, 1)]
+    assert rec["episodes"] == len(train) and rec["steps"] == sum(m.length for m in train)
+    assert any(not m.success for m in train) and 0 < rec["positive_share"] < 1      # failures are data too
+    local = CheckpointRegistry(reg_url).fetch(None, tmp_path / "fetched")
+    assert all((local / f).is_file() for f in CRITIC_FILES)
+    model, version = load_checkpoint(local)
+    assert version == 1 and isinstance(model.chunk_sampler, CriticGuidedSampler)
+    env = make_env(task="reach-v3", unit_id=0, robot_cfg=ROBOT_CFG, obs_cfg=OBS_CFG, task_cfg=TASK_CFG)
+    obs, _ = env.reset(seed=3)
+    model.reset()
+    for _ in range(5):
+        a = model.select_action(obs)
+        obs = env.step(a)[0]
+    env.close()
+    assert a.shape == (4,) and np.isfinite(a).all() and model.chunk_sampler.decisions == 2   # 4 steps per chunk
+    # the critic arms: FERT's weights without the critic, the base with FERT's critic
+    ckpt = {"fert": str(local), "base": setup["base"]}
+    bare = critic_arm_checkpoint(ARMS["fert_no_critic"], ckpt, tmp_path / "fert_no_critic")
+    assert not any((tmp_path / "fert_no_critic" / f).exists() for f in CRITIC_FILES)
+    assert load_checkpoint(bare)[0].chunk_sampler is None
+    guided = critic_arm_checkpoint(ARMS["base_critic"], ckpt, tmp_path / "base_critic")
+    assert isinstance(load_checkpoint(guided)[0].chunk_sampler, CriticGuidedSampler)

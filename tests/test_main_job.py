@@ -23,6 +23,7 @@ def test_main_job_tiny_end_to_end(tmp_path):
             "job.demos_per_task=3", "job.base_steps=10", "fleet.units=2", "job.fleet_episodes_per_unit=3",
             "job.videos=1", "job.video_episodes=2", "eval.trials_per_task=2",
             "fert.rounds=1", "learner.updates_per_version=5", "learner.batch_size=16",
+            "fert.critic.updates=5", "fert.critic.hidden=16", "fert.critic.members=2", "fert.critic.candidates=2",
             "learner.validate_trials_per_task=2", "job.val_demos_per_task=1", "train.save_every=5",
             "train.batch_size=16", "train.wandb.enabled=false", "train.progress=false",
             "policy.dim=32", "policy.n_layers=1", "policy.n_heads=2", "policy.state_hidden=32",
@@ -33,7 +34,8 @@ def test_main_job_tiny_end_to_end(tmp_path):
                           text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = json.loads((out / "results.json").read_text())
-    arms = {"base", "demos_bc", "filtered_bc", "filtered_bc_retries", "fert", "fert_no_aed", "base_no_aed"}
+    arms = {"base", "demos_bc", "filtered_bc", "filtered_bc_retries", "fert", "fert_no_critic", "base_critic",
+            "fert_no_aed", "base_no_aed"}
     assert set(table["arms"]) == arms and table["meta"]["seeds"] == [0, 1]
     for row in table["arms"].values():
         assert row["tasks"]["reach-v3"]["trials"] == 4                      # 2 trials x 2 seeds
@@ -61,6 +63,13 @@ def test_main_job_tiny_end_to_end(tmp_path):
         fr = rnd["learners"]["fert"]["failure_replay"]
         assert fr["failures"] == len(rnd["failed_trials"]) == 6 - rnd["successes"]
         assert 0 <= fr["solved"] <= fr["failures"] and sum(n for _, n in fr["per_task"].values()) == fr["failures"]
+        # the round's success critic learned from every training-unit episode (successes and failures), and
+        # the critic arms are FERT's weights without it and the base's weights with it
+        assert rnd["learners"]["fert"]["critic"]["episodes"] >= 6
+        from policies.critic import CRITIC_FILES
+
+        assert all((sd / "base_critic" / f).is_file() for f in CRITIC_FILES)
+        assert not any((sd / "fert_no_critic" / f).exists() for f in CRITIC_FILES)
         # the fleet ran the fixed plan with the base (v1); retries re-ran failed trials on training units only
         train_eps = ExperienceStore.open(str(sd / "store")).episodes()
         assert {m.unit_id for m in train_eps} <= {0, 1}

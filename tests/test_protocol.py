@@ -198,6 +198,9 @@ def test_arm_registry_refuses_unknown_arms_and_merges_overrides():
         get_arms(["base", "ferd"])
     with pytest.raises(ValueError, match="repeated"):
         get_arms(["base", "base"])
+    with pytest.raises(ValueError, match="add fert"):                # the critic arms are made from fert's
+        get_arms(["base", "base_critic"])
+    assert [a.critic for a in get_arms(["fert", "fert_no_critic", "base_critic"])] == [None, "drop", "fert"]
     cfg = {"fert": {"key": "relative", "gate": {"enabled": True, "beta": 0.05}}}
     assert fert_config(cfg, ARMS["fert_no_gate"])["fert"]["gate"] == {"enabled": False, "beta": 0.05}
     assert fert_config(cfg, ARMS["fert_abs_key"])["fert"]["key"] == "absolute"
