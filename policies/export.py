@@ -17,7 +17,9 @@ from typing import Any
 
 from policies.runtime import EXPORT_FORMAT, EXPORT_META, MODEL_CARD, sha256_file
 
-CHECKPOINT_FILES = ("config.json", "model.safetensors", "stats.json", "tokenizer.json")
+# the policy's files, and the success critic FERT ships beside them (policies/critic.py), copied when present
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "stats.json", "tokenizer.json", "critic.safetensors",
+                    "critic.json")
 ACTION_NAMES = ["dx", "dy", "dz", "gripper"]  # docs/INTERFACES.md action spec (4-d end-effector actions)
 
 

@@ -91,7 +91,9 @@ class PolicyRuntime:
         backend: ``"torch"`` (eager PyTorch), ``"onnx"`` (the export's ONNX graph for the step count and batch
             size in ONNX Runtime, ``policies.onnx``; anything else raises) or ``"auto"`` (ONNX where the export
             has a graph for the call's step count and batch size and onnxruntime is installed, else PyTorch).
-        folder: the export folder (where ``export.json``'s ONNX graphs are); needed for the ONNX backend.
+        folder: the export folder (where ``export.json``'s ONNX graphs are); needed for the ONNX backend. A
+            success critic exported with the weights (``policies.critic``, FERT's ``fert.critic``) then chooses
+            ``select_action``'s chunks among K samples (``self.critic``: whether one was installed).
         num_threads: ONNX Runtime's intra-op threads (None: torch's current setting).
     Raises:
         ValueError: ``num_inference_steps`` out of range, or given for a policy without denoising steps;
@@ -144,6 +146,11 @@ class PolicyRuntime:
         self.backend = backend
         if backend != "torch":  # select_action's chunks too (AEDDiffusionPolicy.chunk_sampler)
             policy.chunk_sampler = self._chunk
+        self.critic = False
+        if self.folder is not None:   # a success critic exported beside the weights chooses select_action's chunks
+            from policies.critic import install_critic
+
+            self.critic = install_critic(policy, self.folder, str(getattr(policy, "device", "cpu")))
         self.reset()
 
     def _sampler(self, key: tuple[int, int]):

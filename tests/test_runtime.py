@@ -271,3 +271,27 @@ def test_export_takes_the_control_rate_recorded_by_training(exported, tmp_path):
     assert prov["control_hz"] == 30.0 and prov["store"] == "outputs/so100_demos" and prov["tasks"] == ["so100-reach"]
     assert store_control_hz(ckpt) == 30.0
     shutil.rmtree(tmp_path / "run")
+
+
+def test_an_exported_success_critic_chooses_the_runtimes_chunks(exported, tmp_path):
+    """A checkpoint with FERT's success critic exports it (sha256-listed) and the runtime acts through it."""
+    from policies.critic import CRITIC_FILES, CriticGuidedSampler, SuccessCritic, save_critic
+
+    policy, _ = exported
+    policy.save_pretrained(tmp_path / "ckpt")
+    shapes = policy.config.input_shapes
+    critic = SuccessCritic(shapes["observation.state"][0] + shapes["observation.environment_state"][0],
+                           policy.config.action_dim, policy.config.n_action_steps, members=2, hidden=8,
+                           state_keys=["observation.state", "observation.environment_state"])
+    save_critic(critic, tmp_path / "ckpt", candidates=3)
+    folder = export_checkpoint(tmp_path / "ckpt", tmp_path / "export", control_hz=30.0)
+    assert set(CRITIC_FILES) <= set(verify_export(folder)["files"])
+    rt = PolicyRuntime.load(folder, backend="torch")
+    assert rt.critic and isinstance(rt.policy.chunk_sampler, CriticGuidedSampler)
+    rt.reset()
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        a = rt.select_action({"observation.state": rng.uniform(0, 1, 4).astype(np.float32),
+                              "observation.environment_state": rng.uniform(-1, 1, 17).astype(np.float32)})
+        assert a.shape == (4,) and np.isfinite(a).all()
+    assert rt.policy.chunk_sampler.decisions >= 1
