@@ -166,7 +166,10 @@ def fit_critic(reader, episodes: Sequence, state_keys: Sequence[str], action_dim
 
     Returns:
         ``(critic in eval mode, record)``; record: ``{"episodes", "steps", "positive_share", "train_loss",
-        "val_loss", "members", "updates"}``.
+        "val_loss", "val_loss_constant", "members", "updates"}`` (``val_loss_constant``: the validation BCE of
+        predicting the training rows' mean target everywhere, the level a critic that ignores its input reaches;
+        the validation rows are whole held-out episodes, so this measures generalisation across episodes, not the
+        ranking of chunks at one state that the sampler uses).
 
     Raises:
         ValueError: as :func:`critic_arrays`, or a bad ``cfg`` value.
@@ -203,15 +206,18 @@ def fit_critic(reader, episodes: Sequence, state_keys: Sequence[str], action_dim
         loss.backward()
         opt.step()
     critic.eval()
-    val_loss = None
+    val_loss = val_const = None
     if val.any():
         v = torch.as_tensor(val)
         p = torch.cat([critic.success_probability(S[v][i:i + 4096].to(device), P[v][i:i + 4096].to(device),
                                                   A[v][i:i + 4096].to(device)).cpu()
                        for i in range(0, int(v.sum()), 4096)])
         val_loss = float(nn.functional.binary_cross_entropy(p.clamp(1e-6, 1 - 1e-6), Y[v]))
+        const = Y[~v].mean().clamp(1e-6, 1 - 1e-6).expand(int(v.sum()))
+        val_const = float(nn.functional.binary_cross_entropy(const, Y[v]))
     rec = {"episodes": len(episodes), "steps": int(len(Y)), "positive_share": float((Y > 0).float().mean()),
-           "train_loss": float(loss.detach()), "val_loss": val_loss, "members": critic.members, "updates": int(c["updates"])}
+           "train_loss": float(loss.detach()), "val_loss": val_loss,
+           "val_loss_constant": val_const, "members": critic.members, "updates": int(c["updates"])}
     return critic, rec
 
 

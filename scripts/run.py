@@ -385,7 +385,8 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
                 cr = out["critic"]
                 print(f"  {arm.name} round {r}: success critic on {cr['episodes']} episodes ({cr['steps']} steps, "
                       f"{100 * cr['positive_share']:.0f}% on the way to a success), validation BCE "
-                      f"{cr['val_loss'] if cr['val_loss'] is None else round(cr['val_loss'], 3)}, "
+                      f"{cr['val_loss'] if cr['val_loss'] is None else round(cr['val_loss'], 3)} (predicting the mean: "
+                      f"{cr.get('val_loss_constant') if cr.get('val_loss_constant') is None else round(cr['val_loss_constant'], 3)}), "
                       f"{cr['fit_s']:.0f} s", flush=True)
             rec["learners"][arm.name] = {k: out.get(k) for k in ("contexts", "retrieved", "dataset", "loss", "version",
                                                                  "validation", "own_retry_entries", "critic")}

@@ -65,7 +65,7 @@ def _fit(url, updates=150):
 def test_fit_critic_learns_which_chunks_succeed(store):
     critic, rec = _fit(store)
     assert rec["episodes"] == 16 and rec["steps"] == 16 * 12 and 0.3 < rec["positive_share"] < 0.6
-    assert rec["val_loss"] is not None and rec["val_loss"] < 0.5          # held-out episodes, chance is 0.69
+    assert rec["val_loss"] is not None and rec["val_loss"] < rec["val_loss_constant"] - 0.1   # held-out episodes
     reader = ExperienceStore.open(store)
     ep = reader.load_episode(reader.episodes()[1].episode_id, keys=KEYS)  # a failed episode's states
     s = torch.as_tensor(np.concatenate([ep[k] for k in KEYS], 1)[3:9], dtype=torch.float32)
