@@ -48,12 +48,6 @@ LEARNER_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _device(device: str) -> str:
-    from fleet.policies import resolve_device
-
-    return resolve_device(device)
-
-
 def _atomic_write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=1))
@@ -241,6 +235,7 @@ class FertLearner:
         ccfg = dict(self.cfg["fert"].get("critic") or {})
         if not ccfg.get("enabled", False):
             return None
+        from fleet.policies import resolve_device
         from policies.critic import fit_critic, save_critic
 
         keys = [k for k, shape in policy.config.input_shapes.items() if len(shape) == 1]   # state vectors, no images
@@ -249,7 +244,7 @@ class FertLearner:
                                  int(policy.config.n_action_steps),
                                  int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
                                  {k: v for k, v in ccfg.items() if k not in ("enabled", "candidates")}, seed=seed,
-                                 device=_device(str(self.lcfg["device"])))
+                                 device=resolve_device(str(self.lcfg["device"])))
         save_critic(critic, checkpoint, int(ccfg.get("candidates", 8)))
         rec["fit_s"] = time.perf_counter() - t0
         log.info("learner %s: success critic on %d episodes (%d steps), validation BCE %s, %.0f s", self.run_id,

@@ -18,16 +18,14 @@ without them; ``fleet.policies.load_checkpoint`` installs a found critic on the 
 from __future__ import annotations
 
 import json
-import logging
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 CRITIC_WEIGHTS = "critic.safetensors"
 CRITIC_CONFIG = "critic.json"
@@ -78,13 +76,16 @@ class SuccessCritic(nn.Module):
         self.register_buffer("mean", torch.zeros(d_in))
         self.register_buffer("std", torch.ones(d_in))
 
-    def features(self, state: torch.Tensor, prev_state: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
-        """(B, D), (B, D), (B, >= n, A) raw units -> (B, 2D + nA) standardised inputs."""
+    def raw_features(self, state: torch.Tensor, prev_state: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+        """(B, D), (B, D), (B, >= n, A) raw units -> (B, 2D + nA) float32 inputs before standardisation."""
         if state.shape[-1] != self.state_dim or chunk.shape[-1] != self.action_dim or chunk.shape[1] < self.chunk_steps:
             raise ValueError(f"SuccessCritic: expected state (B, {self.state_dim}) and chunk (B, >={self.chunk_steps}, "
                              f"{self.action_dim}), given {tuple(state.shape)} and {tuple(chunk.shape)}")
-        x = torch.cat([state, state - prev_state, chunk[:, : self.chunk_steps].flatten(1)], -1).float()
-        return (x - self.mean) / self.std
+        return torch.cat([state, state - prev_state, chunk[:, : self.chunk_steps].flatten(1)], -1).float()
+
+    def features(self, state: torch.Tensor, prev_state: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+        """:meth:`raw_features` standardised with the ``mean`` / ``std`` buffers."""
+        return (self.raw_features(state, prev_state, chunk) - self.mean) / self.std
 
     def forward(self, state: torch.Tensor, prev_state: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
         """(members, B) logits of the discounted success."""
@@ -180,42 +181,42 @@ def fit_critic(reader, episodes: Sequence, state_keys: Sequence[str], action_dim
     data = critic_arrays(reader, episodes, state_keys, chunk_steps, steps_after_success, float(c["gamma"]))
     g = torch.Generator().manual_seed(int(seed))
     torch.manual_seed(int(seed))
-    every = int(round(1.0 / float(c["val_fraction"]))) if float(c["val_fraction"]) > 0 else 0
+    every = round(1.0 / float(c["val_fraction"])) if float(c["val_fraction"]) > 0 else 0
     val = (data["episode"] % every == every - 1) if every > 1 else np.zeros(len(data["target"]), bool)
     if val.all():
         val[:] = False
-    S, P, A, Y = (torch.as_tensor(data[k]) for k in ("state", "prev_state", "chunk", "target"))
+    S, P, A, Y = (torch.as_tensor(data[k]).to(device) for k in ("state", "prev_state", "chunk", "target"))
     critic = SuccessCritic(S.shape[1], int(action_dim), int(chunk_steps), int(c["members"]), int(c["hidden"]),
-                           float(c["dropout"]), state_keys)
-    tr = torch.as_tensor(~val)
+                           float(c["dropout"]), state_keys).to(device)
+    tr = torch.as_tensor(~val, device=S.device)
     with torch.no_grad():
-        x = torch.cat([S, S - P, A[:, :chunk_steps].flatten(1)], -1)[tr]
+        x = critic.raw_features(S[tr], P[tr], A[tr])
         critic.mean.copy_(x.mean(0))
         critic.std.copy_(x.std(0) + 1e-3)
-    critic.to(device).train()
+    critic.train()
     opt = torch.optim.AdamW(critic.parameters(), lr=float(c["lr"]), weight_decay=float(c["weight_decay"]))
-    idx = torch.nonzero(tr).squeeze(1)
+    idx = torch.nonzero(tr).squeeze(1).cpu()
     bce = nn.BCEWithLogitsLoss()
     loss = torch.tensor(float("nan"))
     for _ in range(int(c["updates"])):
-        b = idx[torch.randint(len(idx), (critic.members, int(c["batch_size"])), generator=g)]
-        logits = torch.stack([net(critic.features(S[b[k]].to(device), P[b[k]].to(device), A[b[k]].to(device))).squeeze(-1)
+        b = idx[torch.randint(len(idx), (critic.members, int(c["batch_size"])), generator=g)].to(S.device)
+        logits = torch.stack([net(critic.features(S[b[k]], P[b[k]], A[b[k]])).squeeze(-1)
                               for k, net in enumerate(critic.nets)])
-        loss = bce(logits, Y[b].to(device))
+        loss = bce(logits, Y[b])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
     critic.eval()
     val_loss = val_const = None
     if val.any():
-        v = torch.as_tensor(val)
-        p = torch.cat([critic.success_probability(S[v][i:i + 4096].to(device), P[v][i:i + 4096].to(device),
-                                                  A[v][i:i + 4096].to(device)).cpu()
-                       for i in range(0, int(v.sum()), 4096)])
-        val_loss = float(nn.functional.binary_cross_entropy(p.clamp(1e-6, 1 - 1e-6), Y[v]))
-        const = Y[~v].mean().clamp(1e-6, 1 - 1e-6).expand(int(v.sum()))
-        val_const = float(nn.functional.binary_cross_entropy(const, Y[v]))
-    rec = {"episodes": len(episodes), "steps": int(len(Y)), "positive_share": float((Y > 0).float().mean()),
+        v = ~tr
+        Sv, Pv, Av, Yv = S[v], P[v], A[v], Y[v]
+        p = torch.cat([critic.success_probability(Sv[i:i + 4096], Pv[i:i + 4096], Av[i:i + 4096])
+                       for i in range(0, len(Yv), 4096)])
+        val_loss = float(nn.functional.binary_cross_entropy(p.clamp(1e-6, 1 - 1e-6), Yv))
+        const = Y[tr].mean().clamp(1e-6, 1 - 1e-6).expand(len(Yv))
+        val_const = float(nn.functional.binary_cross_entropy(const, Yv))
+    rec = {"episodes": len(episodes), "steps": len(Y), "positive_share": float((Y > 0).float().mean()),
            "train_loss": float(loss.detach()), "val_loss": val_loss,
            "val_loss_constant": val_const, "members": critic.members, "updates": int(c["updates"])}
     return critic, rec

@@ -9,8 +9,16 @@ import pytest
 import torch
 
 from experience_dict.store import ExperienceStore
-from policies.critic import (CRITIC_CONFIG, CRITIC_WEIGHTS, CriticGuidedSampler, SuccessCritic, fit_critic,
-                             load_critic, save_critic, success_targets)
+from policies.critic import (
+    CRITIC_CONFIG,
+    CRITIC_WEIGHTS,
+    CriticGuidedSampler,
+    SuccessCritic,
+    fit_critic,
+    load_critic,
+    save_critic,
+    success_targets,
+)
 
 torch.set_num_threads(1)
 KEYS = ["observation.state", "observation.environment_state"]
@@ -46,7 +54,7 @@ def store(tmp_path_factory):
         w.begin_episode(unit_id=0, embodiment="sawyer", task="reach-v3", policy_version=1, seed=i, is_demo=False)
         for _ in range(12):
             a = np.array([0.5 * sign, *rng.uniform(-0.3, 0.3, 2), 0.0], np.float32)
-            nxt, r, term, trunc, info = env.step(a)
+            nxt, r, _, _, info = env.step(a)
             w.add_step(obs, a, float(r), info["progress"])
             obs = nxt
         w.commit(success=sign > 0)
