@@ -30,8 +30,11 @@ bc_retries_focus          base         filtered_bc_retries with the successful r
                                        the windows (exploration data concentrated, no retrieval)
 demos_bc                  base         the demonstrations only, the same budget: no fleet data at all (what
                                        fine-tuning alone does to the base; the control for every other arm)
-fert_no_critic            fert         FERT's weights without its success critic (the policy's own chunk
-                                       every step): what the retrieval fine-tuning alone gives
+fert_no_critic            fert         FERT's fine-tuned weights without its success critic (the policy's
+                                       own chunk every step): what the retrieval fine-tuning alone gives
+fert_finetuned            fert         FERT's fine-tuned weights with its critic (the round's fine-tuned
+                                       candidate), whichever candidate the validation gate published:
+                                       ``fert - fert_finetuned`` is what the gate's choice adds
 base_critic               base         the base's weights with FERT's success critic choosing among its
                                        chunks: what the critic alone gives, without fine-tuning
 ========================  ===========  =================================================================
@@ -40,7 +43,10 @@ base_critic               base         the base's weights with FERT's success cr
 (``policies.critic``): fitted on the store's successes and failures, it picks one of ``fert.critic.candidates``
 chunks sampled from the policy at every decision. The two critic arms reuse checkpoints (no training):
 ``critic="drop"`` copies its ``init`` checkpoint without the critic's files, ``critic="fert"`` copies its ``init``
-checkpoint and adds the ``fert`` arm's critic.
+checkpoint and adds the ``fert`` arm's critic. With ``learner.validate_critic_only`` the publishing learner's gate
+chooses between two candidates per round (``scripts/run.py: make_validator``): the fine-tuned weights with the
+new critic, and the current version's weights with the new critic; ``fert`` is what it published,
+``fert_finetuned`` the fine-tuned candidate either way (``init`` ``"fert_finetuned"``).
 
 ``in_loop`` arms are trained round by round by their own ``fleet.learner.FertLearner`` while the fleet
 collects (``fert`` publishes the versions the fleet acts with); the others are fine-tuned once the fleet is
@@ -99,12 +105,16 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
     Arm("bc_retries_focus", "base", "successes+retries", "filtered BC + retries, retries tiled to 50% of windows",
         retry_share=0.5),
     Arm("demos_bc", "base", "demos", "fine-tuned on the demonstrations only (no fleet data), same budget"),
-    Arm("fert_no_critic", "fert", "none", "FERT's weights without its success critic", critic="drop"),
+    Arm("fert_no_critic", "fert_finetuned", "none", "FERT's fine-tuned weights without its success critic",
+        critic="drop"),
+    Arm("fert_finetuned", "fert_finetuned", "none", "FERT's fine-tuned weights with its critic, whichever candidate "
+        "the gate published"),
     Arm("base_critic", "base", "none", "the base's weights with FERT's success critic", critic="fert"),
 ]}
 
 # (arm, baseline) pairs reported trial by trial, in this order, when both arms ran
-PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retries"), ("fert", "fert_no_critic"),
+PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retries"), ("fert", "fert_finetuned"),
+         ("fert_finetuned", "base"), ("fert_finetuned", "fert_no_critic"), ("fert", "fert_no_critic"),
          ("fert_no_critic", "base"), ("base_critic", "base"), ("fert", "base_critic"),
          ("fert_no_critic", "filtered_bc_retries"), ("filtered_bc_retries", "base"),
          ("filtered_bc_retries", "filtered_bc"),
@@ -130,7 +140,7 @@ def get_arms(names: Iterable[str]) -> list[Arm]:
         raise ValueError(f"job.arms: unknown arms {unknown}; known: {sorted(ARMS)}")
     if len(set(names)) != len(names):
         raise ValueError(f"job.arms: repeated arm names in {names}")
-    need_fert = [n for n in names if ARMS[n].critic is not None]
+    need_fert = [n for n in names if ARMS[n].critic is not None or ARMS[n].init.startswith("fert")]
     if need_fert and "fert" not in names:
         raise ValueError(f"job.arms: {need_fert} are made from the fert arm's checkpoint or critic; add fert")
     return [ARMS[n] for n in names]
@@ -231,26 +241,24 @@ def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path
     return deployed_checkpoint(cfg["learner"].get("wise_alpha"), init_ckpt, res["checkpoint"], out_dir / "wise")
 
 
-def critic_arm_checkpoint(arm: Arm, ckpt: dict, out_dir: str | Path) -> str:
-    """The checkpoint of a critic arm (``arm.critic`` set): ``ckpt[arm.init]``'s files copied to ``out_dir``
-    without the success critic (``"drop"``), or with the ``fert`` arm's critic (``"fert"``). The registry manifest
-    is not copied (the file set changed; the copy loads as an unversioned policy).
+def checkpoint_with_critic(src: str | Path, out_dir: str | Path, critic_from: str | Path | None = None) -> str:
+    """Copy the ``pretrained_model`` directory ``src`` to ``out_dir`` without its success critic, and with
+    ``critic_from``'s critic files when given (the weights of one checkpoint, the critic of another). The registry
+    manifest is not copied (the file set changed; the copy loads as an unversioned policy). Written to a
+    temporary sibling and renamed, so ``out_dir`` never holds half a checkpoint. Returns ``str(out_dir)``.
 
     Raises:
-        ValueError: ``arm.critic`` unknown, or ``"fert"`` when the fert checkpoint has no critic
-            (``fert.critic.enabled: false``).
+        ValueError: ``critic_from`` has no complete success critic (``fert.critic.enabled`` false?).
     """
     import shutil
 
     from fleet.registry import MANIFEST
     from policies.critic import CRITIC_FILES
 
-    if arm.critic not in ("drop", "fert"):
-        raise ValueError(f"arm {arm.name}: critic must be 'drop' or 'fert', given {arm.critic!r}")
-    src, fert = Path(ckpt[arm.init]), Path(ckpt["fert"])
-    if arm.critic == "fert" and not all((fert / f).is_file() for f in CRITIC_FILES):
-        raise ValueError(f"arm {arm.name}: the fert checkpoint {str(fert)!r} has no success critic "
-                         "(fert.critic.enabled is false?)")
+    src = Path(src)
+    if critic_from is not None and not all((Path(critic_from) / f).is_file() for f in CRITIC_FILES):
+        raise ValueError(f"checkpoint {str(critic_from)!r} has no success critic ({CRITIC_FILES}; "
+                         "fert.critic.enabled is false?)")
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -258,9 +266,27 @@ def critic_arm_checkpoint(arm: Arm, ckpt: dict, out_dir: str | Path) -> str:
     for f in src.iterdir():
         if f.is_file() and f.name not in (*CRITIC_FILES, MANIFEST):
             shutil.copy2(f, tmp / f.name)
-    if arm.critic == "fert":
+    if critic_from is not None:
         for f in CRITIC_FILES:
-            shutil.copy2(fert / f, tmp / f)
+            shutil.copy2(Path(critic_from) / f, tmp / f)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return str(out)
+
+
+def critic_arm_checkpoint(arm: Arm, ckpt: dict, out_dir: str | Path) -> str:
+    """The checkpoint of a critic arm (``arm.critic`` set): ``ckpt[arm.init]``'s files copied to ``out_dir``
+    without the success critic (``"drop"``), or with the critic FERT fitted in its last round (``"fert"``: from
+    ``ckpt["fert_finetuned"]``, the round's fine-tuned candidate, or ``ckpt["fert"]`` when that is absent).
+
+    Raises:
+        ValueError: ``arm.critic`` unknown, or ``"fert"`` when the fert checkpoint has no critic
+            (``fert.critic.enabled: false``).
+    """
+    if arm.critic not in ("drop", "fert"):
+        raise ValueError(f"arm {arm.name}: critic must be 'drop' or 'fert', given {arm.critic!r}")
+    try:
+        return checkpoint_with_critic(ckpt[arm.init], out_dir,
+                                      ckpt.get("fert_finetuned", ckpt["fert"]) if arm.critic == "fert" else None)
+    except ValueError as e:
+        raise ValueError(f"arm {arm.name}: {e}") from None

@@ -45,6 +45,7 @@ LEARNER_DEFAULTS: dict[str, Any] = {
     "device": "auto",
     "torch_threads": 1,           # CPU threads for training (the fleet's workers use the other cores)
     "seed": 0,                    # round r trains with seed 1000 * seed + r (data order, noise, timesteps)
+    "validate_critic_only": False,  # the validator also weighs the current version's weights + the new critic
 }
 
 
@@ -66,10 +67,14 @@ class FertLearner:
         init_checkpoint: ``pretrained_model`` directory the fine-tuning starts from (the base policy).
         run_id: names this learner's versions in the registry metadata (so a restart never republishes).
         publish: False trains and audits without publishing (offline arms such as FERT without AED).
-        validator: optional ``f(candidate pretrained_model dir, round) -> (accept: bool, record: dict)`` run
-            before publishing: a rejected round is recorded (``state["rejected"]``, the round's ``validation``)
-            and not published, so the fleet keeps acting with the last accepted version; training goes on from
-            the rejected weights in the next round (drift control by gating what the fleet runs).
+        validator: optional ``f({name: pretrained_model dir}, round) -> (chosen name or None, record: dict)`` run
+            before publishing, on the round's candidates: ``"finetuned"`` (the fine-tuned weights, with the new
+            success critic when one is fitted) and, with ``learner.validate_critic_only`` and a critic,
+            ``"critic_only"`` (the current version's weights with the new critic,
+            :meth:`critic_only_candidate`). The chosen candidate is published; a rejected round (None) is
+            recorded (``state["rejected"]``, the round's ``validation``) and not published, so the fleet keeps
+            acting with the last accepted version; training goes on from the fine-tuned weights in the next
+            round either way (drift control by gating what the fleet runs).
     """
 
     def __init__(self, cfg: dict, store_url: str, registry_url: str | None, work_dir: str, init_checkpoint: str,
@@ -198,13 +203,17 @@ class FertLearner:
         audit = None
         if self.cfg["fert"].get("audit", True) and len(retrieval):
             audit = write_retrieval_audit(retrieval, self._fert.index, self.work_dir / "audits", r)
-        validation = None
+        validation, chosen, candidates = None, "finetuned", {"finetuned": ckpt}
         if self.validator is not None and self.publish_versions:
-            accept, validation = self.validator(ckpt, r)
-            if not accept:
+            if critic is not None and self.lcfg.get("validate_critic_only"):
+                candidates["critic_only"] = self.critic_only_candidate(ckpt, r)
+            chosen, validation = self.validator(candidates, r)
+            if chosen is None:
                 self.state.setdefault("rejected", []).append(r)
-        version = self._publish_once(ckpt, r, out) if validation is None or accept else None
-        rec = {"validation": validation, "round": r, "version": version, "step": int(out["step"]), "fleet_episodes": n_eps,
+        version = self._publish_once(candidates[chosen], r, out) if validation is None or chosen else None
+        rec = {"validation": validation, "round": r, "version": version,
+               "published_candidate": chosen if version is not None else None, "step": int(out["step"]),
+               "fleet_episodes": n_eps,
                "contexts": len(retrieval.contexts), "retrieved": len(retrieval), "dataset": len(dataset),
                "update": upd, "loss": (out.get("metrics") or {}).get("loss"), "train_s": time.perf_counter() - t0,
                "audit": (audit or {}).get("files"), "critic": critic}
@@ -250,6 +259,20 @@ class FertLearner:
         log.info("learner %s: success critic on %d episodes (%d steps), validation BCE %s, %.0f s", self.run_id,
                  rec["episodes"], rec["steps"], rec["val_loss"], rec["fit_s"])
         return rec
+
+    def critic_only_candidate(self, checkpoint: str | Path, r: int) -> str:
+        """Round ``r``'s second candidate: the weights of the version the fleet runs now (the registry's newest)
+        with the success critic just fitted into ``checkpoint``, in ``<work_dir>/critic_only/round_<r>``. A critic
+        fitted on the fleet's successes and failures can help the current weights without the fine-tuning (on one
+        seed of experiment 19 the fine-tuned weights lost 4 points on held-out units while the base with the same
+        critic gained 5; docs/RESULTS.md); the validation gate decides which one the fleet gets."""
+        from fleet.arms import checkpoint_with_critic
+        from fleet.registry import CheckpointRegistry
+
+        reg = CheckpointRegistry(self.registry_url)
+        v = reg.latest_version()
+        current = reg.fetch(v, self.work_dir / "critic_only" / f"v{v:06d}")
+        return checkpoint_with_critic(current, self.work_dir / "critic_only" / f"round_{r:03d}", checkpoint)
 
     def deployed_checkpoint(self, trained: str | Path, r: int) -> str:
         """The ``pretrained_model`` that round ``r`` validates and publishes: ``trained`` itself, or with

@@ -218,13 +218,16 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
 def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
     """The per-version validation gate of the publishing learner (``learner.validate_trials_per_task`` > 0).
 
-    Before a FERT round's weights are published, the candidate and the version the fleet runs now play the
-    same fixed plan of training-unit trials (seed stream ``7000 + seed``, ``fleet.evaluation.evaluation_plan``;
-    committed to ``<seed dir>/validation/round_<r>/eval_store``, never to the training store); the candidate is
-    published unless it is worse on them: its paired success difference is below ``-learner.validate_tolerance``
-    *and* the one-sided exact McNemar test (candidate worse) has p < ``learner.validate_alpha``. A difference
-    of two trials out of 30 is noise; without the test the gate rejected a candidate on 0 wins / 2 losses.
-    Returns None when the gate is off."""
+    Before a FERT round is published, the version the fleet runs now and the round's candidates (``finetuned``:
+    the fine-tuned weights with the new critic; with ``learner.validate_critic_only``, ``critic_only``: the
+    current weights with the new critic) play the same fixed plan of training-unit trials (seed stream
+    ``7000 + seed``, ``fleet.evaluation.evaluation_plan``; committed to ``<seed dir>/validation/round_<r>/eval_store``,
+    never to the training store). The candidate with the most successes is chosen (ties: the first, ``finetuned``),
+    and it is published unless it is worse than the current version: its paired success difference is below
+    ``-learner.validate_tolerance`` *and* the one-sided exact McNemar test (candidate worse) has
+    p < ``learner.validate_alpha``. A difference of two trials out of 30 is noise; without the test the gate
+    rejected a candidate on 0 wins / 2 losses. The validator returns ``(chosen name or None, record)``; the
+    factory returns None when the gate is off."""
     from fleet.evaluation import evaluate_arms
     from fleet.registry import CheckpointRegistry
     from fleet.report import paired_differences
@@ -235,27 +238,32 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
     tol = float(c["learner"].get("validate_tolerance", 0.0))
     alpha = float(c["learner"].get("validate_alpha", 1.0))
 
-    def validate(candidate: str, r: int) -> tuple[bool, dict]:
+    def validate(candidates: dict, r: int) -> tuple[str | None, dict]:
+        from scipy.stats import binomtest
+
+        if not candidates or "current" in candidates:
+            raise ValueError(f"validation: expected named candidates other than 'current', given {list(candidates)}")
         reg = CheckpointRegistry(c["fleet"]["registry_url"])
         v = reg.latest_version()
         current = reg.fetch(v, sd / "cache" / "validation" / f"v{v:06d}")
         cv = {**c, "eval": {**c["eval"], "seed": 7000 + int(c["seed"])}}
-        res = evaluate_arms(cv, {"current": str(current), "candidate": candidate}, sd / "validation" / f"round_{r}",
-                            n, units=units, progress=progress)
-        cell = paired_differences(res, [("candidate", "current")])["pairs"][0]["average"]
+        res = evaluate_arms(cv, {"current": str(current), **{k: str(p) for k, p in candidates.items()}},
+                            sd / "validation" / f"round_{r}", n, units=units, progress=progress)
         rate = {k: sum(bool(e["success"]) for e in eps) / max(len(eps), 1) for k, eps in res.items()}
-        from scipy.stats import binomtest
-
+        best = max(candidates, key=lambda k: (rate[k], -list(candidates).index(k)))
+        cell = paired_differences(res, [(best, "current")])["pairs"][0]["average"]
         n_disc = cell["wins"] + cell["losses"]
         p_worse = float(binomtest(cell["wins"], n_disc, 0.5, alternative="less").pvalue) if n_disc else 1.0
         accept = cell["diff"] >= -tol or p_worse >= alpha
-        print(f"  validation of round {r} on training units {units}: candidate {100 * rate['candidate']:.1f}% vs "
+        others = ", ".join(f"{k} {100 * rate[k]:.1f}%" for k in candidates if k != best)
+        print(f"  validation of round {r} on training units {units}: {best} {100 * rate[best]:.1f}% vs "
               f"v{v} {100 * rate['current']:.1f}% (paired {100 * cell['diff']:+.1f} pts, {cell['wins']}/"
-              f"{cell['losses']}, one-sided p={p_worse:.2g}) -> {'publish' if accept else 'REJECTED (not published)'}",
-              flush=True)
-        return accept, {"current_version": v, "candidate": rate["candidate"], "current": rate["current"],
-                        "diff": cell["diff"], "wins": cell["wins"], "losses": cell["losses"], "p_worse": p_worse,
-                        "accepted": accept}
+              f"{cell['losses']}, one-sided p={p_worse:.2g}{'; ' + others if others else ''}) -> "
+              f"{'publish ' + best if accept else 'REJECTED (not published)'}", flush=True)
+        return (best if accept else None), {
+            "current_version": v, "candidate": rate[best], "current": rate["current"], "chosen": best,
+            "rates": {k: rate[k] for k in candidates}, "diff": cell["diff"], "wins": cell["wins"],
+            "losses": cell["losses"], "p_worse": p_worse, "accepted": accept}
 
     return validate
 
@@ -380,7 +388,8 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
             print(f"  {arm.name} round {r}: {out['contexts']} failure contexts, {out['retrieved']} retrieved "
                   f"segments ({out.get('own_retry_entries', 0)} from the failures' own retries), "
                   f"{out['dataset']} training windows, loss {out['loss']}, "
-                  + (f"published v{out['version']}" if out["version"] else "not published"), flush=True)
+                  + (f"published v{out['version']} ({out.get('published_candidate')})" if out["version"]
+                     else "not published"), flush=True)
             if out.get("critic"):
                 cr = out["critic"]
                 print(f"  {arm.name} round {r}: success critic on {cr['episodes']} episodes ({cr['steps']} steps, "
@@ -389,7 +398,8 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
                       f"{cr.get('val_loss_constant') if cr.get('val_loss_constant') is None else round(cr['val_loss_constant'], 3)}), "
                       f"{cr['fit_s']:.0f} s", flush=True)
             rec["learners"][arm.name] = {k: out.get(k) for k in ("contexts", "retrieved", "dataset", "loss", "version",
-                                                                 "validation", "own_retry_entries", "critic")}
+                                                                 "validation", "own_retry_entries", "critic",
+                                                                 "published_candidate")}
             if publishing and c["learner"].get("failure_replay", True):
                 rec["learners"][arm.name]["failure_replay"] = replay_round_failures(
                     c, lrn.final_checkpoint(), rec, sd / "failure_replay" / f"round_{r}", heldout)
@@ -397,13 +407,15 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
     for arm in in_loop:
         ckpt[arm.name] = make_learner(c, arm, sd / f"learner_{arm.name}", ckpt[arm.init], None, seed).final_checkpoint()
     if any(a.name == "fert" for a in in_loop):
-        # the fert arm is what the fleet runs: the newest published version (the base when every round was
-        # rejected by the validation gate)
         v = reg.latest_version()
         meta = reg.manifest(v).get("metadata") or {}
+        # the fert arm is what the fleet runs: the newest published version (the base when every round was
+        # rejected by the validation gate), which with learner.validate_critic_only may be the current weights with
+        # the new critic; fert_finetuned: the last round's fine-tuned weights (with their critic) either way
+        ckpt["fert_finetuned"] = ckpt["fert"]
         if meta.get("run_id") != "fert":
             ckpt["fert"] = ckpt["base"]
-        elif int(meta.get("round", -1)) != rounds - 1:
+        else:
             ckpt["fert"] = str(reg.fetch(v, sd / "cache" / "arms" / f"v{v:06d}"))
 
 

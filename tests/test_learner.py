@@ -213,9 +213,54 @@ def test_learner_ships_a_success_critic_that_the_fleet_loads(setup, tmp_path):
     env.close()
     assert a.shape == (4,) and np.isfinite(a).all() and model.chunk_sampler.decisions == 2   # 4 steps per chunk
     # the critic arms: FERT's weights without the critic, the base with FERT's critic
-    ckpt = {"fert": str(local), "base": setup["base"]}
+    ckpt = {"fert": str(local), "fert_finetuned": str(local), "base": setup["base"]}
     bare = critic_arm_checkpoint(ARMS["fert_no_critic"], ckpt, tmp_path / "fert_no_critic")
     assert not any((tmp_path / "fert_no_critic" / f).exists() for f in CRITIC_FILES)
     assert load_checkpoint(bare)[0].chunk_sampler is None
     guided = critic_arm_checkpoint(ARMS["base_critic"], ckpt, tmp_path / "base_critic")
     assert isinstance(load_checkpoint(guided)[0].chunk_sampler, CriticGuidedSampler)
+
+
+def test_gate_chooses_between_the_finetuned_and_the_critic_only_candidate(setup, tmp_path):
+    """``learner.validate_critic_only``: the validator sees two candidates, the fine-tuned weights with the new
+    critic and the current version's weights with the same critic; the learner publishes the one it names
+    (weights and critic as built), records which, and publishes nothing when it names none."""
+    from safetensors.torch import load_file
+
+    from policies.critic import CRITIC_FILES
+
+    cfg = learner_cfg(2)
+    cfg["task"] = TASK_CFG
+    cfg["learner"]["validate_critic_only"] = True
+    cfg["fert"]["critic"] = {"enabled": True, "candidates": 2, "members": 2, "hidden": 16, "updates": 5,
+                             "batch_size": 32}
+    reg_url = str(tmp_path / "registry")
+    reg = CheckpointRegistry(reg_url)
+    reg.publish(setup["base"], metadata={"run_id": "base", "round": -1})
+    seen, answers = [], iter(["critic_only", None])
+
+    def validator(candidates, r):
+        seen.append(dict(candidates))
+        pick = next(answers)
+        return pick, {"chosen": pick, "accepted": pick is not None}
+
+    lrn = FertLearner(cfg, setup["store"], reg_url, str(tmp_path / "work"), setup["base"], run_id="fert",
+                      validator=validator)
+    lrn.run(rounds=2)
+    assert [sorted(c) for c in seen] == [["critic_only", "finetuned"]] * 2
+    h0, h1 = lrn.state["history"]
+    assert h0["published_candidate"] == "critic_only" and h0["version"] == 2
+    assert h1["published_candidate"] is None and h1["version"] is None and lrn.state["rejected"] == [1]
+    assert reg.latest_version() == 2
+    got = reg.fetch(2, tmp_path / "v2")
+    finetuned, critic_only = Path(seen[0]["finetuned"]), Path(seen[0]["critic_only"])
+    base_w = load_file(str(Path(setup["base"]) / "model.safetensors"))
+    pub_w = load_file(str(got / "model.safetensors"))
+    ft_w = load_file(str(finetuned / "model.safetensors"))
+    assert all(torch.equal(base_w[k], pub_w[k]) for k in base_w)             # the current (base) weights ...
+    assert any(not torch.equal(base_w[k], ft_w[k]) for k in base_w)          # ... not the fine-tuned ones
+    for f in CRITIC_FILES:                                                    # ... with the round's new critic
+        assert (got / f).read_bytes() == (finetuned / f).read_bytes() == (critic_only / f).read_bytes()
+    # round 1's critic-only candidate starts from the version the fleet runs now (v2: the base's weights)
+    cur = load_file(str(Path(seen[1]["critic_only"]) / "model.safetensors"))
+    assert all(torch.equal(base_w[k], w) for k, w in cur.items())

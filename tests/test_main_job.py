@@ -34,7 +34,8 @@ def test_main_job_tiny_end_to_end(tmp_path):
                           text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = json.loads((out / "results.json").read_text())
-    arms = {"base", "demos_bc", "filtered_bc", "filtered_bc_retries", "fert", "fert_no_critic", "base_critic",
+    arms = {"base", "demos_bc", "filtered_bc", "filtered_bc_retries", "fert", "fert_finetuned", "fert_no_critic",
+            "base_critic",
             "fert_no_aed", "base_no_aed"}
     assert set(table["arms"]) == arms and table["meta"]["seeds"] == [0, 1]
     for row in table["arms"].values():
@@ -57,6 +58,11 @@ def test_main_job_tiny_end_to_end(tmp_path):
         # the validation gate ran (2 trials per task cannot show a significant loss: published), and the
         # base was picked by its validation loss on the held-out demonstrations
         assert rnd["learners"]["fert"]["validation"]["accepted"] is True
+        # ... choosing between the fine-tuned weights and the current ones, each with the round's new critic
+        val = rnd["learners"]["fert"]["validation"]
+        assert set(val["rates"]) == {"finetuned", "critic_only"}
+        assert rnd["learners"]["fert"]["published_candidate"] == val["chosen"]
+        assert val["rates"][val["chosen"]] == max(val["rates"].values())
         assert [p["step"] for p in state["base"]["val_curve"]] == [5, 10]
         assert rnd["retries"]["failures"] == 6 - rnd["successes"]
         # failure replay: the round's new weights replayed exactly the failed fleet trials
@@ -70,6 +76,8 @@ def test_main_job_tiny_end_to_end(tmp_path):
 
         assert all((sd / "base_critic" / f).is_file() for f in CRITIC_FILES)
         assert not any((sd / "fert_no_critic" / f).exists() for f in CRITIC_FILES)
+        ft = table["meta"]["checkpoints"][str(s)]["fert_finetuned"]
+        assert all((Path(ft) / f).is_file() for f in CRITIC_FILES) and "learner_fert" in ft
         # the fleet ran the fixed plan with the base (v1); retries re-ran failed trials on training units only
         train_eps = ExperienceStore.open(str(sd / "store")).episodes()
         assert {m.unit_id for m in train_eps} <= {0, 1}
@@ -164,8 +172,10 @@ def test_main_job_tiny_end_to_end(tmp_path):
     ev = tmp_path / "eval"
     from policies.aed_diffusion.training import last_checkpoint
 
-    # the fert arm is the learner's newest version, by default its weights halfway back to the base (WiSE-FT)
-    assert Path(table["meta"]["checkpoints"]["0"]["fert"]).parent.name == "wise"
+    # the fert arm is the learner's newest published version, fetched from the registry; the fine-tuned
+    # candidate is by default its weights halfway back to the base (WiSE-FT)
+    assert Path(table["meta"]["checkpoints"]["0"]["fert"]).parent.name == "arms"
+    assert Path(table["meta"]["checkpoints"]["0"]["fert_finetuned"]).parent.name == "wise"
     ckpts = {"base": state["base"]["checkpoint"],   # a training step dir is resolved to its pretrained_model too
              "fert": str(last_checkpoint(out / "seed_0" / "learner_fert" / "train"))}
     arg = "eval.checkpoints={" + ", ".join(f"{k}: '{v}'" for k, v in ckpts.items()) + "}"
