@@ -69,7 +69,10 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
     Returns:
         ``{arm: [{"task", "unit_id", "seed", "success", "length", "policy_version", "episode_id", ...}, ...]}``.
         Every arm runs the same :func:`evaluation_plan` (same units, tasks and reset seeds; the denoising noise
-        follows the seed too), so arms are compared on identical initial states.
+        follows the seed too), so arms are compared on identical initial states. With the vectorised backend an
+        arm whose checkpoint has the same :func:`checkpoint_fingerprint` as an arm already run in this call
+        reuses that arm's episodes (marked ``same_checkpoint_as``; nothing is committed again): e.g. ``fert``
+        and ``fert_finetuned`` when the gate published the fine-tuned candidate.
     """
     out = Path(out_dir)
     results: dict[str, list[dict]] = {}
@@ -95,11 +98,20 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
         # one pool for every arm: its processes keep their envs (fleet.evaluation._ENVS) from arm to arm
         ex = ProcessPoolExecutor(n_proc, mp_context=mp.get_context("spawn")) if n_proc > 1 else None
         try:
+            evaluated: dict[str, str] = {}   # checkpoint fingerprint -> the arm that ran it
             for arm, ckpt in todo.items():
-                log.info("evaluating arm %s (%s) on units %s (vectorised)", arm, ckpt, units)
-                eps = [e | {"arm": arm} for e in run_plan_parallel(c, str(ckpt), plan, out / "eval_store",
-                                                                  int(ecfg.get("batch_size", 32)), n_proc,
-                                                                  progress, arm, executor=ex)]
+                fp = checkpoint_fingerprint(ckpt)
+                if fp in evaluated:   # a trial is a function of (task, unit, reset seed, checkpoint): same episodes
+                    src = evaluated[fp]
+                    log.info("arm %s: the same checkpoint as arm %s (weights, critic, config); its %d episodes "
+                             "are reused", arm, src, len(results[src]))
+                    eps = [e | {"arm": arm, "same_checkpoint_as": src} for e in results[src]]
+                else:
+                    log.info("evaluating arm %s (%s) on units %s (vectorised)", arm, ckpt, units)
+                    eps = [e | {"arm": arm} for e in run_plan_parallel(c, str(ckpt), plan, out / "eval_store",
+                                                                      int(ecfg.get("batch_size", 32)), n_proc,
+                                                                      progress, arm, executor=ex)]
+                    evaluated[fp] = arm
                 cache = out / "episodes" / f"{arm}.json"
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 cache.write_text(json.dumps(eps))
@@ -124,6 +136,31 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
             cache.write_text(json.dumps(eps))
             results[arm] = eps
     return {a: results[a] for a in arms}
+
+
+def checkpoint_fingerprint(checkpoint: str | Path) -> str:
+    """SHA-256 over the names and bytes of a ``pretrained_model`` directory's files (weights, config, statistics,
+    tokenizer, success critic), leaving out the registry's ``MANIFEST.json``: two directories with the same
+    fingerprint act identically (a registry copy of a version and the directory it was published from agree).
+
+    Raises:
+        FileNotFoundError: ``checkpoint`` is not a directory.
+    """
+    import hashlib
+
+    from fleet.registry import MANIFEST
+
+    d = Path(checkpoint)
+    if not d.is_dir():
+        raise FileNotFoundError(f"checkpoint {str(d)!r} is not a directory")
+    h = hashlib.sha256()
+    for f in sorted(p for p in d.iterdir() if p.is_file() and p.name != MANIFEST):
+        h.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        h.update(b"\0")
+    return h.hexdigest()
 
 
 def run_plan_parallel(cfg: dict, checkpoint: str, plan: list[dict], store_url: str | Path, batch_size: int = 32,

@@ -219,15 +219,31 @@ def test_evaluation_plan_gives_every_arm_the_same_trials_and_reruns_a_failed_one
     assert len({t["seed"] for t in plan}) == 6
     with pytest.raises(ValueError, match="trials_per_task"):
         evaluation_plan(["reach-v3"], [100], 0)
-    results = evaluate_arms(c, {"a": str(ckpt_a), "a_again": str(ckpt_a), "b": str(ckpt_b)}, tmp_path / "eval", 3,
+    import shutil
+
+    copy = Path(shutil.copytree(ckpt_a, tmp_path / "a_copy"))   # a registry copy: the same files + a manifest
+    (copy / "MANIFEST.json").write_text("{}")
+    results = evaluate_arms(c, {"a": str(ckpt_a), "a_again": str(copy), "b": str(ckpt_b)}, tmp_path / "eval", 3,
                             units=[100, 101], progress=False)
     key = lambda e: (e["task"], e["unit_id"], e["seed"])
     want = sorted(key(t) for t in plan)
     assert all(sorted(key(e) for e in eps) == want for eps in results.values())
     by_key = {arm: {key(e): (e["success"], e["length"], round(e["return"], 6)) for e in eps}
               for arm, eps in results.items()}
-    assert by_key["a"] == by_key["a_again"]            # same policy, same trials: same outcome, trial by trial
     assert by_key["a"] != by_key["b"]                  # a different policy acts differently on them
+    # same policy, same trials: same outcome, trial by trial (a second evaluation of its own) ...
+    again = evaluate_arms(c, {"a": str(ckpt_a)}, tmp_path / "eval_again", 3, units=[100, 101], progress=False)
+    assert {key(e): (e["success"], e["length"], round(e["return"], 6)) for e in again["a"]} == by_key["a"]
+    # ... so within one call an arm with the same checkpoint (a copy with a registry manifest: the files that
+    # act are what count) reuses the episodes instead of running them again
+    from experience_dict.store import ExperienceStore
+    from fleet.evaluation import checkpoint_fingerprint
+
+    assert checkpoint_fingerprint(copy) == checkpoint_fingerprint(ckpt_a) != checkpoint_fingerprint(ckpt_b)
+    assert by_key["a"] == by_key["a_again"] and {e["same_checkpoint_as"] for e in results["a_again"]} == {"a"}
+    assert len(ExperienceStore.open(str(tmp_path / "eval" / "eval_store")).episodes()) == 2 * len(plan)
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        checkpoint_fingerprint(tmp_path / "nope")
     # a trial whose episode raises is run again (same task, unit and seed); a foreign unit is refused
     faults = {100: {"kind": "raise", "episode": 0, "step": 3, "once_file": str(tmp_path / "once")}}
     with Fleet(c, policy=str(ckpt_a), units=[100, 101], store_url=str(tmp_path / "s2"), faults=faults) as fleet:

@@ -90,7 +90,10 @@ def test_main_job_tiny_end_to_end(tmp_path):
             src = by_id[retry_of(m)]
             assert not src.success and (m.unit_id, m.seed, m.task) == (src.unit_id, src.seed, src.task)
         eval_eps = ExperienceStore.open(str(sd / "eval_store")).episodes()
-        assert {m.unit_id for m in eval_eps} <= {100, 101} and len(eval_eps) == 2 * len(arms)
+        reused = {a for a in arms
+                  if json.loads((sd / "episodes" / f"{a}.json").read_text())[0].get("same_checkpoint_as")}
+        assert {m.unit_id for m in eval_eps} <= {100, 101} and len(eval_eps) == 2 * (len(arms) - len(reused))
+        assert {"fert", "fert_finetuned"} & reused or rnd["learners"]["fert"]["published_candidate"] != "finetuned"
         # every arm ran the same held-out trials (task, unit, reset seed): compared trial by trial
         eps = {arm: json.loads((sd / "episodes" / f"{arm}.json").read_text()) for arm in arms}
         trials = {arm: sorted((e["task"], e["unit_id"], e["seed"]) for e in v) for arm, v in eps.items()}
