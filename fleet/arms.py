@@ -112,6 +112,9 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
     Arm("base_critic", "base", "none", "the base's weights with FERT's success critic", critic="fert"),
 ]}
 
+# ``init`` values that name a checkpoint of the in-loop fert arm (what it published; its fine-tuned candidate)
+FERT_CHECKPOINTS = frozenset({"fert", "fert_finetuned"})
+
 # (arm, baseline) pairs reported trial by trial, in this order, when both arms ran
 PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retries"), ("fert", "fert_finetuned"),
          ("fert_finetuned", "base"), ("fert_finetuned", "fert_no_critic"), ("fert", "fert_no_critic"),
@@ -140,7 +143,7 @@ def get_arms(names: Iterable[str]) -> list[Arm]:
         raise ValueError(f"job.arms: unknown arms {unknown}; known: {sorted(ARMS)}")
     if len(set(names)) != len(names):
         raise ValueError(f"job.arms: repeated arm names in {names}")
-    need_fert = [n for n in names if ARMS[n].critic is not None or ARMS[n].init.startswith("fert")]
+    need_fert = [n for n in names if ARMS[n].critic is not None or ARMS[n].init in FERT_CHECKPOINTS]
     if need_fert and "fert" not in names:
         raise ValueError(f"job.arms: {need_fert} are made from the fert arm's checkpoint or critic; add fert")
     return [ARMS[n] for n in names]

@@ -148,19 +148,13 @@ def checkpoint_fingerprint(checkpoint: str | Path) -> str:
     """
     import hashlib
 
-    from fleet.registry import MANIFEST
+    from fleet.registry import MANIFEST, sha256_file
 
     d = Path(checkpoint)
     if not d.is_dir():
         raise FileNotFoundError(f"checkpoint {str(d)!r} is not a directory")
-    h = hashlib.sha256()
-    for f in sorted(p for p in d.iterdir() if p.is_file() and p.name != MANIFEST):
-        h.update(f.name.encode() + b"\0")
-        with f.open("rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-        h.update(b"\0")
-    return h.hexdigest()
+    files = sorted(p for p in d.iterdir() if p.is_file() and p.name != MANIFEST)
+    return hashlib.sha256("\n".join(f"{f.name} {sha256_file(f)[0]}" for f in files).encode()).hexdigest()
 
 
 def run_plan_parallel(cfg: dict, checkpoint: str, plan: list[dict], store_url: str | Path, batch_size: int = 32,

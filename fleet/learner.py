@@ -210,7 +210,7 @@ class FertLearner:
             chosen, validation = self.validator(candidates, r)
             if chosen is None:
                 self.state.setdefault("rejected", []).append(r)
-        version = self._publish_once(candidates[chosen], r, out) if validation is None or chosen else None
+        version = self._publish_once(candidates[chosen], r, out) if chosen else None
         rec = {"validation": validation, "round": r, "version": version,
                "published_candidate": chosen if version is not None else None, "step": int(out["step"]),
                "fleet_episodes": n_eps,
