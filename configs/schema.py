@@ -104,6 +104,7 @@ RULES: dict[str, Rule] = {
     "fleet.episode_timeout_s": optional(number(0, open_lo=True)), "fleet.max_restarts": integer(-1),
     "fleet.max_recreates": integer(0), "fleet.max_trial_faults": POS, "fleet.trial_retries": integer(0),
     "fleet.torch_threads": POS, "fleet.placement": one_of("pack", "spread"),
+    "fleet.policy_server": lambda v: None if v in (True, False, "auto") else "true, false or 'auto'",
     "robot.stratify_block": optional(integer(0)),
     "job.base_steps": POS, "job.demos_per_task": POS, "job.seeds": int_list(0),
     "eval.trials_per_task": POS, "eval.batch_size": POS, "eval.processes": POS, "eval.backend": one_of("vector", "ray"),

@@ -113,6 +113,26 @@ def policy_spec(cfg: dict, policy: Any = None) -> dict:
                      "existing checkpoint directory")
 
 
+def server_wanted(fleet_cfg: dict) -> bool:
+    """Whether a fleet serves its trained policy from one batched ``PolicyServer`` (``fleet.policy_server``):
+    ``true`` / ``false`` as given; ``"auto"``: when the server's device (``fleet.server_device``) resolves to
+    CUDA, i.e. a GPU is visible here. On CPU the default stays per-worker inference: it draws each episode's
+    denoising noise from the episode seed (the fleet's episodes are reproducible), and a server's batches
+    are not (``scripts/bench_fleet.py +bench.server_vs_local=true`` measures both at 1, 8 and 16 units).
+
+    Raises:
+        ValueError: any other value.
+    """
+    v = fleet_cfg.get("policy_server", False)
+    if isinstance(v, bool):
+        return v
+    if v == "auto":
+        from fleet.policies import resolve_device
+
+        return resolve_device(fleet_cfg.get("server_device", "auto")) == "cuda"
+    raise ValueError(f"fleet.policy_server: expected true, false or 'auto', given {v!r}")
+
+
 def unit_tasks(unit_index: int, tasks: list[str], tasks_per_unit: int | None) -> list[str]:
     """Tasks of the ``unit_index``-th unit: all of them, or ``tasks_per_unit`` consecutive ones (wrapping),
     so units cover the suite evenly."""
@@ -202,7 +222,7 @@ class Fleet:
         store_url: experience store URL (default ``store.url``).
         is_demo: committed with every episode.
         faults: test hook, unit id -> ``RobotWorker`` fault dict.
-        use_server: serve a trained policy from one batched ``PolicyServer`` (default ``fleet.policy_server``).
+        use_server: serve a trained policy from one batched ``PolicyServer`` (default: ``server_wanted(cfg.fleet)``).
     Raises:
         ValueError: more units requested than ``robot.train_units`` holds, or no units.
     """
@@ -228,7 +248,7 @@ class Fleet:
         self.store_url = str(store_url or self.cfg["store"]["url"])
         self.policy = policy_spec(self.cfg, policy)
         self.is_demo, self.faults = is_demo, faults or {}
-        self.use_server = bool(self.fcfg.get("policy_server", False) if use_server is None else use_server)
+        self.use_server = server_wanted(self.fcfg) if use_server is None else bool(use_server)
         self.unit_tasks = {u: unit_tasks(i, self.tasks, self.fcfg.get("tasks_per_unit")) for i, u in enumerate(self.units)}
         self.actors: dict[int, Any] = {}
         self.pids: dict[int, int] = {}  # unit -> worker process id (a restarted worker has a new one)

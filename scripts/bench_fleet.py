@@ -3,6 +3,7 @@
     python scripts/bench_fleet.py                                   # writes outputs/bench/bench_fleet.json
     python scripts/bench_fleet.py +bench.workers=[1,2,4,8] +bench.episodes=8 +bench.out=/tmp/b.json
     python scripts/bench_fleet.py +bench.cluster=true      # 32 units on a two-node cluster: outputs/bench/bench_cluster.json
+    python scripts/bench_fleet.py +bench.server_vs_local=true   # fleets of 1/8/16 units: server vs per-worker inference
 
 Workers are the real ``RobotWorker`` actors with the scripted expert, committing every episode to a Zarr
 store in a temporary directory (state-only, then one 96x96 camera). The baseline is the same ``RobotWorker``
@@ -17,6 +18,14 @@ machine's cores split between the nodes), one unit and then ``bench.cluster_unit
 over both nodes, all acting through the batched policy server with the small AED policy, in the same run:
 episodes/s of the fleet against (cluster CPUs) x (one unit's episodes/s) (target >= 0.8), the server's batch-size
 distribution and the store's commit latency (p50/p95 of every episode's commit).
+
+Server against per-worker inference (``+bench.server_vs_local=true``, ``outputs/bench/bench_server_vs_local.json``):
+for each fleet size in ``bench.svl_units`` (1, 8, 16), the same units run the same episodes with the small AED
+policy twice in one run, once with every worker running its own forward passes (batch 1, ``fleet.torch_threads``
+threads each) and once through one batched ``PolicyServer`` (``fleet.server_max_wait_ms``), alternating
+``bench.svl_repeats`` times; the figure is the fleet's episodes/s through the server over episodes/s with local
+inference (the issue's target: above 1 from 8 units up on CPU). Random weights: every episode runs to
+``max_episode_steps``, so both sides do the same number of steps and forward passes.
 """
 
 from __future__ import annotations
@@ -37,7 +46,9 @@ from fleet.worker import RobotWorker  # noqa: E402
 DEFAULTS = {"workers": [1, 2, 4], "episodes": 6, "task": "reach-v3", "max_episode_steps": 100,
             "server_batches": [1, 8, 32], "server_rounds": 20, "out": "outputs/bench/bench_fleet.json",
             "cluster": False, "cluster_units": 32, "cluster_episodes": 2, "single_episodes": 6,
-            "cluster_out": "outputs/bench/bench_cluster.json"}
+            "cluster_out": "outputs/bench/bench_cluster.json",
+            "server_vs_local": False, "svl_units": [1, 8, 16], "svl_episodes": 2, "svl_repeats": 2,
+            "svl_out": "outputs/bench/bench_server_vs_local.json"}
 
 
 def _cfg(base: dict, images: bool, bench: dict) -> dict:
@@ -151,11 +162,12 @@ def bench_server(ckpt: str, batches: list[int], rounds: int, max_wait_ms: float 
     return out
 
 
-def _fleet_rate(c: dict, ckpt: str, units: list[int], episodes: int) -> dict:
-    """Episodes/s of a fleet of ``units`` acting through the policy server (after one warm-up episode each)."""
+def _fleet_rate(c: dict, ckpt: str, units: list[int], episodes: int, use_server: bool = True) -> dict:
+    """Episodes/s of a fleet of ``units`` acting through the policy server (``use_server=False``: each worker runs
+    its own forward passes), after one warm-up episode each."""
     from fleet.coordinator import Fleet
 
-    with Fleet(c, policy=ckpt, units=units, use_server=True) as fleet:
+    with Fleet(c, policy=ckpt, units=units, use_server=use_server) as fleet:
         fleet.run(episodes_per_unit=1, progress=False)           # warm-up: envs, policy loads, store arrays
         fleet.server_stats(reset=True)
         t = time.perf_counter()
@@ -198,12 +210,50 @@ def bench_cluster(base: dict, bench: dict) -> dict:
             "loadavg": os.getloadavg()}
 
 
+def bench_server_vs_local(base: dict, bench: dict) -> dict:
+    """Fleets of ``bench.svl_units`` units with the small AED policy: the batched policy server against per-worker
+    (local) inference, alternated ``svl_repeats`` times in this run; per size the median of each side."""
+    c = _cfg(base, False, bench)
+    c["fleet"].update(server_device="cpu", device="cpu")
+    ensure_ray({**c["fleet"], "log_to_driver": bool(bench.get("log_to_driver", False))})
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt, n_params = small_policy_checkpoint(f"{tmp}/policy")
+        for n in bench["svl_units"]:
+            runs: dict[str, list[dict]] = {"local": [], "server": []}
+            for r in range(int(bench["svl_repeats"])):
+                for side in ("local", "server"):
+                    c["store"] = {**c["store"], "url": f"{tmp}/n{n}-{side}-{r}"}
+                    runs[side].append(_fleet_rate(c, ckpt, list(range(int(n))), int(bench["svl_episodes"]),
+                                                  use_server=side == "server"))
+            med = {side: float(np.median([x["episodes_per_s"] for x in xs])) for side, xs in runs.items()}
+            rows[str(n)] = {"local_episodes_per_s": med["local"], "server_episodes_per_s": med["server"],
+                            "server_vs_local": med["server"] / med["local"],
+                            "runs": {side: [x["episodes_per_s"] for x in xs] for side, xs in runs.items()},
+                            "server": runs["server"][-1]["server"]}
+            print(f"{n} unit(s): local {med['local']:.3f} episodes/s, server {med['server']:.3f} episodes/s: "
+                  f"server/local {med['server'] / med['local']:.2f}", flush=True)
+    return {"policy": "AEDDiffusionPolicy dim=64 layers=2 horizon=16 n_action_steps=8 ddim=10 (random weights)",
+            "parameters": n_params, "cpu_count": os.cpu_count(), "max_episode_steps": c["task"]["max_episode_steps"],
+            "episodes_per_unit": int(bench["svl_episodes"]), "server_max_wait_ms": c["fleet"].get("server_max_wait_ms"),
+            "worker_torch_threads": c["fleet"].get("torch_threads"), "per_fleet_size": rows,
+            "target": "server_vs_local > 1 from 8 units up", "loadavg": os.getloadavg()}
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     bench = {**DEFAULTS, **(OmegaConf.to_container(cfg.bench) if "bench" in cfg else {})}
     base = _plain(cfg)
     base["robot"]["train_units"] = list(range(1000))  # bench units 0.. and the in-process unit 999
     base["robot"]["heldout_units"] = []
+    if bench["server_vs_local"]:
+        report = bench_server_vs_local(base, bench)
+        out = Path(bench["svl_out"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        print(json.dumps(report, indent=1))
+        print(f"wrote {out}")
+        return
     if bench["cluster"]:
         report = bench_cluster(base, bench)
         out = Path(bench["cluster_out"])

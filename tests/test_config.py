@@ -41,6 +41,7 @@ def test_defaults_pass_and_every_rule_names_a_real_key():
     ("store.url=/proc/fleetmind/store", "store.url: expected a creatable directory"),
     ("train.steps=true", "train.steps: expected an integer >= 1, given True"),
     ("+job.fleet_unitz=2", "job.fleet_unitz: unknown key (no component reads it"),
+    ("fleet.policy_server=sometimes", "fleet.policy_server: expected true, false or 'auto', given 'sometimes'"),
 ])
 def test_each_bad_value_is_named(override, line):
     with pytest.raises(ConfigError) as e:

@@ -181,6 +181,21 @@ def test_new_version_picked_up_between_episodes_and_tampered_refused(tmp_path):
     assert len(ExperienceStore.open(str(tmp_path / "store")).episodes()) == 5  # nothing acted with v3
 
 
+def test_policy_server_auto_serves_only_where_a_gpu_is(monkeypatch):
+    """``fleet.policy_server: auto`` (the default): per-worker inference on CPU (episodes reproducible from their
+    seeds), the batched server when the server's device resolves to CUDA; true / false as given."""
+    import fleet.policies
+    from fleet.coordinator import server_wanted
+
+    assert server_wanted({"policy_server": True}) and not server_wanted({"policy_server": False})
+    assert not server_wanted({"policy_server": "auto", "server_device": "cpu"})
+    monkeypatch.setattr(fleet.policies, "resolve_device", lambda d: "cuda" if d in ("auto", "cuda") else "cpu")
+    assert server_wanted({"policy_server": "auto", "server_device": "auto"})
+    assert not server_wanted({"policy_server": "auto", "server_device": "cpu"})
+    with pytest.raises(ValueError, match="fleet.policy_server"):
+        server_wanted({"policy_server": "yes"})
+
+
 @pytest.mark.slow
 def test_policy_server_batches_and_survives_sigkill(tmp_path):
     ckpt = tiny_aed_checkpoint(tmp_path / "ck", seed=3)
