@@ -28,7 +28,9 @@ from experience_dict.store.schema import (
     _packable,
     _parse_spec,
     _sketch_columns,
+    INLINE_ARRAYS,
     _unpack_sketch,
+    decode_inline_rows,
 )
 from experience_dict.store.storage import (
     _atomic_write,
@@ -126,6 +128,9 @@ class ExperienceStore:
         self._seen_commits: set[str] = set()
         self._seen_annotations: dict[str, tuple] = {}
         self._arrays: dict[tuple[str, str], zarr.Array] = {}
+        self._inline: dict[str, dict] = {}   # episode id -> {array: encoded rows} (rows in the commit record)
+        self._inline_shards: set[str] = set()   # shards with such episodes
+        self._shard_end: dict[str, int] = {}   # shard -> end of its last committed row in the snapshot
         self.refresh()
 
     # -- construction ---------------------------------------------------------------------------
@@ -275,6 +280,10 @@ class ExperienceStore:
                 meta = EpisodeMeta(**rec["episode"])
                 self._episodes[meta.episode_id] = meta
                 self._sketches[meta.episode_id] = self._decode_sketch(rec["sketch"], path)
+                if rec.get("inline"):
+                    self._inline[meta.episode_id] = rec["inline"]
+                    self._inline_shards.add(meta.shard)
+                self._shard_end[meta.shard] = max(self._shard_end.get(meta.shard, 0), meta.start + meta.length)
                 self._seen_commits.add(path)
                 new += 1
         self._episodes = dict(sorted(self._episodes.items(), key=lambda kv: (kv[1].shard, kv[1].start)))
@@ -371,11 +380,52 @@ class ExperienceStore:
             CorruptChunkError: a chunk cannot be read; the message names store, shard, array, chunk and the
                 episodes with rows in it.
         """
-        return self._guarded_read(lambda reopen: self.array(shard, key, reopen=reopen), shard, self._where[key][0],
-                                  lo, hi)
+        name, cols = self._where[key]
+        if name not in self._inline_arrays(shard):
+            return self._guarded_read(lambda reopen: self.array(shard, key, reopen=reopen), shard, name, lo, hi)
+        rows = self._read_array(shard, name, lo, hi)
+        return rows if cols is None else np.ascontiguousarray(rows[:, cols[0]] if cols[2] else rows[:, cols[0]:cols[1]])
+
+    def _inline_arrays(self, shard: str) -> frozenset[str]:
+        """Arrays of ``shard`` whose newest rows may live in commit records (not yet in a sealed chunk)."""
+        return INLINE_ARRAYS if shard in self._inline_shards else frozenset()
+
+    def _sealed(self, shard: str, name: str) -> int:
+        """Rows of array ``name`` of ``shard`` that are in its Zarr chunks: every chunk wholly below the shard's
+        last committed row was written (sealed) before the commit record that went past it."""
+        cr = int(self._array(shard, name).chunks[0])
+        return self._shard_end.get(shard, 0) // cr * cr
 
     def _read_array(self, shard: str, name: str, lo: int, hi: int) -> np.ndarray:
-        return self._guarded_read(lambda reopen: self._array(shard, name, reopen=reopen), shard, name, lo, hi)
+        """Rows ``lo .. hi-1`` of array ``name`` of ``shard``: from its chunks, and past the sealed chunks of an
+        object-store shard from the episodes' commit records (zeros between episodes, as in a chunk)."""
+        get = lambda reopen: self._array(shard, name, reopen=reopen)  # noqa: E731
+        if name not in self._inline_arrays(shard):
+            return self._guarded_read(get, shard, name, lo, hi)
+        sealed = self._sealed(shard, name)
+        if hi <= sealed:
+            return self._guarded_read(get, shard, name, lo, hi)
+        arr = get(False)
+        out = np.zeros((hi - lo, *arr.shape[1:]), arr.dtype)
+        if lo < sealed:
+            out[:sealed - lo] = self._guarded_read(get, shard, name, lo, sealed)
+        a = max(lo, sealed)
+        for ep in self.episodes(shard=shard, quarantined=None):
+            s, e = ep.start, ep.start + ep.length
+            if e <= a or s >= hi:
+                continue
+            rows = self._episode_rows(ep, name)
+            out[max(s, a) - lo:min(e, hi) - lo] = rows[max(s, a) - s:min(e, hi) - s]
+        return out
+
+    def _episode_rows(self, ep: EpisodeMeta, name: str) -> np.ndarray:
+        """All rows of ``ep`` in array ``name``: decoded from its commit record when it carries them, else read."""
+        enc = (self._inline.get(ep.episode_id) or {}).get(name)
+        if enc is None:
+            return self._guarded_read(lambda reopen: self._array(ep.shard, name, reopen=reopen), ep.shard, name,
+                                      ep.start, ep.start + ep.length)
+        return decode_inline_rows(enc, f"store {self.url!r}, shard {ep.shard!r}, array {name!r}, episode "
+                                       f"{ep.episode_id!r}")
 
     def _guarded_read(self, get, shard: str, name: str, lo: int, hi: int) -> np.ndarray:
         """``get(reopen)[lo:hi]``, reopening an array that has fewer rows (a newer commit); a failed read raises
@@ -393,6 +443,17 @@ class ExperienceStore:
         fail to read."""
         arr = self._array(shard, name, reopen=True)
         cr, out = arr.chunks[0], []
+        if name in self._inline_arrays(shard):   # rows past the sealed chunks: the commit records' copies
+            sealed = self._sealed(shard, name)
+            for ep in self.episodes(shard=shard, quarantined=None):
+                if ep.start + ep.length > max(lo, sealed) and ep.start < hi:
+                    try:
+                        self._episode_rows(ep, name)
+                    except Exception as e:  # noqa: BLE001 - collected
+                        out.append((None, ep.start, ep.start + ep.length, f"{type(e).__name__}: {e}"))
+            hi = min(hi, sealed)
+            if hi <= lo:
+                return out
         for c in range(lo // cr, (max(hi, lo + 1) - 1) // cr + 1):
             a, b = c * cr, min((c + 1) * cr, arr.shape[0])
             try:
@@ -587,23 +648,31 @@ class ExperienceStore:
                     problems.append({"shard": shard, "key": name, "chunk": None, "error": f"cannot open array: {e}",
                                      "episodes": [x.episode_id for x in eps]})
                     continue
-                if arr.shape[0] < end:
+                # an object-store shard's newest rows of an inline array are in commit records, not chunks
+                in_chunks = self._sealed(shard, name) if name in self._inline_arrays(shard) else end
+                if arr.shape[0] < in_chunks:
                     problems.append({"shard": shard, "key": name, "chunk": None,
-                                     "error": f"array has {arr.shape[0]} rows, commits reference {end}",
+                                     "error": f"array has {arr.shape[0]} rows, commits reference {in_chunks}",
                                      "episodes": [x.episode_id for x in eps if x.start + x.length > arr.shape[0]]})
                     end_k = arr.shape[0]
                 else:
-                    end_k = end
+                    end_k = in_chunks
                 cr = arr.chunks[0]
-                for c in range((end_k + cr - 1) // cr):
-                    lo, hi = c * cr, min((c + 1) * cr, end_k)
+                blocks = [(c * cr, min((c + 1) * cr, end_k), c) for c in range((end_k + cr - 1) // cr)]
+                blocks += [(x.start, x.start + x.length, None) for x in eps
+                           if in_chunks < end and x.start + x.length > in_chunks]
+                for lo, hi, c in blocks:
                     hit = [eps[i].episode_id for i in np.nonzero((starts < hi) & (ends > lo))[0]]
-                    ckey = f"shards/{shard}/{name}/" + arr.metadata.encode_chunk_key((c,) + (0,) * (arr.ndim - 1))
                     checked += 1
                     try:
-                        if not self.fs.exists(self._p(ckey)):
-                            raise FileNotFoundError(f"chunk file {ckey} is missing")
-                        block = arr[lo:hi]
+                        if c is None:   # one episode's rows, from its commit record
+                            ep = next(x for x in eps if x.start == lo)
+                            block, hit = self._episode_rows(ep, name), [ep.episode_id]
+                        else:
+                            ckey = f"shards/{shard}/{name}/" + arr.metadata.encode_chunk_key((c,) + (0,) * (arr.ndim - 1))
+                            if not self.fs.exists(self._p(ckey)):
+                                raise FileNotFoundError(f"chunk file {ckey} is missing")
+                            block = arr[lo:hi]
                     except Exception as e:  # noqa: BLE001 - reported, not raised
                         problems.append({"shard": shard, "key": name, "chunk": c, "error": f"{type(e).__name__}: {e}",
                                          "episodes": hit})

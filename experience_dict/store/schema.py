@@ -222,3 +222,45 @@ def _image_sketch(pixels: np.ndarray) -> dict:
     parts of the episode in order), identically: :func:`~experience_dict.stats.episode_sketch` pools the
     ``(N, C)`` pixels as they are, and on ``(T, H, W, C)`` frames it takes exactly these pixels."""
     return episode_sketch(pixels, is_image=True)
+
+
+# -- rows carried in commit records (object stores) --------------------------------------------------------------
+# On filesystems without an atomic rename (object stores, memory://) a commit is one PUT: the episode's rows of the
+# arrays in INLINE_ARRAYS travel inside its commit record, and the array's chunks are written only once full
+# (sealed). Readers take an episode's rows from its record whenever it has them (docs/STORAGE.md).
+INLINE_ARRAYS = frozenset({LOWDIM})
+
+
+def _inline_codec():
+    import numcodecs
+
+    return numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.SHUFFLE)
+
+
+def encode_inline_rows(rows: np.ndarray) -> dict:
+    """``(T, *shape)`` rows -> the JSON form a commit record carries: ``{"shape", "dtype", "crc32", "data"}``
+    (Blosc/lz4 with byte shuffle, base64; ``crc32`` of the raw bytes, zlib's)."""
+    import zlib
+
+    rows = np.ascontiguousarray(rows)
+    return {"shape": list(rows.shape), "dtype": str(rows.dtype), "crc32": zlib.crc32(rows.view(np.uint8).ravel()),
+            "data": base64.b64encode(_inline_codec().encode(rows)).decode("ascii")}
+
+
+def decode_inline_rows(d: dict, where: str) -> np.ndarray:
+    """The rows of :func:`encode_inline_rows`' output, checked against its crc32.
+
+    Raises:
+        CorruptChunkError: the data does not decode, has the wrong size or fails its checksum (``where`` names it).
+    """
+    import zlib
+
+    try:
+        dtype, shape = np.dtype(d["dtype"]), tuple(int(s) for s in d["shape"])
+        raw = _inline_codec().decode(base64.b64decode(d["data"]))
+        rows = np.frombuffer(raw, dtype=dtype).reshape(shape)
+    except Exception as e:  # noqa: BLE001 - named and re-raised
+        raise CorruptChunkError(f"{where}: the rows in the commit record do not decode ({type(e).__name__}: {e})") from None
+    if zlib.crc32(rows.view(np.uint8).ravel()) != int(d["crc32"]):
+        raise CorruptChunkError(f"{where}: the rows in the commit record fail their crc32 checksum")
+    return rows

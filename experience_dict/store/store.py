@@ -37,6 +37,14 @@ Why this is crash-safe (zarr 3 needs one writer per array, see docs/DEPENDENCIES
   (which deletes chunks wholly past it).
 - Committed rows are never rewritten with different values, so a reader's snapshot (the set of commit
   records it has read) stays valid while writers append; :meth:`ExperienceStore.refresh` reads new records.
+- Object stores (and ``memory://``) have no rename, so a chunk holding committed rows cannot be swapped in
+  atomically beside a record, and two writes cost two round trips. There the ``lowdim`` rows of an episode
+  travel inside its commit record (one PUT: the commit point and the data at once), and a ``lowdim`` chunk
+  is written once, when the episodes have filled it, before the record that commits past it. So every
+  chunk wholly below a shard's last committed row exists with its final content; the rows after it are
+  read from the records (``reader.py``: ``_sealed``, ``_read_array``), and a reopened writer rebuilds its
+  partly filled chunk from them. A chunk sealed by a writer killed before its record holds uncommitted
+  rows past the commits: no reader takes it from the chunk, and the next seal rewrites it whole.
 
 Durability against power loss would also need ``fsync`` of chunks; the guarantee here is against process
 death (SIGKILL), which is what a fleet unit, the learner or the store writer meets in practice.

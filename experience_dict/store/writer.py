@@ -22,6 +22,7 @@ from zarr.codecs import BloscCodec, Crc32cCodec
 
 from experience_dict.stats import episode_sketch
 from experience_dict.store.schema import (
+    INLINE_ARRAYS,
     _PLAIN_SCALARS,
     _WRITER_ID_RE,
     LOWDIM,
@@ -35,6 +36,8 @@ from experience_dict.store.schema import (
     _image_sketch,
     _is_image,
     _pack_sketch,
+    decode_inline_rows,
+    encode_inline_rows,
 )
 from experience_dict.store.storage import (
     _RENAMEAT2,
@@ -66,7 +69,7 @@ class _Column:
     __slots__ = ("arr", "buf", "capacity", "cr", "dir", "encode", "image", "lo", "name", "ndim", "next_c", "spare")
 
     def __init__(self, name: str, arr: zarr.Array, end: int, start: int, image: bool, directory: str,
-                 buf_rows: int, tag: str):
+                 buf_rows: int, tag: str, read_rows=None):
         self.name, self.arr, self.image, self.dir = name, arr, image, directory
         self.cr, self.capacity, self.ndim = int(arr.chunks[0]), int(arr.shape[0]), arr.ndim
         self.lo = self._first_chunk(end, start) * self.cr
@@ -74,8 +77,8 @@ class _Column:
         rows = -(-max(buf_rows, start - self.lo + 1) // self.cr) * self.cr
         self.buf = np.empty((rows, *arr.shape[1:]), np.dtype(arr.dtype))
         self.buf.fill(0)  # rows between end and start are zeros; touched now, not in the first episode
-        if end > self.lo:
-            self.buf[:end - self.lo] = arr[self.lo:end]
+        if end > self.lo:  # the committed rows of the first chunk (read_rows: from the commit records)
+            self.buf[:end - self.lo] = arr[self.lo:end] if read_rows is None else read_rows(self.lo, end)
         self.encode = sync_chunk_encoder(arr, on_drop=lambda c: StoreError(f"codec {c} dropped a chunk of {arr.path}"))
         self.spare = f"{directory}/spare.{tag}.partial"  # removed on recovery like every *.partial
 
@@ -118,7 +121,12 @@ class EpisodeWriter:
       file and, for images, gathers the pixels of the statistics sketch while the chunk is in cache.
       ``commit`` only adds each array's last, partly filled chunk (zero-padded), computes the statistics
       sketches while those are written, and writes one small commit record. Elsewhere (``memory://``,
-      object stores) the same chunk-aligned blocks go through zarr's async ``setitem`` at commit.
+      object stores) the same chunk-aligned blocks go through zarr's async ``setitem`` at commit, except for
+      ``lowdim`` (``INLINE_ARRAYS``): its rows travel inside the commit record (Blosc/lz4, crc32, base64), and a
+      ``lowdim`` chunk is written only once the episodes have filled it (sealed, before the record that goes
+      past it), so a state-only commit is one PUT (there is no atomic rename to make two writes one). Readers
+      take rows past a shard's sealed chunks from the records; a reopened writer rebuilds its partly filled
+      chunk from them.
     - Episodes start on a chunk boundary of the biggest image array, so its chunks are written once each
       (never re-encoded with the previous episode's last rows) to new files. The one chunk a commit
       rewrites (the partly filled last chunk of ``lowdim``) is swapped in through a spare file that is
@@ -218,8 +226,11 @@ class EpisodeWriter:
 
     # -- recovery -------------------------------------------------------------------------------
     def _recover(self) -> None:
-        recs = [json.loads(self.fs.cat_file(p))["episode"]
-                for p in _ls_json(self.fs, self.store._p("commits", self.writer_id))]
+        records = [json.loads(self.fs.cat_file(p)) for p in _ls_json(self.fs, self.store._p("commits", self.writer_id))]
+        recs = [r["episode"] for r in records]
+        # without an atomic rename (object stores, memory://) a commit is one PUT: the rows of INLINE_ARRAYS travel
+        # in the commit record and their chunks are written once full (sealed); see commit()
+        self._inline = frozenset() if _is_local(self.fs) else INLINE_ARRAYS
         self._end = max((r["start"] + r["length"] for r in recs), default=0)
         self._counter = max((int(r["episode_id"].rsplit("-", 1)[1]) + 1 for r in recs), default=0)
         meta = self.store.meta
@@ -256,7 +267,9 @@ class EpisodeWriter:
         self._start = -(-self._end // self._align) * self._align
         for name, arr in arrays.items():
             self._cols[name] = _Column(name, arr, self._end, self._start, _is_image(self.store._layout[name]),
-                                       self.store._p("shards", self.writer_id, name), self._BUF_ROWS, self._tmp_tag)
+                                       self.store._p("shards", self.writer_id, name), self._BUF_ROWS, self._tmp_tag,
+                                       read_rows=(lambda a, b, arr=arr, name=name: self._record_rows(arr, name, records, a, b))
+                                       if name in self._inline else None)
         if _is_local(self.fs):  # stray temp files of writes cut short by a kill
             shard_dir = self.store._p("shards", self.writer_id)
             for dirpath, _, files in os.walk(shard_dir):
@@ -268,6 +281,20 @@ class EpisodeWriter:
                 for f in os.listdir(commit_dir):
                     if f.endswith(".tmp"):
                         os.unlink(os.path.join(commit_dir, f))
+
+    def _record_rows(self, arr: zarr.Array, name: str, records: list[dict], lo: int, hi: int) -> np.ndarray:
+        """Committed rows ``lo .. hi-1`` of inline array ``name`` (the partly filled chunk a reopened writer carries
+        on): from the commit records that hold them (zeros between episodes), else from the array."""
+        out = np.zeros((hi - lo, *arr.shape[1:]), arr.dtype)
+        for r in records:
+            s, n = int(r["episode"]["start"]), int(r["episode"]["length"])
+            if s + n <= lo or s >= hi:
+                continue
+            enc = (r.get("inline") or {}).get(name)
+            rows = arr[s:s + n] if enc is None else decode_inline_rows(
+                enc, f"store {self.store.url!r}, shard {self.writer_id!r}, episode {r['episode']['episode_id']!r}")
+            out[max(s, lo) - lo:min(s + n, hi) - lo] = rows[max(s, lo) - s:min(s + n, hi) - s]
+        return out
 
     def _truncate(self, arr: zarr.Array, directory: str) -> None:
         """Delete every chunk of ``arr`` wholly past the committed rows (written by a writer killed mid-episode
@@ -538,7 +565,8 @@ class EpisodeWriter:
             for col in self._cols.values():  # 1) rows, invisible: no record names them yet
                 c_end = -(-end // col.cr)
                 col.buf[end - col.lo:c_end * col.cr - col.lo] = 0  # rows after the episode in its last chunk
-                for c in range(col.next_c, c_end):
+                # inline arrays: only the chunks the episode filled (sealed); the rest is in the record
+                for c in range(col.next_c, end // col.cr if col.name in self._inline else c_end):
                     self._submit(col, c)
                 col.next_c = c_end
             if self._remote:
@@ -557,7 +585,11 @@ class EpisodeWriter:
             meta = EpisodeMeta(episode_id=episode_id, length=length, success=bool(success), failure_onset=None,
                                shard=self.writer_id, start=start, termination=termination, quarantined=quarantined,
                                **ep)
-            record = json.dumps({"episode": dataclasses.asdict(meta), "sketch": sketch}).encode()
+            rec = {"episode": dataclasses.asdict(meta), "sketch": sketch}
+            if self._inline:
+                rec["inline"] = {n: encode_inline_rows(self._cols[n].buf[start - self._cols[n].lo:end - self._cols[n].lo])
+                                 for n in self._inline if n in self._cols}
+            record = json.dumps(rec).encode()
             self._write_record(episode_id, record)  # 2) the commit point
         except BaseException:
             self._rewind()
