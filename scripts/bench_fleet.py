@@ -40,8 +40,8 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from fleet.coordinator import _plain, ensure_ray  # noqa: E402
-from fleet.worker import RobotWorker  # noqa: E402
+from fleet.coordinator import _plain, ensure_ray
+from fleet.worker import RobotWorker
 
 DEFAULTS = {"workers": [1, 2, 4], "episodes": 6, "task": "reach-v3", "max_episode_steps": 100,
             "server_batches": [1, 8, 32], "server_rounds": 20, "out": "outputs/bench/bench_fleet.json",
@@ -240,6 +240,16 @@ def bench_server_vs_local(base: dict, bench: dict) -> dict:
             "target": "server_vs_local > 1 from 8 units up", "loadavg": os.getloadavg()}
 
 
+def _write_report(report: dict, path: str) -> Path:
+    """Write ``report`` as JSON to ``path`` (parents created) and print it; returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return out
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     bench = {**DEFAULTS, **(OmegaConf.to_container(cfg.bench) if "bench" in cfg else {})}
@@ -247,19 +257,11 @@ def main(cfg: DictConfig) -> None:
     base["robot"]["train_units"] = list(range(1000))  # bench units 0.. and the in-process unit 999
     base["robot"]["heldout_units"] = []
     if bench["server_vs_local"]:
-        report = bench_server_vs_local(base, bench)
-        out = Path(bench["svl_out"])
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1))
-        print(json.dumps(report, indent=1))
-        print(f"wrote {out}")
+        _write_report(bench_server_vs_local(base, bench), bench["svl_out"])
         return
     if bench["cluster"]:
         report = bench_cluster(base, bench)
-        out = Path(bench["cluster_out"])
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1))
-        print(json.dumps(report, indent=1))
+        out = _write_report(report, bench["cluster_out"])
         print(f"cluster: {report['fleet']['units']} units {report['fleet']['episodes_per_s']:.2f} episodes/s vs one unit "
               f"{report['one_unit']['episodes_per_s']:.3f} x {report['cluster_cpus']:g} CPUs: "
               f"ratio {report['fleet_vs_cpus_x_one_unit']:.2f} (target 0.8); wrote {out}")
@@ -290,11 +292,7 @@ def main(cfg: DictConfig) -> None:
                                    "parameters": n_params,
                                    **bench_server(ckpt, list(bench["server_batches"]), int(bench["server_rounds"]))}
     report["host"]["loadavg_end"] = os.getloadavg()
-    out = Path(bench["out"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    _write_report(report, bench["out"])
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ def test_object_store_commits_carry_their_rows_and_chunks_are_written_once_full(
     url = f"memory://inline-{os.getpid()}-{time.time_ns()}"
     store = new_store(url)
     ids = []
-    for part in (range(0, 5), range(5, 12)):   # close and reopen: recovery from the commit records
+    for part in (range(5), range(5, 12)):   # close and reopen: recovery from the commit records
         w = store.writer("unit-0003")
         ids += [write_episode(w, 3, e) for e in part]
         w.close()

@@ -16,6 +16,7 @@ import zarr
 from experience_dict.stats import merge_sketches
 from experience_dict.store.schema import (
     _META_ATTR,
+    INLINE_ARRAYS,
     LOWDIM,
     READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
@@ -28,7 +29,6 @@ from experience_dict.store.schema import (
     _packable,
     _parse_spec,
     _sketch_columns,
-    INLINE_ARRAYS,
     _unpack_sketch,
     decode_inline_rows,
 )
@@ -399,7 +399,7 @@ class ExperienceStore:
     def _read_array(self, shard: str, name: str, lo: int, hi: int) -> np.ndarray:
         """Rows ``lo .. hi-1`` of array ``name`` of ``shard``: from its chunks, and past the sealed chunks of an
         object-store shard from the episodes' commit records (zeros between episodes, as in a chunk)."""
-        get = lambda reopen: self._array(shard, name, reopen=reopen)  # noqa: E731
+        get = lambda reopen: self._array(shard, name, reopen=reopen)
         if name not in self._inline_arrays(shard):
             return self._guarded_read(get, shard, name, lo, hi)
         sealed = self._sealed(shard, name)

@@ -22,9 +22,9 @@ from zarr.codecs import BloscCodec, Crc32cCodec
 
 from experience_dict.stats import episode_sketch
 from experience_dict.store.schema import (
-    INLINE_ARRAYS,
     _PLAIN_SCALARS,
     _WRITER_ID_RE,
+    INLINE_ARRAYS,
     LOWDIM,
     EpisodeMeta,
     NonFiniteError,
