@@ -31,6 +31,7 @@ from experience_dict.store.schema import (
     _sketch_columns,
     _unpack_sketch,
     decode_inline_rows,
+    place_episode_rows,
 )
 from experience_dict.store.storage import (
     _atomic_write,
@@ -41,6 +42,13 @@ from experience_dict.store.storage import (
 
 if TYPE_CHECKING:
     from experience_dict.store.writer import EpisodeWriter
+
+
+def _columns(rows: np.ndarray, cols: tuple[int, int, bool]) -> np.ndarray:
+    """One packed feature's columns ``(lo, hi, scalar)`` of ``lowdim`` rows ``(T, D)``: ``(T,)`` for a scalar
+    feature, else ``(T, hi - lo)``, C-contiguous."""
+    lo, hi, scalar = cols
+    return np.ascontiguousarray(rows[:, lo] if scalar else rows[:, lo:hi])
 
 
 class _ColumnView:
@@ -365,11 +373,7 @@ class ExperienceStore:
             name, cols = self._where[key]
             if name not in rows:
                 rows[name] = self._read_array(ep.shard, name, ep.start, ep.start + ep.length)
-            if cols is None:
-                out[key] = rows[name]
-            else:
-                lo, hi, scalar = cols
-                out[key] = np.ascontiguousarray(rows[name][:, lo] if scalar else rows[name][:, lo:hi])
+            out[key] = rows[name] if cols is None else _columns(rows[name], cols)
         return out
 
     # -- guarded reads --------------------------------------------------------------------------
@@ -384,7 +388,7 @@ class ExperienceStore:
         if name not in self._inline_arrays(shard):
             return self._guarded_read(lambda reopen: self.array(shard, key, reopen=reopen), shard, name, lo, hi)
         rows = self._read_array(shard, name, lo, hi)
-        return rows if cols is None else np.ascontiguousarray(rows[:, cols[0]] if cols[2] else rows[:, cols[0]:cols[1]])
+        return rows if cols is None else _columns(rows, cols)
 
     def _inline_arrays(self, shard: str) -> frozenset[str]:
         """Arrays of ``shard`` whose newest rows may live in commit records (not yet in a sealed chunk)."""
@@ -410,12 +414,8 @@ class ExperienceStore:
         if lo < sealed:
             out[:sealed - lo] = self._guarded_read(get, shard, name, lo, sealed)
         a = max(lo, sealed)
-        for ep in self.episodes(shard=shard, quarantined=None):
-            s, e = ep.start, ep.start + ep.length
-            if e <= a or s >= hi:
-                continue
-            rows = self._episode_rows(ep, name)
-            out[max(s, a) - lo:min(e, hi) - lo] = rows[max(s, a) - s:min(e, hi) - s]
+        place_episode_rows(out[a - lo:], a, ((ep.start, ep.length, lambda ep=ep: self._episode_rows(ep, name))
+                                             for ep in self.episodes(shard=shard, quarantined=None)))
         return out
 
     def _episode_rows(self, ep: EpisodeMeta, name: str) -> np.ndarray:

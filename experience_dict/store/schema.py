@@ -231,6 +231,20 @@ def _image_sketch(pixels: np.ndarray) -> dict:
 INLINE_ARRAYS = frozenset({LOWDIM})
 
 
+def place_episode_rows(out: np.ndarray, lo: int, episodes) -> np.ndarray:
+    """Lay episodes' rows into ``out`` (rows ``lo .. lo + len(out) - 1`` of a shard array; rows between episodes
+    stay as they are, zeros in a fresh buffer). ``episodes``: iterable of ``(start, length, get_rows)``, where
+    ``get_rows()`` returns the episode's ``(length, ...)`` rows; only the episodes overlapping ``out`` are read.
+    Returns ``out``."""
+    hi = lo + len(out)
+    for start, length, get_rows in episodes:
+        if start + length <= lo or start >= hi:
+            continue
+        a, b = max(start, lo), min(start + length, hi)
+        out[a - lo:b - lo] = get_rows()[a - start:b - start]
+    return out
+
+
 def _inline_codec():
     import numcodecs
 

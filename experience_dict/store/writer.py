@@ -38,6 +38,7 @@ from experience_dict.store.schema import (
     _pack_sketch,
     decode_inline_rows,
     encode_inline_rows,
+    place_episode_rows,
 )
 from experience_dict.store.storage import (
     _RENAMEAT2,
@@ -285,16 +286,16 @@ class EpisodeWriter:
     def _record_rows(self, arr: zarr.Array, name: str, records: list[dict], lo: int, hi: int) -> np.ndarray:
         """Committed rows ``lo .. hi-1`` of inline array ``name`` (the partly filled chunk a reopened writer carries
         on): from the commit records that hold them (zeros between episodes), else from the array."""
-        out = np.zeros((hi - lo, *arr.shape[1:]), arr.dtype)
-        for r in records:
-            s, n = int(r["episode"]["start"]), int(r["episode"]["length"])
-            if s + n <= lo or s >= hi:
-                continue
+        def rows(r: dict):
+            e = r["episode"]
             enc = (r.get("inline") or {}).get(name)
-            rows = arr[s:s + n] if enc is None else decode_inline_rows(
-                enc, f"store {self.store.url!r}, shard {self.writer_id!r}, episode {r['episode']['episode_id']!r}")
-            out[max(s, lo) - lo:min(s + n, hi) - lo] = rows[max(s, lo) - s:min(s + n, hi) - s]
-        return out
+            if enc is None:
+                return arr[e["start"]:e["start"] + e["length"]]
+            return decode_inline_rows(enc, f"store {self.store.url!r}, shard {self.writer_id!r}, episode {e['episode_id']!r}")
+
+        return place_episode_rows(np.zeros((hi - lo, *arr.shape[1:]), arr.dtype), lo,
+                                  ((int(r["episode"]["start"]), int(r["episode"]["length"]), lambda r=r: rows(r))
+                                   for r in records))
 
     def _truncate(self, arr: zarr.Array, directory: str) -> None:
         """Delete every chunk of ``arr`` wholly past the committed rows (written by a writer killed mid-episode
