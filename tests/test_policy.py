@@ -70,6 +70,9 @@ def test_config_validation():
         AEDDiffusionConfig(input_shapes={"observation.images.corner": [96, 96]})
     with pytest.raises(ValueError, match="unknown keys"):
         AEDDiffusionConfig.from_dict({"dimm": 3})
+    with pytest.raises(ValueError, match="action_patch"):
+        AEDDiffusionConfig(horizon=16, action_patch=3)
+    assert AEDDiffusionConfig.from_dict({}).action_patch == 1  # checkpoints from before the field: one token a step
 
 
 def test_window_spec_and_ablations(store):
@@ -118,12 +121,16 @@ def test_attention_mask_blocks_what_it_must():
     torch.testing.assert_close(states["x"][:, :5], x0[:, :5])
 
 
-@pytest.mark.parametrize("aed", [True, False])
-def test_two_stream_denoiser_and_cached_sampling_match_the_masked_sequence(store, aed):
+@pytest.mark.parametrize("aed,patch,cond_layers", [(True, 1, None), (False, 1, None), (True, 4, None), (True, 4, 0),
+                                                    (False, 2, 1)])
+def test_two_stream_denoiser_and_cached_sampling_match_the_masked_sequence(store, aed, patch, cond_layers):
     """forward (obs/prefix stream + action stream on cached keys/values) == forward_masked (one masked
-    sequence), values and gradients; DDIM sampling with the per-chunk cache == recomputing everything."""
+    sequence), values and gradients; DDIM sampling with the per-chunk cache == recomputing everything.
+    patch: actions per action token (``action_patch``), which changes the token count, not the chunk's shape;
+    cond_layers: blocks that update the obs/prefix tokens (``condition_layers``; later blocks hold them fixed)."""
     torch.manual_seed(0)
-    policy = build_policy(tiny_cfg(aed={"enabled": aed}), store, store.episodes())
+    policy = build_policy(tiny_cfg(aed={"enabled": aed}, action_patch=patch,
+                                    condition_layers=cond_layers), store, store.episodes())
     with torch.no_grad():  # non-zero adaLN / output weights, so every path matters
         for name, w in policy.denoiser.named_parameters():
             if "ada" in name or name.startswith("out."):
@@ -137,8 +144,24 @@ def test_two_stream_denoiser_and_cached_sampling_match_the_masked_sequence(store
         pred, hidden = fn(noisy, t, obs_t, prefix)
         grads = torch.autograd.grad((pred ** 2).sum() + hidden.sum(), [obs_t] + ([prefix] if aed else []))
         outs.append((pred, hidden, grads))
+    assert outs[0][0].shape == (3, 8, 4) and outs[0][1].shape == (3, 8 // patch, 32)
     for a, b in zip(outs[0][:2] + tuple(outs[0][2]), outs[1][:2] + tuple(outs[1][2])):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    if cond_layers == 0:  # the obs/prefix tokens held at their input state: not the full-depth denoiser
+        den.cond_layers = cfg_layers = policy.config.n_layers
+        assert not torch.allclose(den(noisy, t, obs_t, prefix)[0], outs[0][0]), cfg_layers
+        den.cond_layers = 0
+    if patch > 1:  # token j predicts actions [j * patch, (j + 1) * patch): other tokens' noise changes them too,
+        # but each token's own actions come from its own output row
+        pred = den(noisy, t, obs_t, prefix)[0]
+        with torch.no_grad():
+            den.out.weight[:4].zero_(), den.out.bias[:4].fill_(0.25)  # the first action of every token
+        pred2 = den(noisy, t, obs_t, prefix)[0]
+        assert torch.equal(pred2[:, ::patch], torch.full_like(pred2[:, ::patch], 0.25))
+        torch.testing.assert_close(pred2[:, 1::patch], pred[:, 1::patch])
+        loss, metrics = policy.train()(policy.tokenize_history(next(iter(torch.utils.data.DataLoader(
+            WindowDataset(store, store.episodes(), windows=policy.window_spec()), batch_size=4)))))
+        assert torch.isfinite(loss) and metrics["mt_loss"] > 0  # the MT decoder reads patched hidden states
     policy.eval()
     ds = WindowDataset(store, store.episodes(), windows=policy.inference_window_spec())
     batch = torch.utils.data.default_collate([ds[i] for i in (0, 7, 50, 90)])

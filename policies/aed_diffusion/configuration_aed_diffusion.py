@@ -71,6 +71,12 @@ class AEDDiffusionConfig:
     n_heads: int = 4
     mlp_ratio: float = 2.0
     dropout: float = 0.0
+    # consecutive actions per denoiser action token (horizon / action_patch action tokens). 1: one token per action
+    # step, the form of checkpoints written before the field existed
+    action_patch: int = 1
+    # denoiser blocks that update the observation and prefix tokens (None: all of them); blocks past these attend
+    # to the keys/values of the tokens' state after the last one (0: pure cross-attention to the input tokens)
+    condition_layers: int | None = None
     state_hidden: int = 96
     image_channels: list[int] = field(default_factory=lambda: [16, 32, 64])
     image_pool: int = 2              # image tokens per frame = image_pool ** 2
@@ -109,11 +115,15 @@ class AEDDiffusionConfig:
             raise ValueError(f"relative_action_dims {self.relative_action_dims} + absolute_action_dims "
                              f"{self.absolute_action_dims} must partition range(action_dim={self.action_dim})")
         for name in ("n_obs_steps", "horizon", "n_action_steps", "dim", "n_layers", "n_heads",
-                     "num_train_timesteps", "num_inference_steps", "image_pool"):
+                     "num_train_timesteps", "num_inference_steps", "image_pool", "action_patch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, given {getattr(self, name)}")
         if self.n_action_steps > self.horizon:
             raise ValueError(f"n_action_steps ({self.n_action_steps}) must be <= horizon ({self.horizon})")
+        if self.condition_layers is not None and self.condition_layers < 0:
+            raise ValueError(f"condition_layers: expected >= 0 or None, given {self.condition_layers}")
+        if self.horizon % self.action_patch:
+            raise ValueError(f"horizon ({self.horizon}) must be a multiple of action_patch ({self.action_patch})")
         if self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.num_inference_steps > self.num_train_timesteps:

@@ -260,7 +260,7 @@ class Denoiser(nn.Module):
     """DiT-style denoiser of a normalized action chunk over ``[obs tokens; prefix; noisy action tokens]``.
 
     forward(noisy (B, horizon, A), t (B,) | () int, obs_tokens (B, No, D), prefix (B, G, D) | None)
-      -> (prediction (B, horizon, A), action hidden states (B, horizon, D) after the last block).
+      -> (prediction (B, horizon, A), action hidden states (B, horizon / P, D) after the last block, P = ``action_patch``).
 
     ``forward_masked`` is the literal form: the whole sequence through every block under ``denoiser_mask``,
     obs and prefix tokens modulated with timestep 0. There the obs and prefix tokens never attend to action
@@ -273,22 +273,25 @@ class Denoiser(nn.Module):
 
     def __init__(self, cfg: AEDDiffusionConfig, n_obs_tokens: int, n_prefix: int):
         super().__init__()
-        D, A = cfg.dim, cfg.action_dim
+        D, A, P = cfg.dim, cfg.action_dim, cfg.action_patch
         self.dim, self.n_obs, self.n_prefix, self.horizon = D, n_obs_tokens, n_prefix, cfg.horizon
-        self.act_in = nn.Linear(A, D)
-        self.act_pos = nn.Parameter(torch.randn(cfg.horizon, D) * 0.02)
+        self.patch, self.n_act = P, cfg.horizon // P  # P consecutive actions per action token
+        # blocks that update the obs/prefix tokens (later blocks attend to their state after the last of these)
+        self.cond_layers = cfg.n_layers if cfg.condition_layers is None else cfg.condition_layers
+        self.act_in = nn.Linear(A * P, D)
+        self.act_pos = nn.Parameter(torch.randn(self.n_act, D) * 0.02)
         self.t_mlp = nn.Sequential(nn.Linear(D, D * 2), nn.SiLU(), nn.Linear(D * 2, D))
         self.blocks = nn.ModuleList(DiTBlock(D, cfg.n_heads, cfg.mlp_ratio, cfg.dropout) for _ in range(cfg.n_layers))
         self.final_norm = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
         self.final_ada = nn.Sequential(nn.SiLU(), nn.Linear(D, 2 * D))
-        self.out = nn.Linear(D, A)
+        self.out = nn.Linear(D, A * P)
         for lin in (self.final_ada[1], self.out):
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
         n_cond = n_obs_tokens + n_prefix
-        self.register_buffer("mask", denoiser_mask(n_obs_tokens, n_prefix, cfg.horizon), persistent=False)
+        self.register_buffer("mask", denoiser_mask(n_obs_tokens, n_prefix, self.n_act), persistent=False)
         self.register_buffer("cond_mask", denoiser_mask(n_obs_tokens, n_prefix, 0), persistent=False)
-        is_act = (torch.arange(n_cond + cfg.horizon) >= n_cond).float()
+        is_act = (torch.arange(n_cond + self.n_act) >= n_cond).float()
         # (N, 2) one-hot of each token's conditioning [timestep 0, timestep t] (forward_masked's modulation)
         self.register_buffer("token_type", torch.stack([1 - is_act, is_act], 1), persistent=False)
 
@@ -304,17 +307,26 @@ class Denoiser(nn.Module):
         B = noisy.shape[0]
         t = t.expand(B) if t.ndim else t.reshape(1).expand(B)
         c = self.timestep_conditioning(torch.cat([t.new_zeros(1), t]))  # (1 + B, D): [timestep 0; timestep t]
-        parts = [obs_tokens] + ([prefix] if prefix is not None else []) + [self.act_in(noisy) + self.act_pos]
+        parts = [obs_tokens] + ([prefix] if prefix is not None else []) + [self._action_tokens(noisy)]
         x = torch.cat(parts, dim=1)
-        for blk in self.blocks:
+        n_cond = x.shape[1] - self.n_act
+        for i, blk in enumerate(self.blocks):
             mod = blk.modulation(c)
-            x = blk(x, self.token_type @ torch.stack([mod[:1].expand(B, -1), mod[1:]], 1), self.mask)
-        return self._head(x[:, -self.horizon:], self.final_ada(c[1:]).unsqueeze(1))
+            y = blk(x, self.token_type @ torch.stack([mod[:1].expand(B, -1), mod[1:]], 1), self.mask)
+            x = y if i < self.cond_layers else torch.cat([x[:, :n_cond], y[:, n_cond:]], 1)
+        return self._head(x[:, -self.n_act:], self.final_ada(c[1:]).unsqueeze(1))
+
+    def _action_tokens(self, noisy):
+        """(B, horizon, A) noisy actions -> (B, horizon / P, D) action tokens (P consecutive actions each)."""
+        B, T, A = noisy.shape
+        return self.act_in(noisy.reshape(B, T // self.patch, A * self.patch)) + self.act_pos
 
     def _head(self, h, final_mod):
-        """Final adaLN (final_mod: (B | 1, 1, 2D) = [shift, scale]) and output layer -> (prediction, h)."""
+        """Final adaLN (final_mod: (B | 1, 1, 2D) = [shift, scale]) and output layer -> (prediction
+        (B, horizon, A), h (B, horizon / P, D))."""
         sh, sc = final_mod.chunk(2, dim=-1)
-        return self.out(torch.addcmul(sh, self.final_norm(h), 1 + sc)), h
+        out = self.out(torch.addcmul(sh, self.final_norm(h), 1 + sc))
+        return out.reshape(h.shape[0], self.horizon, -1), h
 
     def condition(self, obs_tokens, prefix=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Run the obs and prefix tokens (B, No, D), (B, G, D) | None through the blocks at timestep 0.
@@ -329,7 +341,8 @@ class Denoiser(nn.Module):
         for i, blk in enumerate(self.blocks):
             mod = blk.modulation(c0).unsqueeze(1)  # (1, 1, 6D): the same for every sample and token
             cache.append(blk.keys_values(x, mod))
-            if i + 1 < len(self.blocks):  # the last block's outputs of these tokens are never read
+            # the last block's outputs of these tokens are never read; past cond_layers they are held fixed
+            if i + 1 < len(self.blocks) and i < self.cond_layers:
                 x = blk(x, mod, mask)
         return cache
 
@@ -352,7 +365,7 @@ class Denoiser(nn.Module):
             cache: ``condition(obs_tokens, prefix)`` (batch B or 1).
             modulation: ``step_modulation(...)[i]`` for this t (optional; computed from t when None).
         Returns:
-            as ``forward``: (prediction (B, horizon, A), action hidden states (B, horizon, D)).
+            as ``forward``: (prediction (B, horizon, A), action hidden states (B, horizon / P, D)).
         """
         B = noisy.shape[0]
         if modulation is None:
@@ -360,7 +373,7 @@ class Denoiser(nn.Module):
             ct = self.timestep_conditioning(t)
             modulation = [blk.modulation(ct).unsqueeze(1) for blk in self.blocks], self.final_ada(ct).unsqueeze(1)
         mods, final = modulation
-        x = self.act_in(noisy) + self.act_pos
+        x = self._action_tokens(noisy)
         for blk, mod, kv in zip(self.blocks, mods, cache):
             x = blk(x, mod, None, past_kv=kv)  # action rows of the mask are all True: no mask
         return self._head(x, final)
@@ -381,7 +394,7 @@ class ChunkGraph(nn.Module):
 
 
 class MTDecoder(nn.Module):
-    """Motion-aware transition decoder: (query (B, D), span k (B,), hidden (B, horizon, D), key mask (B, horizon))
+    """Motion-aware transition decoder: (query (B, D), span k (B,), hidden (B, horizon / P, D), key mask (B, horizon / P))
     -> (B, F) predicted feature change."""
 
     def __init__(self, cfg: AEDDiffusionConfig, feat_dim: int):
@@ -637,8 +650,9 @@ class AEDDiffusionPolicy(nn.Module):
         target = feats[ar, s + k] - feats[ar, s]
         query_frames = {key: x[ar, s].unsqueeze(1) for key, x in frames.items()}
         query = self.obs_encoder(query_frames)[:, 0].mean(1)  # (B, D)
-        pos = torch.arange(cfg.horizon, device=dev)
-        key_mask = (pos[None] >= (s * r)[:, None]) & (pos[None] < ((s + k) * r)[:, None])
+        P = cfg.action_patch  # action token j holds actions [j * P, (j + 1) * P): keep those overlapping the span
+        start = torch.arange(0, cfg.horizon, P, device=dev)
+        key_mask = (start[None] + P > (s * r)[:, None]) & (start[None] < ((s + k) * r)[:, None])
         pred = self.mt_decoder(query, k, hidden, key_mask)
         pad_key = f"future.{next(iter(cfg.input_shapes))}_is_pad"
         valid = target.norm(dim=-1) > 1e-6
