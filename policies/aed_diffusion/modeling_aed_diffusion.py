@@ -580,16 +580,17 @@ class AEDDiffusionPolicy(nn.Module):
     def _conditioning(self, batch: dict):
         """-> obs tokens (B, n_obs*K, D), prefix (B, G, D) or None."""
         n, keys = self.config.n_obs_steps, list(self.config.input_shapes)
-        if self.config.aed.enabled:  # current and history frames through the encoder in one call
+        if self.config.aed.enabled:  # current and history frames through the encoder in one call; the history's
+            # last frame (offset 0) is the current window's last frame, so it is encoded once
             for k in keys:
                 if f"history.{k}" not in batch:
                     raise ValueError(f"batch lacks 'history.{k}' (window_spec() lists what the policy needs)")
-            batch = {**batch, **{k: torch.cat([batch[k], batch[f"history.{k}"]], 1) for k in keys if k in batch}}
-        tok = self.obs_encoder(self._frames(batch))  # (B, n_obs [+ G+1], K, D)
+            batch = {**batch, **{k: torch.cat([batch[k], batch[f"history.{k}"][:, :-1]], 1) for k in keys if k in batch}}
+        tok = self.obs_encoder(self._frames(batch))  # (B, n_obs [+ G], K, D)
         obs = (tok[:, :n] + self.obs_frame_emb).flatten(1, 2)
         if not self.config.aed.enabled:
             return obs, None
-        hist = tok[:, n:] + self.hist_frame_emb  # (B, G+1, K, D)
+        hist = torch.cat([tok[:, n:], tok[:, n - 1:n]], 1) + self.hist_frame_emb  # (B, G+1, K, D)
         B, T, K, D = hist.shape
         pad_key = f"history.{keys[0]}_is_pad"
         valid = ~batch[pad_key].bool() if pad_key in batch else torch.ones(B, T, dtype=torch.bool, device=hist.device)
@@ -644,12 +645,14 @@ class AEDDiffusionPolicy(nn.Module):
         B, dev = hidden.shape[0], hidden.device
         s = torch.randint(0, S, (B,), device=dev)
         k = (torch.rand(B, device=dev) * (S - s)).long().clamp_min(0) + 1  # k in [1, S - s]
-        frames = self._frames(batch, "future.")
-        feats = self.mt_features(frames)  # (B, S+1, F)
         ar = torch.arange(B, device=dev)
-        target = feats[ar, s + k] - feats[ar, s]
-        query_frames = {key: x[ar, s].unsqueeze(1) for key, x in frames.items()}
-        query = self.obs_encoder(query_frames)[:, 0].mean(1)  # (B, D)
+        # only the span's two frames, s and s + k, of the S + 1 future frames go through f and the encoder
+        ends = torch.stack([s, s + k], 1)  # (B, 2)
+        frames = self._frames({f"future.{key}": batch[f"future.{key}"][ar[:, None], ends]
+                               for key in cfg.input_shapes if f"future.{key}" in batch}, "future.")
+        feats = self.mt_features(frames)  # (B, 2, F)
+        target = feats[:, 1] - feats[:, 0]
+        query = self.obs_encoder({key: x[:, :1] for key, x in frames.items()})[:, 0].mean(1)  # (B, D), frame s
         P = cfg.action_patch  # action token j holds actions [j * P, (j + 1) * P): keep those overlapping the span
         start = torch.arange(0, cfg.horizon, P, device=dev)
         key_mask = (start[None] + P > (s * r)[:, None]) & (start[None] < ((s + k) * r)[:, None])
