@@ -2,6 +2,8 @@
 
     python scripts/bench_policy.py                                   # CPU (and CUDA when visible), JSON to stdout + file
     python scripts/bench_policy.py train.bench.devices=[cuda] train.bench.compile=true train.bench.batch_size=256
+    python scripts/bench_policy.py 'train.bench.configs=[image]' \
+        'train.bench.policy_overrides={action_patch: 4, condition_layers: 0}'   # a policy option, both AED arms
 
 For each device and each config (the default state-only policy, ``policy=aed_diffusion``, and the 96x96-image
 policy, ``configs/policy/aed_diffusion_image.yaml``): training samples/s and peak memory on random batches of
@@ -284,8 +286,9 @@ def main(cfg: DictConfig) -> None:
             pol = "aed_diffusion_image" if cname == "image" else "aed_diffusion"
             size = int(cfg.obs.image_size)
             img = size if cname == "image" else None
-            pair = bench_pair({"aed": load_policy_cfg(pol, size),
-                               "no_aed": load_policy_cfg(pol, size, {"aed": {"enabled": False}})}, dev, bc,
+            over = dict(bc.get("policy_overrides") or {})  # e.g. {action_patch: 4, condition_layers: 0}
+            pair = bench_pair({"aed": load_policy_cfg(pol, size, over),
+                               "no_aed": load_policy_cfg(pol, size, {**over, "aed": {"enabled": False}})}, dev, bc,
                               extra={"lerobot_diffusion": lambda n, img=img: LeRobotSetup(dev, bc, img, n)})
             r = pair["aed"]
             r["baseline_no_aed"] = pair["no_aed"]
