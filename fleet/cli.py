@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("scripts.export", "export a checkpoint or registry version for the lean runtime"),
     "deploy": ("scripts.deploy", "run an exported policy on a LeRobot robot (needs the lerobot extra)"),
     "ablate": ("scripts.ablate", "fine-tune arm variants on a frozen fleet store and evaluate them paired"),
+    "compare": ("scripts.compare_policies", "train policy variants as bases on the same demonstrations, evaluate paired"),
     "collect-demos": ("scripts.collect_demos", "scripted-expert demonstrations into the store"),
     "sim-check": ("scripts.sim_check", "check the simulated tasks and units"),
     "chaos": ("scripts.chaos", "SIGKILL workers, server and learner while the fleet runs; audit what survived"),

@@ -314,6 +314,24 @@ def stage_demos_and_bases(c: dict, sd: Path, seed: int, state: JobState, stages:
     """Collect the demonstrations (and the validation demonstrations) and train the bases: with AED, and
     without it when ``need_no_aed`` (some arm starts from ``base_no_aed``); returns ``(store reader,
     {"base": checkpoint dir[, "base_no_aed": checkpoint dir]})``."""
+    job = c["job"]
+    reader, val_reader = stage_demos(c, sd, seed, state, stages, progress)
+    demos = reader.episodes(is_demo=True, success=True)
+    bases = [("base", True)] + ([("base_no_aed", False)] if need_no_aed else [])
+    for name, aed in bases:
+        stages.start(f"seed {seed}: train {name} on {len(demos)} demonstrations (at most {job['base_steps']} steps, "
+                     "the checkpoint with the lowest validation loss)")
+        if not state.done(name):
+            t0 = time.perf_counter()
+            state.mark(name, {**train_base(c, reader, demos, sd / name, aed, val_reader),
+                              "wall_s": time.perf_counter() - t0})
+    return reader, {name: state.get(name)["checkpoint"] for name, _ in bases}
+
+
+def stage_demos(c: dict, sd: Path, seed: int, state: JobState, stages: Stages, progress: bool):
+    """Collect the demonstrations into the run's store and the validation demonstrations into ``<sd>/val_store``
+    (``job.val_demos_per_task``; 0: none), once per seed (``state`` stage ``demos``); returns ``(store reader,
+    validation store reader or None)``."""
     from experience_dict.store import ExperienceStore
     from fleet.protocol import collect_demos
 
@@ -331,17 +349,8 @@ def stage_demos_and_bases(c: dict, sd: Path, seed: int, state: JobState, stages:
         state.mark("demos", {**res, "units": dunits})
     print(f"demos: {state.get('demos')}", flush=True)
     reader = ExperienceStore.open(c["store"]["url"])
-    demos = reader.episodes(is_demo=True, success=True)
     val_reader = ExperienceStore.open(val_url) if n_val and Path(val_url).is_dir() else None
-    bases = [("base", True)] + ([("base_no_aed", False)] if need_no_aed else [])
-    for name, aed in bases:
-        stages.start(f"seed {seed}: train {name} on {len(demos)} demonstrations (at most {job['base_steps']} steps, "
-                     "the checkpoint with the lowest validation loss)")
-        if not state.done(name):
-            t0 = time.perf_counter()
-            state.mark(name, {**train_base(c, reader, demos, sd / name, aed, val_reader),
-                              "wall_s": time.perf_counter() - t0})
-    return reader, {name: state.get(name)["checkpoint"] for name, _ in bases}
+    return reader, val_reader
 
 
 def stage_sweep_snapshot(c: dict, sd: Path, state: JobState, reader) -> None:
