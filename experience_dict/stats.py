@@ -90,21 +90,7 @@ def episode_sketch(values: np.ndarray, is_image: bool = False) -> dict:
         # statistics of every 4th pixel row and column (as LeRobot, images are downsampled for stats; 576
         # pixels of a 96x96 frame), exact for that subsample from a 256-bin histogram per channel (no sort)
         sub = values[:, ::IMAGE_STRIDE, ::IMAGE_STRIDE] if values.ndim == 4 else values
-        flat = np.ascontiguousarray(sub).reshape(-1, sub.shape[-1])  # (T*H*W/16, C)
-        hist = np.stack([np.bincount(flat[:, c], minlength=256) for c in range(flat.shape[1])], 1).astype(np.float64)
-        n = flat.shape[0]
-        levels = np.arange(256, dtype=np.float64)[:, None]
-        mean = (hist * levels).sum(0) / n
-        m2 = (hist * (levels - mean) ** 2).sum(0)
-        nz = hist > 0
-        lo = nz.argmax(0).astype(np.float64)
-        hi = (255 - nz[::-1].argmax(0)).astype(np.float64)
-        cdf = np.cumsum(hist, 0) / n
-        q = np.stack([np.searchsorted(cdf[:, i], QGRID * (1 - 1e-12)) for i in range(hist.shape[1])], 1)
-        q = np.clip(q.astype(np.float64), lo, hi)
-        q[0], q[-1] = lo, hi
-        return {"n": int(n), "mean": mean.tolist(), "m2": m2.tolist(), "min": lo.tolist(), "max": hi.tolist(),
-                "q": q.tolist()}
+        return histogram_sketch(pixel_histogram(np.ascontiguousarray(sub).reshape(-1, sub.shape[-1])))
     if is_image:
         flat = values.reshape(-1, values.shape[-1])
     else:
@@ -122,6 +108,42 @@ def episode_sketch(values: np.ndarray, is_image: bool = False) -> dict:
     q = flat64[i0] + frac * (flat64[i1] - flat64[i0])  # (G, D)
     return {"n": int(n), "mean": mean.tolist(), "m2": m2.tolist(), "min": _f32_list(flat64[0]),
             "max": _f32_list(flat64[-1]), "q": _f32_list(q)}
+
+
+def pixel_histogram(pixels: np.ndarray) -> np.ndarray:
+    """Counts of each value 0..255 per channel: ``(N, C)`` uint8 pixels -> ``(256, C)`` int64.
+
+    The sufficient statistic of an image sketch: histograms of parts of an episode add up to the episode's
+    (the store's writer counts each chunk's pixels in its chunk writers and sums them at commit).
+    """
+    if pixels.dtype != np.uint8 or pixels.ndim != 2:
+        raise ValueError(f"pixel_histogram: expected (N, C) uint8 pixels, given {pixels.dtype} {pixels.shape}")
+    return np.stack([np.bincount(pixels[:, c], minlength=256) for c in range(pixels.shape[1])], 1).astype(np.int64)
+
+
+def histogram_sketch(hist: np.ndarray) -> dict:
+    """The :func:`episode_sketch` of uint8 image values from their ``(256, C)`` :func:`pixel_histogram` (exact:
+    mean and m2 from the counts, min/max the lowest/highest level present, quantiles by inverting the CDF).
+
+    Raises:
+        ValueError: a histogram of another shape, or with no pixels.
+    """
+    if hist.ndim != 2 or hist.shape[0] != 256 or hist[:, 0].sum() <= 0:
+        raise ValueError(f"histogram_sketch: expected (256, C) counts of at least one pixel, given {hist.shape}")
+    hist = hist.astype(np.float64)
+    n = hist[:, 0].sum()
+    levels = np.arange(256, dtype=np.float64)[:, None]
+    mean = (hist * levels).sum(0) / n
+    m2 = (hist * (levels - mean) ** 2).sum(0)
+    nz = hist > 0
+    lo = nz.argmax(0).astype(np.float64)
+    hi = (255 - nz[::-1].argmax(0)).astype(np.float64)
+    cdf = np.cumsum(hist, 0) / n
+    q = np.stack([np.searchsorted(cdf[:, i], QGRID * (1 - 1e-12)) for i in range(hist.shape[1])], 1)
+    q = np.clip(q.astype(np.float64), lo, hi)
+    q[0], q[-1] = lo, hi
+    return {"n": int(n), "mean": mean.tolist(), "m2": m2.tolist(), "min": lo.tolist(), "max": hi.tolist(),
+            "q": q.tolist()}
 
 
 def _mixture_quantile(qpts: np.ndarray, weights: np.ndarray, p: float) -> float:

@@ -590,21 +590,27 @@ def test_lowdim_features_are_one_array_read_as_feature_keys(tmp_path):
 
 
 def test_image_sketch_equals_episode_sketch():
-    from experience_dict.stats import episode_sketch
-    from experience_dict.store.schema import _image_pixels, _image_sketch, _pack_sketch, _unpack_sketch
+    from experience_dict.stats import episode_sketch, histogram_sketch
+    from experience_dict.store.schema import _image_histogram, _pack_sketch, _unpack_sketch
 
     rng = np.random.default_rng(0)
     for shape in [(9, 16, 16, 3), (5, 17, 13, 3), (3, 10, 7, 1)]:
         frames = rng.integers(0, 256, shape, dtype=np.uint8)
+        frames[:, :, :, 0] //= 3  # a channel that does not reach 255: min/max/quantiles from the counts
         want = episode_sketch(frames, is_image=True)
-        assert _image_sketch(_image_pixels(frames)) == want
-        # the writer gathers pixels chunk by chunk: concatenated parts give the same sketch
-        parts = [_image_pixels(frames[a:b]) for a, b in [(0, 2), (2, 3), (3, shape[0])]]
-        assert _image_sketch(np.concatenate(parts)) == want
+        assert histogram_sketch(_image_histogram(frames)) == want
+        # the writer counts pixels chunk by chunk: the parts' histograms sum to the same sketch
+        parts = [_image_histogram(frames[a:b]) for a, b in [(0, 2), (2, 3), (3, shape[0])]]
+        assert histogram_sketch(sum(parts)) == want
+        sub = frames[:, ::4, ::4].reshape(-1, shape[-1]).astype(np.float64)  # numpy's own figures, subsample
+        np.testing.assert_allclose(want["mean"], sub.mean(0), rtol=1e-12)
+        assert want["max"] == sub.max(0).tolist() and want["min"] == sub.min(0).tolist()
         got = _unpack_sketch(_pack_sketch(want), "test")  # packed in commit records, exactly
         assert got["n"] == want["n"] and got["q"].shape == (len(want["q"]), shape[-1])
         for f in ("mean", "m2", "min", "max", "q"):
             np.testing.assert_array_equal(got[f], np.asarray(want[f], np.float64))
+    with pytest.raises(ValueError, match="at least one pixel"):
+        histogram_sketch(np.zeros((256, 3), np.int64))
     with pytest.raises(StoreError, match="malformed statistics sketch in rec"):
         _unpack_sketch({"n": 3, "d": 2, "f64": "AAAA"}, "rec")
 

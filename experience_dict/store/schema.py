@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from experience_dict.stats import IMAGE_STRIDE, episode_sketch
+from experience_dict.stats import IMAGE_STRIDE, episode_sketch, pixel_histogram
 
 SCHEMA_VERSION = 2  # written by this code; READABLE_SCHEMA_VERSIONS are read
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -217,11 +217,12 @@ def _image_pixels(frames: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(px[:, ::IMAGE_STRIDE, ::IMAGE_STRIDE]).view(np.uint8).reshape(-1, c)
 
 
-def _image_sketch(pixels: np.ndarray) -> dict:
-    """``episode_sketch(frames, is_image=True)`` from ``pixels = _image_pixels(frames)`` (concatenated over
-    parts of the episode in order), identically: :func:`~experience_dict.stats.episode_sketch` pools the
-    ``(N, C)`` pixels as they are, and on ``(T, H, W, C)`` frames it takes exactly these pixels."""
-    return episode_sketch(pixels, is_image=True)
+def _image_histogram(frames: np.ndarray) -> np.ndarray:
+    """The ``(256, C)`` :func:`~experience_dict.stats.pixel_histogram` of the pixels image statistics use
+    (:func:`_image_pixels`) of uint8 ``(T, H, W, C)`` frames. Histograms of consecutive parts of an episode sum to
+    the episode's, and :func:`~experience_dict.stats.histogram_sketch` of that sum is exactly
+    ``episode_sketch(frames, is_image=True)``."""
+    return pixel_histogram(_image_pixels(frames))
 
 
 # -- rows carried in commit records (object stores) --------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
 
-from experience_dict.stats import episode_sketch
+from experience_dict.stats import episode_sketch, histogram_sketch
 from experience_dict.store.schema import (
     _PLAIN_SCALARS,
     _WRITER_ID_RE,
@@ -32,8 +32,7 @@ from experience_dict.store.schema import (
     StoreError,
     WriterBusyError,
     _chunk_rows,
-    _image_pixels,
-    _image_sketch,
+    _image_histogram,
     _is_image,
     _pack_sketch,
     decode_inline_rows,
@@ -119,7 +118,8 @@ class EpisodeWriter:
     - On a local filesystem a chunk is handed to a small thread pool as soon as the steps fill it (during
       the episode, i.e. while the robot acts); the pool encodes it with the array's own zarr codecs (bytes
       -> Blosc/zstd -> crc32c, exactly what zarr writes; Blosc and file I/O release the GIL), writes the
-      file and, for images, gathers the pixels of the statistics sketch while the chunk is in cache.
+      file and, for images, counts the statistics sketch's pixels (a histogram per channel) while the chunk
+      is in cache.
       ``commit`` only adds each array's last, partly filled chunk (zero-padded), computes the statistics
       sketches while those are written, and writes one small commit record. Elsewhere (``memory://``,
       object stores) the same chunk-aligned blocks go through zarr's async ``setitem`` at commit, except for
@@ -464,7 +464,7 @@ class EpisodeWriter:
 
     def _submit(self, col: _Column, c: int, gather: bool = False) -> None:
         """Write chunk ``c`` of ``col`` from its buffer (local: in the pool; else queued for commit); ``gather``:
-        the pool also returns the statistics' pixels of the open episode's rows in the chunk."""
+        the pool also returns the statistics' pixel histogram of the open episode's rows in the chunk."""
         lo = c * col.cr
         if col.capacity < lo + col.cr:  # geometric growth from _MIN_ROWS: zarr.json is rarely rewritten
             col.capacity = max(c + 1, 2 * (col.capacity // col.cr), -(-self._MIN_ROWS // col.cr)) * col.cr
@@ -490,8 +490,8 @@ class EpisodeWriter:
                      rows: tuple[int, int] | None = None) -> np.ndarray | None:
         """Encode ``block`` and write it to ``path`` (pool thread; at most one atomic write per array in flight).
 
-        Returns ``_image_pixels(block[rows[0]:rows[1]])`` when ``rows`` is given (while the chunk is in cache),
-        else ``None``.
+        Returns ``_image_histogram(block[rows[0]:rows[1]])`` (the statistics' pixel counts of those rows) when
+        ``rows`` is given, counted here while the chunk is in cache and off the commit's path; else ``None``.
 
         Atomic: the bytes go to the array's spare file, which is then swapped with ``path``
         (``renameat2(RENAME_EXCHANGE)``, so readers see the old or the new chunk, never a torn one); the old
@@ -508,7 +508,7 @@ class EpisodeWriter:
         else:
             with open(path, "wb") as f:
                 f.write(data)
-        return _image_pixels(block[rows[0]:rows[1]]) if rows is not None and rows[1] > rows[0] else None
+        return _image_histogram(block[rows[0]:rows[1]]) if rows is not None and rows[1] > rows[0] else None
 
     def _write_remote(self) -> None:
         """Non-local filesystems: every queued chunk through zarr's async ``setitem``, all arrays at once."""
@@ -605,15 +605,16 @@ class EpisodeWriter:
         return episode_id
 
     def _sketch(self, col: _Column, start: int, end: int, streamed: int) -> dict:
-        """Statistics sketch of rows ``start..end-1`` of ``col``. Images: the pixels of rows before ``streamed``
-        come from the chunk writers (gathered while each chunk was in cache), the rest from the buffer."""
+        """Statistics sketch of rows ``start..end-1`` of ``col``. Images: the pixel histograms of rows before
+        ``streamed`` come from the chunk writers (counted while each chunk was in cache), the rest from the
+        buffer; their sum gives the sketch."""
         if not col.image:
             return episode_sketch(col.buf[start - col.lo:end - col.lo])
         a = max(start, streamed)
         parts = [f.result() for name, f in self._pixels if name == col.name]
         if end > a:
-            parts.append(_image_pixels(col.buf[a - col.lo:end - col.lo]))
-        return _image_sketch(np.concatenate([p for p in parts if p is not None]))
+            parts.append(_image_histogram(col.buf[a - col.lo:end - col.lo]))
+        return histogram_sketch(sum(p for p in parts if p is not None))
 
     def _write_record(self, episode_id: str, record: bytes) -> None:
         """The commit point: the episode's record, written atomically (see :func:`_atomic_write`)."""
