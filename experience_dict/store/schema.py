@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from experience_dict.stats import IMAGE_STRIDE, episode_sketch, pixel_histogram
+from experience_dict.stats import IMAGE_STRIDE, pixel_histogram
 
 SCHEMA_VERSION = 2  # written by this code; READABLE_SCHEMA_VERSIONS are read
 READABLE_SCHEMA_VERSIONS = (1, 2)
