@@ -135,8 +135,14 @@ def bench_write(cfg: dict, root: Path, spec: dict, obs: list[dict], actions: np.
 
 def bench_write_repeated(cfg: dict, root: Path, spec: dict, obs: list[dict], actions: np.ndarray,
                          scfg: dict) -> tuple[dict, str]:
-    """``repeats`` write runs (fresh store and .npy directory each); the run with the median ratio is reported,
-    with every run's ratios beside it (the machine is shared, so single runs are noisy)."""
+    """``repeats`` write runs (fresh store and .npy directory each) after one untimed warm-up run of both sides;
+    the run with the median ratio is reported, with every run's ratios beside it (the machine is shared, so
+    single runs are noisy). The warm-up removes a first-run bias in the store's favour: in a fresh process the
+    first run's ``numpy.save`` took about 4x the CPU time of later runs (page-cache first touch)."""
+    warm = root / "warmup"
+    warm.mkdir(parents=True)
+    bench_write({**cfg, "episodes": min(int(cfg["episodes"]), 8)}, warm, spec, obs, actions, scfg)
+    shutil.rmtree(warm, ignore_errors=True)
     runs, url = [], None
     for r in range(int(cfg.get("repeats", 3))):
         run_root = root / f"write{r}"
