@@ -269,6 +269,10 @@ class Denoiser(nn.Module):
     each block's keys/values; ``denoise`` runs the action tokens, which attend to those cached keys/values
     and their own (their mask rows are all True). Sampling calls ``condition`` once per chunk and ``denoise``
     at every DDIM step. All three agree up to float rounding (tests/test_policy.py).
+
+    Shape fields (docs/AED.md): ``action_patch`` P consecutive actions form one action token (horizon / P
+    tokens); ``condition_layers`` C: only the first C blocks update the obs and prefix tokens, later blocks attend
+    to their state after block C (0: every block cross-attends to the input tokens; None: every block).
     """
 
     def __init__(self, cfg: AEDDiffusionConfig, n_obs_tokens: int, n_prefix: int):
