@@ -18,14 +18,14 @@ pooled over seeds), ``paired.md/json`` (each variant against ``compare.baseline`
 trials) and ``timing.json`` (each base's training wall time and chosen step).
 
 Raises SystemExit naming the problem for no variants, an unknown baseline, or a variant that is not a mapping
-of policy fields (a bad field value fails in ``AEDDiffusionConfig`` with its name, before any training).
+of policy fields, before any work; a bad field value fails in ``AEDDiffusionConfig`` with its name when that
+variant's base is built (after the demonstrations).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import hydra
@@ -61,7 +61,7 @@ def run_seed(c: dict, sd: Path, seed: int, policies: dict[str, dict], stages) ->
     """Demonstrations, one base per variant and the held-out evaluation for one experiment seed (resumable).
     Returns ``{"results": {variant: [episode results]}, "timing": {variant: {"wall_s", "best_step"}}}``."""
     from fleet.evaluation import evaluate_arms
-    from scripts.run import JobState, stage_demos, train_base
+    from scripts.run import JobState, stage_base, stage_demos
     from sim import unit_lists
 
     state = JobState(sd / "job_state.json")
@@ -71,12 +71,10 @@ def run_seed(c: dict, sd: Path, seed: int, policies: dict[str, dict], stages) ->
     for name, pol in policies.items():
         key = f"variant_{name}"
         stages.start(f"seed {seed}: train variant {name} on {len(demos)} demonstrations")
-        if not state.done(key):
-            t0 = time.perf_counter()
-            state.mark(key, {**train_base({**c, "policy": pol}, reader, demos, sd / name, bool(
-                pol.get("aed", {}).get("enabled", True)), val), "wall_s": time.perf_counter() - t0})
-        chosen[name] = state.get(key)["checkpoint"]
-        timing[name] = {"wall_s": state.get(key)["wall_s"], "best_step": state.get(key)["best_step"]}
+        rec = stage_base({**c, "policy": pol}, state, key, reader, demos, sd / name,
+                         bool(pol.get("aed", {}).get("enabled", True)), val)
+        chosen[name] = rec["checkpoint"]
+        timing[name] = {"wall_s": rec["wall_s"], "best_step": rec["best_step"]}
     stages.start(f"seed {seed}: held-out evaluation of {len(chosen)} variants")
     _, heldout = unit_lists(c["robot"])
     results = evaluate_arms(c, chosen, sd / "eval", int(c["eval"]["trials_per_task"]), units=heldout)

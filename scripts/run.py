@@ -321,11 +321,17 @@ def stage_demos_and_bases(c: dict, sd: Path, seed: int, state: JobState, stages:
     for name, aed in bases:
         stages.start(f"seed {seed}: train {name} on {len(demos)} demonstrations (at most {job['base_steps']} steps, "
                      "the checkpoint with the lowest validation loss)")
-        if not state.done(name):
-            t0 = time.perf_counter()
-            state.mark(name, {**train_base(c, reader, demos, sd / name, aed, val_reader),
-                              "wall_s": time.perf_counter() - t0})
+        stage_base(c, state, name, reader, demos, sd / name, aed, val_reader)
     return reader, {name: state.get(name)["checkpoint"] for name, _ in bases}
+
+
+def stage_base(c: dict, state: JobState, key: str, reader, demos, out_dir: Path, aed: bool, val_reader) -> dict:
+    """:func:`train_base` once per run (``state`` stage ``key``, with its training wall time ``wall_s``); returns
+    the stage's record ``{"checkpoint", "val_curve", "best_step", "wall_s"}``."""
+    if not state.done(key):
+        t0 = time.perf_counter()
+        state.mark(key, {**train_base(c, reader, demos, out_dir, aed, val_reader), "wall_s": time.perf_counter() - t0})
+    return state.get(key)
 
 
 def stage_demos(c: dict, sd: Path, seed: int, state: JobState, stages: Stages, progress: bool):
