@@ -261,7 +261,8 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     unit, ``fleet.worker.writer_id``) once they end.
 
     Args:
-        cfg: plain config (``robot``, ``obs``, ``task``). checkpoint: a saved policy directory.
+        cfg: plain config (``robot``, ``obs``, ``task``; ``eval.max_envs``: the bound on pooled envs, default
+            64, null for none; see :func:`_wave_envs`). checkpoint: a saved policy directory.
         plan: ``[{"task", "unit_id", "seed"}]`` (:func:`evaluation_plan`). store_url: the evaluation store.
         batch_size: envs per wave (>= 1). torch_threads: torch threads of this process.
 
@@ -291,6 +292,7 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     max_steps = int(cfg["task"]["max_episode_steps"])
     cfg_key = json.dumps([cfg["robot"], cfg["obs"], cfg["task"]], sort_keys=True, default=str)
     pool: dict[tuple[str, int], list] = _ENVS.setdefault(cfg_key, {})
+    max_envs = (cfg.get("eval") or {}).get("max_envs", 64)   # bound on this process's pooled envs (_wave_envs)
     store, writers = None, {}
     out: list[dict] = []
     bar = None
@@ -301,7 +303,7 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     for w0 in range(0, len(plan), int(batch_size)):
         wave = plan[w0:w0 + int(batch_size)]
         t0 = time.perf_counter()
-        envs = _wave_envs(pool, wave, cfg)
+        envs = _wave_envs(pool, wave, cfg, max_envs)
         if store is None:
             spec = envs[0].spec_dict()
             store = ExperienceStore.create_or_open(str(store_url), spec=spec, control_hz=spec.get("control_hz"))
@@ -325,11 +327,31 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     return out
 
 
-def _wave_envs(pool: dict[tuple[str, int], list], wave: list[dict], cfg: dict) -> list:
+def _wave_envs(pool: dict[tuple[str, int], list], wave: list[dict], cfg: dict, max_envs: int | None = None) -> list:
     """One env per trial of ``wave`` from this process's ``pool`` ((task, unit) -> envs), made when missing (two
-    trials of one (task, unit) in a wave get two envs)."""
+    trials of one (task, unit) in a wave get two envs).
+
+    ``max_envs``: at most this many pooled envs (at least the wave's own). Before making new ones, the envs of
+    the (task, unit) pairs used least recently, and not by this wave, are closed and dropped. The plan runs
+    task by task, so without a bound the pool grows to ``batch_size`` envs per (task, unit) pair. On a CPU
+    renderer that was ~9 GB per process with 96x96 images at batch 32; state-only envs take ~40 MB each.
+    ``None``: no bound.
+    """
     from sim import make_env
 
+    need: dict[tuple[str, int], int] = {}
+    for tr in wave:
+        key = (str(tr["task"]), int(tr["unit_id"]))
+        need[key] = need.get(key, 0) + 1
+    if max_envs is not None:
+        total = sum(len(v) for v in pool.values())
+        new = sum(max(0, n - len(pool.get(k, []))) for k, n in need.items())
+        for key in [k for k in pool if k not in need]:  # dict order: least recently used first
+            if total + new <= max(int(max_envs), len(wave)):
+                break
+            for env in pool.pop(key):
+                env.close()
+                total -= 1
     used: dict[tuple[str, int], int] = {}
     envs = []
     for tr in wave:
@@ -341,6 +363,8 @@ def _wave_envs(pool: dict[tuple[str, int], list], wave: list[dict], cfg: dict) -
             lst.append(make_env(task=key[0], unit_id=key[1], robot_cfg=cfg["robot"], obs_cfg=cfg["obs"],
                                 task_cfg=cfg["task"]))
         envs.append(lst[k])
+    for key in need:  # most recently used last
+        pool[key] = pool.pop(key)
     return envs
 
 

@@ -289,6 +289,15 @@ def test_vectorised_evaluation_does_not_depend_on_the_batch(tmp_path):
     assert len({e["length"] for e in one}) >= 1 and len(ExperienceStore.open(str(tmp_path / "s6")).episodes()) == 6
     with pytest.raises(ValueError, match="batch_size"):
         run_plan_vectorised(c, str(ckpt), plan, tmp_path / "s0", batch_size=0)
+    # eval.max_envs bounds the envs a process keeps (least recently used closed first), with the same episodes:
+    # under the default bound (64) the batch-6 wave left one env per trial of a (task, unit) pair, 6 here
+    from fleet import evaluation as ev
+
+    pool = ev._ENVS[next(k for k in ev._ENVS if '"reach-v3"' in k and '"push-v3"' in k)]
+    assert sum(len(v) for v in pool.values()) == 6
+    bounded = run_plan_vectorised({**c, "eval": {**(c.get("eval") or {}), "max_envs": 2}}, str(ckpt), plan,
+                                  tmp_path / "s2", batch_size=2)
+    assert out(bounded) == out(one) and sum(len(v) for v in pool.values()) <= 2
 
 
 def test_denoising_noise_temperature_scales_the_initial_noise(tmp_path):
