@@ -261,8 +261,8 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     unit, ``fleet.worker.writer_id``) once they end.
 
     Args:
-        cfg: plain config (``robot``, ``obs``, ``task``; ``eval.max_envs``: the bound on pooled envs, default
-            64, null for none; see :func:`_wave_envs`). checkpoint: a saved policy directory.
+        cfg: plain config (``robot``, ``obs``, ``task``; ``eval.max_envs``: the bound on pooled envs, null for
+            4 x ``batch_size``, 2 x with images; see :func:`_wave_envs`). checkpoint: a saved policy directory.
         plan: ``[{"task", "unit_id", "seed"}]`` (:func:`evaluation_plan`). store_url: the evaluation store.
         batch_size: envs per wave (>= 1). torch_threads: torch threads of this process.
 
@@ -292,7 +292,9 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     max_steps = int(cfg["task"]["max_episode_steps"])
     cfg_key = json.dumps([cfg["robot"], cfg["obs"], cfg["task"]], sort_keys=True, default=str)
     pool: dict[tuple[str, int], list] = _ENVS.setdefault(cfg_key, {})
-    max_envs = (cfg.get("eval") or {}).get("max_envs", 64)   # bound on this process's pooled envs (_wave_envs)
+    max_envs = (cfg.get("eval") or {}).get("max_envs")   # bound on this process's pooled envs (_wave_envs); null:
+    if max_envs is None:                                  # 4 x batch_size state-only (the default job never evicts),
+        max_envs = (2 if (cfg.get("obs") or {}).get("images") else 4) * int(batch_size)   # 2 x with images
     store, writers = None, {}
     out: list[dict] = []
     bar = None

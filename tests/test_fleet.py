@@ -290,7 +290,7 @@ def test_vectorised_evaluation_does_not_depend_on_the_batch(tmp_path):
     with pytest.raises(ValueError, match="batch_size"):
         run_plan_vectorised(c, str(ckpt), plan, tmp_path / "s0", batch_size=0)
     # eval.max_envs bounds the envs a process keeps (least recently used closed first), with the same episodes:
-    # under the default bound (64) the batch-6 wave left one env per trial of a (task, unit) pair, 6 here
+    # under the default bound (4 x batch_size) the batch-6 wave left one env per trial of a (task, unit) pair, 6 here
     from fleet import evaluation as ev
 
     pool = ev._ENVS[next(k for k in ev._ENVS if '"reach-v3"' in k and '"push-v3"' in k)]
