@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -290,8 +291,7 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     model, version = load_checkpoint(checkpoint, "cpu")
     takes_generators = "generators" in inspect.signature(model.select_action).parameters
     max_steps = int(cfg["task"]["max_episode_steps"])
-    cfg_key = json.dumps([cfg["robot"], cfg["obs"], cfg["task"]], sort_keys=True, default=str)
-    pool: dict[tuple[str, int], list] = _ENVS.setdefault(cfg_key, {})
+    pool = env_pool(cfg)
     max_envs = (cfg.get("eval") or {}).get("max_envs")   # bound on this process's pooled envs (_wave_envs); null:
     if max_envs is None:                                  # 4 x batch_size state-only (the default job never evicts),
         max_envs = (2 if (cfg.get("obs") or {}).get("images") else 4) * int(batch_size)   # 2 x with images
@@ -341,10 +341,8 @@ def _wave_envs(pool: dict[tuple[str, int], list], wave: list[dict], cfg: dict, m
     """
     from sim import make_env
 
-    need: dict[tuple[str, int], int] = {}
-    for tr in wave:
-        key = (str(tr["task"]), int(tr["unit_id"]))
-        need[key] = need.get(key, 0) + 1
+    keys = [(str(tr["task"]), int(tr["unit_id"])) for tr in wave]
+    need = Counter(keys)
     if max_envs is not None:
         total = sum(len(v) for v in pool.values())
         new = sum(max(0, n - len(pool.get(k, []))) for k, n in need.items())
@@ -356,8 +354,7 @@ def _wave_envs(pool: dict[tuple[str, int], list], wave: list[dict], cfg: dict, m
                 total -= 1
     used: dict[tuple[str, int], int] = {}
     envs = []
-    for tr in wave:
-        key = (str(tr["task"]), int(tr["unit_id"]))
+    for key in keys:
         k = used.get(key, 0)
         used[key] = k + 1
         lst = pool.setdefault(key, [])
@@ -427,3 +424,9 @@ def _commit_trial(w, env, tr: dict, steps: list, success: bool, termination: str
 
 
 _ENVS: dict[str, dict[tuple[str, int], list]] = {}   # this process's envs, kept across calls (making one: ~0.4 s)
+
+
+def env_pool(cfg: dict) -> dict[tuple[str, int], list]:
+    """This process's pooled envs of ``cfg``'s ``robot``, ``obs`` and ``task`` ((task, unit) -> envs, least recently
+    used first), kept across :func:`run_plan_vectorised` calls."""
+    return _ENVS.setdefault(json.dumps([cfg["robot"], cfg["obs"], cfg["task"]], sort_keys=True, default=str), {})

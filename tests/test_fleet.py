@@ -7,7 +7,6 @@ run is picked up at the next episode boundary and recorded; a tampered checkpoin
 policy server serves the real AED policy and survives a SIGKILL.
 """
 
-import json
 import os
 import signal
 import threading
@@ -282,12 +281,13 @@ def test_vectorised_evaluation_does_not_depend_on_the_batch(tmp_path):
     ckpt = tiny_aed_checkpoint(tmp_path / "a", seed=0, perturb=0.3)
     c = _plain(make_cfg(tmp_path, "task.tasks=[reach-v3,push-v3]", "task.max_episode_steps=25"))
     plan = evaluation_plan(["reach-v3", "push-v3"], [100, 101], 3, seed=11)
-    from fleet import evaluation as ev
+    from fleet.evaluation import env_pool
 
-    key = json.dumps([c["robot"], c["obs"], c["task"]], sort_keys=True, default=str)   # this config's env pool
-    for envs in ev._ENVS.pop(key, {}).values():   # (earlier tests in this process may have left one)
+    pool = env_pool(c)   # this config's envs (earlier tests in this process may have left some)
+    for envs in pool.values():
         for env in envs:
             env.close()
+    pool.clear()
     one = run_plan_vectorised(c, str(ckpt), plan, tmp_path / "s1", batch_size=1)
     six = run_plan_vectorised(c, str(ckpt), plan, tmp_path / "s6", batch_size=6)
     out = lambda eps: [(e["task"], e["unit_id"], e["seed"], e["success"], e["length"], round(e["return"], 4))  # noqa: E731
@@ -298,7 +298,6 @@ def test_vectorised_evaluation_does_not_depend_on_the_batch(tmp_path):
         run_plan_vectorised(c, str(ckpt), plan, tmp_path / "s0", batch_size=0)
     # eval.max_envs bounds the envs a process keeps (least recently used closed first), with the same episodes:
     # under the default bound (4 x batch_size) the batch-6 wave left one env per trial of a (task, unit) pair, 6 here
-    pool = ev._ENVS[key]
     assert sum(len(v) for v in pool.values()) == 6
     bounded = run_plan_vectorised({**c, "eval": {**(c.get("eval") or {}), "max_envs": 2}}, str(ckpt), plan,
                                   tmp_path / "s2", batch_size=2)

@@ -574,10 +574,8 @@ class EpisodeWriter:
                 self._write_remote()
             try:  # statistics sketches while the last chunks are written: low-dim arrays first (from the
                 # buffer), then images (their histograms wait on the chunk writers)
-                order = sorted(self._cols, key=lambda n: self._cols[n].image)
-                done = {name: _pack_sketch(self._sketch(self._cols[name], start, end, streamed[name] * self._cols[name].cr))
-                        for name in order}
-                sketch = {name: done[name] for name in self._cols}
+                sketch = {name: _pack_sketch(self._sketch(col, start, end, streamed[name] * col.cr))
+                          for name, col in sorted(self._cols.items(), key=lambda item: item[1].image)}
             finally:
                 wait(self._pending)  # every chunk written (or failed) before anything else happens
             for f in self._pending:
