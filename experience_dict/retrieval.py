@@ -872,7 +872,37 @@ class FertDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.n_retrieved + self.n_replay
 
+    def fetch(self, indices: Sequence[int]) -> dict:
+        """A collated batch of slots (what collating ``[self[i] for i in indices]`` gives, read with one vectorised
+        ``WindowDataset.fetch`` per part; retrieved slots first, then replay slots).
+
+        Raises:
+            IndexError: a slot outside ``[0, len(self))``.
+        """
+        idx = np.asarray(indices, np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"FertDataset index out of range [0, {len(self)}): {list(indices)}")
+        ret, rep = idx[idx < self.n_retrieved], idx[idx >= self.n_retrieved] - self.n_retrieved
+        pieces = []
+        if len(ret):
+            e = self._ret_entry[ret]
+            b = self.source.fetch(self._ret_index[e].tolist())
+            b["sample_weight"] = torch.as_tensor(self._ret_w[ret], dtype=torch.float32)
+            b["fert.is_replay"] = torch.zeros(len(ret), dtype=torch.bool)
+            b["fert.similarity"] = torch.as_tensor(self.retrieval.similarity[self._seg_entry[e]], dtype=torch.float32)
+            pieces.append(b)
+        if len(rep):
+            b = self.replay.fetch(self._rep_index[rep].tolist())
+            b["sample_weight"] = torch.ones(len(rep))
+            b["fert.is_replay"] = torch.ones(len(rep), dtype=torch.bool)
+            b["fert.similarity"] = torch.ones(len(rep))
+            pieces.append(b)
+        return {k: (torch.cat([p[k] for p in pieces]) if torch.is_tensor(pieces[0][k])
+                    else [x for p in pieces for x in p[k]]) for k in pieces[0]}
+
     def __getitem__(self, i: int) -> dict:
+        if not isinstance(i, (int, np.integer)):
+            return self.fetch(i)
         i = int(i)
         if not 0 <= i < len(self):
             raise IndexError(f"FertDataset index {i} out of range [0, {len(self)})")
@@ -999,7 +1029,8 @@ def policy_encoder(policy, pool: str = "mean") -> Encoder:
 # keys of configs/fert/default.yaml ("rounds" and "audit" are read by the learner / scripts/run.py)
 FERT_CONFIG_KEYS = {"key", "aed_key_scale_m", "gate", "retry", "critic", "include_retries", "own_retries_first", "rounds", "replay_all", "segment_steps", "window", "frame_stride", "embed_keys", "encoder", "pool", "index_stride",
                     "include_demos", "top_k", "temperature", "min_similarity", "max_contexts_per_task",
-                    "confidence_scale_m", "neighbours", "replay", "replay_ratio", "approx_above", "nprobe", "weighting", "onset", "priority", "audit"}
+                    "confidence_scale_m", "neighbours", "replay", "replay_ratio", "approx_above", "nprobe", "weighting", "onset", "priority", "audit",
+                    "mix", "distill"}
 
 
 class FertData:

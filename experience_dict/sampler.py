@@ -210,3 +210,80 @@ class WindowDataset(Dataset):
         if isinstance(i, (int, np.integer)):
             return self.__getitems__([i])[0]
         return self.fetch(i)
+
+
+class MixtureDataset(Dataset):
+    """A fixed mix of several window datasets: one epoch is ``size`` slots, ``round(size * share)`` of them from
+    each part (the shares renormalised over the non-empty parts), each part's slots tiling shuffled passes over its
+    items. Uniform batches over the slots then see the stated mix (a FERT round: retrieved segments, critic
+    targets and per-task replay).
+
+    Args:
+        parts: ``[(name, dataset, share)]``; a dataset is a ``WindowDataset``, a ``FertDataset``, a
+            ``policies.distill.ChunkTargets`` or any dataset of window dicts; ``share`` >= 0.
+        keys: the item keys kept (the policy's window names and their ``_is_pad`` flags); every item also gets
+            ``sample_weight`` (1.0 unless the part gives one), so batches from different parts collate together.
+        size: slots per epoch (>= 1). seed: seed of the slot plan.
+
+    ``ds[[i, j, ...]]`` / :meth:`fetch`: a collated batch (a part's own ``fetch`` when it has one). :attr:`slots`:
+    ``{name: slots}``.
+
+    Raises:
+        ValueError: no part with a positive share and at least one item, a negative share, or ``size < 1``.
+    """
+
+    def __init__(self, parts: Sequence[tuple[str, Dataset, float]], keys: Sequence[str], size: int, seed: int = 0):
+        if int(size) < 1 or any(float(s) < 0 for _, _, s in parts):
+            raise ValueError(f"MixtureDataset: expected size >= 1 and shares >= 0, given {size}, "
+                             f"{[(n, s) for n, _, s in parts]}")
+        live = [(n, d, float(s)) for n, d, s in parts if d is not None and len(d) > 0 and float(s) > 0]
+        if not live:
+            raise ValueError(f"MixtureDataset: no part with items and a positive share among {[n for n, _, _ in parts]}")
+        total = sum(s for _, _, s in live)
+        rng = np.random.default_rng(int(seed))
+        self.parts = [d for _, d, _ in live]
+        self.names = [n for n, _, _ in live]
+        self.keys = set(keys) | {"sample_weight"}
+        part_of, item_of = [], []
+        for j, (_, d, s) in enumerate(live):
+            n = max(1, round(int(size) * s / total))
+            reps = -(-n // len(d))
+            item_of.append(np.concatenate([rng.permutation(len(d)) for _ in range(reps)])[:n])
+            part_of.append(np.full(n, j, np.int64))
+        self.part_of, self.item_of = np.concatenate(part_of), np.concatenate(item_of)
+        self.slots = {n: int((self.part_of == j).sum()) for j, n in enumerate(self.names)}
+
+    def __len__(self) -> int:
+        return len(self.part_of)
+
+    def _clean(self, batch: dict, n: int) -> dict:
+        out = {k: v for k, v in batch.items() if k in self.keys}
+        if "sample_weight" not in out:
+            out["sample_weight"] = torch.ones(n)
+        out["sample_weight"] = out["sample_weight"].float().reshape(n)
+        return out
+
+    def fetch(self, indices: Sequence[int]) -> dict:
+        """Collated batch of the slots ``indices`` (grouped by part; the order within the batch follows the parts)."""
+        from torch.utils.data import default_collate
+
+        idx = np.asarray(indices, np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"MixtureDataset index out of range [0, {len(self)})")
+        pieces = []
+        for j, d in enumerate(self.parts):
+            items = self.item_of[idx[self.part_of[idx] == j]]
+            if not len(items):
+                continue
+            if callable(getattr(d, "fetch", None)):
+                b = d.fetch(items.tolist())
+            else:
+                b = default_collate([{k: v for k, v in d[int(i)].items() if k in self.keys} for i in items])
+            pieces.append(self._clean(b, len(items)))
+        common = set.intersection(*(set(p) for p in pieces))
+        return {k: torch.cat([p[k] for p in pieces]) for k in sorted(common)}
+
+    def __getitem__(self, i):
+        if isinstance(i, (int, np.integer)):
+            return {k: v[0] for k, v in self.fetch([int(i)]).items()}
+        return self.fetch(i)

@@ -68,8 +68,9 @@ class Arm:
     (overrides of ``cfg.fert`` for ``data="fert"``), ``in_loop``, a one-line ``description`` and
     ``retry_share`` (``data="successes+retries"`` only: the successful retries' share of the training windows,
     reached by repeating the retry episodes; None: each window once) and ``critic`` (``data="none"`` arms made
-    from another arm's checkpoint: ``"drop"`` without its success critic, ``"fert"`` with the ``fert`` arm's critic;
-    ``init`` may then be ``"fert"``)."""
+    from another arm's checkpoint: ``"drop"`` without its success critic, ``"fert"`` with the ``fert`` arm's critic,
+    ``"version"`` the ``fert`` arm's newest published version as it is (its critic included), ``"export"`` the
+    deployable export of ``init``'s checkpoint run by the ONNX runtime; ``init`` may then be ``"fert"``)."""
     name: str
     init: str
     data: str
@@ -110,13 +111,22 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
     Arm("fert_finetuned", "fert_finetuned", "none", "FERT's fine-tuned weights with its critic, whichever candidate "
         "the gate published"),
     Arm("base_critic", "base", "none", "the base's weights with FERT's success critic", critic="fert"),
+    Arm("fert_critic", "fert", "none", "FERT's newest version with its success critic (K sampled chunks, the best "
+        "executed)", critic="version"),
+    Arm("fert_onnx", "fert", "none", "the fert arm's weights exported for deployment (scripts/export.py) and run "
+        "by the deploy runtime's ONNX graph, batch 1, as on a robot", critic="export"),
+    Arm("fert_no_retrieval", "base", "fert", "the same rounds without retrieval: critic distillation + per-task "
+        "replay of the demonstrations and the fleet's successes (filtered BC + retries)",
+        fert={"mix": {"retrieved": 0.0}}, in_loop=True),
+    Arm("fert_no_distill", "base", "fert", "the same rounds without the critic's distillation: retrieval + replay",
+        fert={"distill": {"enabled": False}}, in_loop=True),
 ]}
 
 # ``init`` values that name a checkpoint of the in-loop fert arm (what it published; its fine-tuned candidate)
 FERT_CHECKPOINTS = frozenset({"fert", "fert_finetuned"})
 
 # (arm, baseline) pairs reported trial by trial, in this order, when both arms ran
-PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retries"), ("fert", "fert_finetuned"),
+PAIRS = [("fert", "base"), ("fert_critic", "base"), ("fert_critic", "fert"), ("fert_onnx", "fert"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retries"), ("fert", "fert_finetuned"),
          ("fert_finetuned", "base"), ("fert_finetuned", "fert_no_critic"), ("fert", "fert_no_critic"),
          ("fert_no_critic", "base"), ("base_critic", "base"), ("fert", "base_critic"),
          ("fert_no_critic", "filtered_bc_retries"), ("filtered_bc_retries", "base"),
@@ -128,7 +138,9 @@ PAIRS = [("fert", "base"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retrie
          ("fert_conf_replay", "filtered_bc"), ("fert_own_retries", "base"), ("fert_own_retries", "fert"),
          ("fert_own_retries", "filtered_bc_retries"), ("bc_retries_focus", "base"),
          ("bc_retries_focus", "filtered_bc_retries"), ("fert_own_retries", "bc_retries_focus"), ("demos_bc", "base"), ("fert", "demos_bc"),
-         ("filtered_bc", "demos_bc"), ("filtered_bc_retries", "demos_bc"), ("fert_no_aed", "base_no_aed"), ("fert", "fert_no_aed"), ("base", "base_no_aed")]
+         ("filtered_bc", "demos_bc"), ("filtered_bc_retries", "demos_bc"), ("fert_no_aed", "base_no_aed"), ("fert", "fert_no_aed"), ("base", "base_no_aed"),
+         ("fert", "fert_no_retrieval"), ("fert_no_retrieval", "base"), ("fert", "fert_no_distill"),
+         ("fert_no_distill", "base"), ("fert_no_retrieval", "filtered_bc_retries")]
 
 
 def get_arms(names: Iterable[str]) -> list[Arm]:
@@ -171,8 +183,11 @@ def make_learner(cfg: dict, arm: Arm, work_dir: Path, init_ckpt: str, registry_u
 
     c = fert_config(cfg, arm)
     learner = {**c["learner"], "seed": int(seed)}
-    if offline:
-        learner.update(min_new_episodes=0, max_wait_s=0)
+    if offline:   # the protocol's fleet has finished: nothing else runs, so training takes every core
+        import os
+
+        learner.update(min_new_episodes=0, max_wait_s=0,
+                       torch_threads=max(int(learner.get("torch_threads") or 1), os.cpu_count() or 1))
     c = {**c, "learner": learner}
     return FertLearner(c, c["store"]["url"], registry_url, str(work_dir), init_ckpt, run_id=arm.name,
                        publish=registry_url is not None, validator=validator)
@@ -277,6 +292,13 @@ def checkpoint_with_critic(src: str | Path, out_dir: str | Path, critic_from: st
     return str(out)
 
 
+def num_inference_steps(checkpoint: str | Path) -> int:
+    """The DDIM step count a checkpoint's ``config.json`` samples with."""
+    import json
+
+    return int(json.loads((Path(checkpoint) / "config.json").read_text())["num_inference_steps"])
+
+
 def critic_arm_checkpoint(arm: Arm, ckpt: dict, out_dir: str | Path) -> str:
     """The checkpoint of a critic arm (``arm.critic`` set): ``ckpt[arm.init]``'s files copied to ``out_dir``
     without the success critic (``"drop"``), or with the critic FERT fitted in its last round (``"fert"``: from
@@ -286,8 +308,18 @@ def critic_arm_checkpoint(arm: Arm, ckpt: dict, out_dir: str | Path) -> str:
         ValueError: ``arm.critic`` unknown, or ``"fert"`` when the fert checkpoint has no critic
             (``fert.critic.enabled: false``).
     """
-    if arm.critic not in ("drop", "fert"):
-        raise ValueError(f"arm {arm.name}: critic must be 'drop' or 'fert', given {arm.critic!r}")
+    if arm.critic not in ("drop", "fert", "version", "export"):
+        raise ValueError(f"arm {arm.name}: critic must be 'drop', 'fert', 'version' or 'export', given {arm.critic!r}")
+    if arm.critic == "version":   # the fert arm's newest published version as it is, its critic included
+        return str(ckpt.get("fert_version", ckpt[arm.init]))
+    if arm.critic == "export":    # the deployable export of ckpt[arm.init] with its ONNX chunk graph (batch 1)
+        from policies.export import export_checkpoint
+
+        out = Path(out_dir)
+        if not (out / "export.json").is_file():
+            export_checkpoint(ckpt[arm.init], out, overwrite=True, onnx_steps=[int(num_inference_steps(ckpt[arm.init]))],
+                              source={"kind": "arm", "arm": arm.init})
+        return str(out)
     try:
         return checkpoint_with_critic(ckpt[arm.init], out_dir,
                                       ckpt.get("fert_finetuned", ckpt["fert"]) if arm.critic == "fert" else None)

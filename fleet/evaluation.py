@@ -73,7 +73,9 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
         follows the seed too), so arms are compared on identical initial states. With the vectorised backend an
         arm whose checkpoint has the same :func:`checkpoint_fingerprint` as an arm already run in this call
         reuses that arm's episodes (marked ``same_checkpoint_as``; nothing is committed again): e.g. ``fert``
-        and ``fert_finetuned`` when the gate published the fine-tuned candidate.
+        and ``fert_finetuned`` when the gate published the fine-tuned candidate. So does an arm whose checkpoint
+        an earlier call into the same ``out_dir`` ran on the same plan (``episodes/fingerprints.json``), e.g. the
+        final ``fert`` arm and the learning curve's last point.
     """
     out = Path(out_dir)
     results: dict[str, list[dict]] = {}
@@ -98,8 +100,17 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
         n_proc = max(1, min(int(ecfg.get("processes", 2)), len(units)))
         # one pool for every arm: its processes keep their envs (fleet.evaluation._ENVS) from arm to arm
         ex = ProcessPoolExecutor(n_proc, mp_context=mp.get_context("spawn")) if n_proc > 1 else None
+        import hashlib
+
+        plan_id = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
+        index_path = out / "episodes" / "fingerprints.json"   # (checkpoint, plan) -> arm, across calls
+        index = json.loads(index_path.read_text()) if index_path.is_file() else {}
         try:
             evaluated: dict[str, str] = {}   # checkpoint fingerprint -> the arm that ran it
+            for fp, src in index.items():
+                if fp.endswith(plan_id) and (out / "episodes" / f"{src}.json").is_file():
+                    evaluated[fp[: -len(plan_id) - 1]] = src
+                    results.setdefault(src, json.loads((out / "episodes" / f"{src}.json").read_text()))
             for arm, ckpt in todo.items():
                 fp = checkpoint_fingerprint(ckpt)
                 if fp in evaluated:   # a trial is a function of (task, unit, reset seed, checkpoint): same episodes
@@ -117,6 +128,9 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 cache.write_text(json.dumps(eps))
                 results[arm] = eps
+                if "same_checkpoint_as" not in eps[0] if eps else False:
+                    index[f"{fp}:{plan_id}"] = arm
+                    index_path.write_text(json.dumps(index, indent=1))
         finally:
             if ex is not None:
                 ex.shutdown()
@@ -264,7 +278,11 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     Args:
         cfg: plain config (``robot``, ``obs``, ``task``; ``eval.max_envs``: the bound on pooled envs, null for
             4 x ``batch_size``, 2 x with images; see :func:`_wave_envs`). checkpoint: a saved policy directory.
-        plan: ``[{"task", "unit_id", "seed"}]`` (:func:`evaluation_plan`). store_url: the evaluation store.
+        plan: ``[{"task", "unit_id", "seed"}]`` (:func:`evaluation_plan`, ``fleet.protocol.fleet_plan``), a trial
+            optionally with ``"explore"``: a failure retry's ``fleet.worker.Exploration`` dict (held action noise,
+            denoising-noise temperature; its tags ``retry_of``, ``attempt``, ``exploration`` are committed with the
+            episode, and the retry draws its denoising noise from ``retry_noise_seed(seed, attempt)``, fresh noise
+            as on a fleet worker). store_url: the store the episodes are committed to.
         batch_size: envs per wave (>= 1). torch_threads: torch threads of this process.
 
     Returns:
@@ -281,14 +299,15 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     import torch
 
     from experience_dict.store import ExperienceStore, configure_storage
-    from fleet.policies import load_checkpoint
-    from fleet.worker import writer_id
+    from fleet.worker import Exploration, writer_id
 
     if int(batch_size) < 1:
         raise ValueError(f"batch_size: expected >= 1, given {batch_size}")
     torch.set_num_threads(int(torch_threads))
     configure_storage({**dict(cfg.get("store") or {}), "url": str(store_url)})
-    model, version = load_checkpoint(checkpoint, "cpu")
+    model, version, graph_batch = load_acting_policy(checkpoint)
+    if graph_batch is not None:   # an export's ONNX graph runs at the batch size it was exported for
+        batch_size = graph_batch
     takes_generators = "generators" in inspect.signature(model.select_action).parameters
     max_steps = int(cfg["task"]["max_episode_steps"])
     pool = env_pool(cfg)
@@ -315,10 +334,12 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
             u = int(tr["unit_id"])
             if u not in writers:
                 writers[u] = store.writer(writer_id(u))
-            ep_id = _commit_trial(writers[u], envs[i], tr, steps[i], bool(success[i]), why[i], int(version))
+            tags = Exploration.from_dict(tr["explore"]).tags() if tr.get("explore") else {}
+            ep_id = _commit_trial(writers[u], envs[i], tr, steps[i], bool(success[i]), why[i], int(version), tags)
             out.append({"episode_id": ep_id, "unit_id": u, "task": str(tr["task"]), "seed": int(tr["seed"]),
                         "success": bool(success[i]), "length": int(length[i]), "policy_version": int(version),
-                        "is_demo": False, "return": float(ret[i]), "wall_s": wall, "termination": why[i]})
+                        "is_demo": False, "return": float(ret[i]), "wall_s": wall, "termination": why[i],
+                        "steps": int(length[i]), **{k: v for k, v in tags.items() if k != "exploration"}})
         if bar is not None:
             bar.update(len(wave))
             bar.set_postfix_str(f"success={np.mean([e['success'] for e in out]):.2f}", refresh=False)
@@ -327,6 +348,29 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     for w in writers.values():
         w.close()
     return out
+
+
+def load_acting_policy(checkpoint: str | Path):
+    """``(policy, version, graph batch size or None)`` for :func:`run_plan_vectorised`: a checkpoint directory
+    through ``fleet.policies.load_checkpoint``, or an export folder (``export.json``, ``scripts/export.py``) through
+    the deploy runtime (``policies.runtime.PolicyRuntime``) exactly as a robot loads it: with ONNX graphs, every
+    chunk comes from the graph in ONNX Runtime (``backend="onnx"``) at the graph's batch size, which is returned so
+    the trials run in waves of that size; the version is the exported registry version (0 when unknown).
+
+    Raises:
+        as ``load_checkpoint`` / ``PolicyRuntime.load``.
+    """
+    from fleet.policies import load_checkpoint
+    from policies.runtime import EXPORT_META, PolicyRuntime
+
+    d = Path(checkpoint)
+    if not (d / EXPORT_META).is_file():
+        return (*load_checkpoint(d, "cpu"), None)
+    meta = json.loads((d / EXPORT_META).read_text())
+    graphs = meta.get("onnx") or []
+    rt = PolicyRuntime.load(d, backend="onnx" if graphs else "torch")
+    version = int((meta.get("source") or {}).get("version") or 0)
+    return rt.policy, version, (int(graphs[0]["batch_size"]) if graphs else None)
 
 
 def _wave_envs(pool: dict[tuple[str, int], list], wave: list[dict], cfg: dict, max_envs: int | None = None) -> list:
@@ -376,8 +420,14 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
 
     from fleet.rollout import step_trial
 
+    from fleet.worker import Exploration
+
     obs = [env.reset(seed=int(tr["seed"]))[0] for env, tr in zip(envs, wave)]
-    gens = [torch.Generator().manual_seed(int(tr["seed"])) for tr in wave]
+    explore = [Exploration.from_dict(tr["explore"]) if tr.get("explore") else None for tr in wave]
+    gens = [torch.Generator().manual_seed(int(tr["seed"]) if ex is None else retry_noise_seed(int(tr["seed"]), ex.attempt))
+            for tr, ex in zip(wave, explore)]
+    temps = [1.0 if ex is None else ex.temperature for ex in explore]
+    kw = {"noise_scale": torch.tensor(temps, dtype=torch.float32)} if any(t != 1.0 for t in temps) else {}
     model.reset()
     B = len(wave)
     done = np.zeros(B, bool)
@@ -388,9 +438,11 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
     with torch.inference_mode():
         for t in range(max_steps):
             batch = {k: torch.as_tensor(np.stack([o[k] for o in last_obs])) for k in last_obs[0]}
-            a = model.select_action(batch, generators=gens) if takes_generators else model.select_action(batch)
+            a = model.select_action(batch, generators=gens, **kw) if takes_generators else model.select_action(batch)
             acts = a.detach().cpu().numpy().astype(np.float32).reshape(B, -1)
             for i in np.flatnonzero(~done):
+                if explore[i] is not None:
+                    acts[i] = explore[i].perturb(acts[i], t, int(wave[i]["seed"]))
                 row, fault, stepped = step_trial(envs[i], last_obs[i], acts[i])   # the worker's fault rules
                 if row is not None:
                     steps[i].append(row)
@@ -410,11 +462,20 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
     return steps, success, ret, length, why
 
 
-def _commit_trial(w, env, tr: dict, steps: list, success: bool, termination: str, version: int) -> str | None:
-    """Write one evaluated trial's rows to its unit's writer ``w`` and commit it; None (aborted) without rows."""
+def retry_noise_seed(seed: int, attempt: int) -> int:
+    """Seed of a failure retry's denoising noise: ``seed * 1009 + attempt + 1`` (a retry draws fresh noise, and
+    each attempt its own; ``fleet.worker.RobotWorker`` seeds torch with the same number)."""
+    return int(seed) * 1009 + int(attempt) + 1
+
+
+def _commit_trial(w, env, tr: dict, steps: list, success: bool, termination: str, version: int,
+                  tags: dict | None = None) -> str | None:
+    """Write one trial's rows to its unit's writer ``w`` and commit it (``tags``: extra metadata such as a
+    retry's ``retry_of`` / ``attempt`` / ``exploration``); None (aborted) without rows."""
+    extra = {"unit": env.unit.to_dict()} if hasattr(env.unit, "to_dict") else {}
+    extra.update(tags or {})
     w.begin_episode(unit_id=int(tr["unit_id"]), embodiment=str(env.unit.embodiment), task=str(tr["task"]),
-                    policy_version=version, seed=int(tr["seed"]), is_demo=False,
-                    extra={"unit": env.unit.to_dict()} if hasattr(env.unit, "to_dict") else None)
+                    policy_version=version, seed=int(tr["seed"]), is_demo=False, extra=extra or None)
     for o, act, r, prog in steps:
         w.add_step(o, act, r, prog)
     if not steps:

@@ -46,6 +46,7 @@ LEARNER_DEFAULTS: dict[str, Any] = {
     "torch_threads": 1,           # CPU threads for training (the fleet's workers use the other cores)
     "seed": 0,                    # round r trains with seed 1000 * seed + r (data order, noise, timesteps)
     "validate_critic_only": False,  # the validator also weighs the current version's weights + the new critic
+    "round_init": "continue",     # continue: one long fine-tuning run; published: each round from the current version
 }
 
 
@@ -136,7 +137,7 @@ class FertLearner:
             aed_key = aed_history_encoder(self._key_policy, float(fert_cfg.get("aed_key_scale_m", 0.05)))
         self._fert = FertData(self._reader, fert_cfg, stats=stats, exclude_units=self.heldout, aed_key=aed_key)
 
-    def replay_episodes(self) -> list:
+    def replay_episodes(self, mode: str | None = None) -> list:
         """The episodes a round replays beside its retrieved windows (``fert.replay``): ``demos`` (default),
         the demonstrations; ``successes``, the demonstrations plus every successful episode of the training
         units (the successful failure retries too when ``fert.include_retries``), i.e. filtered BC's data.
@@ -146,7 +147,7 @@ class FertLearner:
         """
         from experience_dict.retrieval import retry_of
 
-        mode = str(self.cfg["fert"].get("replay") or "demos")
+        mode = str(mode or self.cfg["fert"].get("replay") or "demos")
         if mode not in ("demos", "successes"):
             raise ValueError(f"fert.replay: expected 'demos' or 'successes', given {mode!r}")
         demos = self._reader.episodes(is_demo=True)
@@ -173,14 +174,24 @@ class FertLearner:
 
     # ------------------------------------------------------------------ one round
     def run_round(self, should_stop: Callable[[], bool] | None = None) -> dict:
-        """Run the next FERT round (wait for data, retrieve, train, audit, publish); returns its record."""
+        """Run the next FERT round (wait for data, retrieve, train, audit, publish); returns its record.
+
+        ``learner.round_init``: ``continue`` trains on from the last round's fine-tuned weights (one long run,
+        the success critic fitted after it and shipped for chunk selection); ``published`` (the default) starts
+        every round from the version the fleet runs now (:meth:`round_init_checkpoint`), fits the success
+        critic first and, with ``fert.distill.enabled``, fine-tunes the policy on the chunks that critic ranks
+        best among the policy's own samples at the fleet's states (``policies.distill``, PA-RL), mixed with the
+        retrieved segments and per-task replay (:meth:`round_dataset`): each round's version improves on the
+        last, and the validation gate compares the policies alone (K = 1)."""
+        self._setup()
+        r = int(self.state["round"])
+        n_eps = self._wait_for_data(should_stop)
+        if self.iterative:
+            return self._run_iterative_round(r, n_eps)
         from experience_dict.audit import write_retrieval_audit
         from policies.aed_diffusion.training import train_policy
         from policies.factory import load_policy
 
-        self._setup()
-        r = int(self.state["round"])
-        n_eps = self._wait_for_data(should_stop)
         t0 = time.perf_counter()
         upd = self._fert.update()
         retrieval = self._fert.retrieve()
@@ -188,16 +199,8 @@ class FertLearner:
         demos = self.replay_episodes()
         round_seed = 1000 * int(self.lcfg.get("seed") or 0) + r
         dataset = self._fert.dataset(retrieval, demos, policy.window_spec(), seed=round_seed)
-        tcfg = {**dict(self.cfg.get("train") or {}), "seed": round_seed,
-                "steps": (r + 1) * int(self.lcfg["updates_per_version"]), "resume": True,
-                "lr": float(self.lcfg["lr"]), "warmup_steps": int(self.lcfg["warmup_steps"]),
-                "batch_size": int(self.lcfg["batch_size"]), "save_every": int(self.lcfg["updates_per_version"]),
-                # the learner's own thread count (learner.torch_threads), not the base training's train.num_threads
-                **({"num_threads": int(self.lcfg["torch_threads"])} if self.lcfg.get("torch_threads") else {}),
-                "progress": False, "wandb": {**dict((self.cfg.get("train") or {}).get("wandb") or {}),
-                                             "name": f"learner-{self.run_id}"}}
-        out = train_policy(tcfg, self.work_dir / "train", policy=policy, dataset=dataset,
-                           device=str(self.lcfg["device"]))
+        out = train_policy(self._train_cfg(round_seed, (r + 1) * int(self.lcfg["updates_per_version"])),
+                           self.work_dir / "train", policy=policy, dataset=dataset, device=str(self.lcfg["device"]))
         ckpt = self.deployed_checkpoint(out["checkpoint"], r)
         critic = self.fit_critic(ckpt, policy, round_seed)
         audit = None
@@ -216,7 +219,30 @@ class FertLearner:
                "fleet_episodes": n_eps,
                "contexts": len(retrieval.contexts), "retrieved": len(retrieval), "dataset": len(dataset),
                "update": upd, "loss": (out.get("metrics") or {}).get("loss"), "train_s": time.perf_counter() - t0,
-               "audit": (audit or {}).get("files"), "critic": critic}
+               "audit": (audit or {}).get("files"), "critic": critic, "checkpoint": str(ckpt)}
+        return self._finish_round(r, n_eps, rec, retrieval)
+
+    @property
+    def iterative(self) -> bool:
+        """``learner.round_init == "published"``: every round starts from the current version (see run_round).
+
+        Raises:
+            ValueError: an unknown ``learner.round_init``."""
+        mode = str(self.lcfg.get("round_init") or "continue")
+        if mode not in ("continue", "published"):
+            raise ValueError(f"learner.round_init: expected 'continue' or 'published', given {mode!r}")
+        return mode == "published"
+
+    def _train_cfg(self, seed: int, steps: int) -> dict:
+        return {**dict(self.cfg.get("train") or {}), "seed": seed, "steps": int(steps), "resume": True,
+                "lr": float(self.lcfg["lr"]), "warmup_steps": int(self.lcfg["warmup_steps"]),
+                "batch_size": int(self.lcfg["batch_size"]), "save_every": int(self.lcfg["updates_per_version"]),
+                # the learner's own thread count (learner.torch_threads), not the base training's train.num_threads
+                **({"num_threads": int(self.lcfg["torch_threads"])} if self.lcfg.get("torch_threads") else {}),
+                "progress": False, "wandb": {**dict((self.cfg.get("train") or {}).get("wandb") or {}),
+                                             "name": f"learner-{self.run_id}"}}
+
+    def _finish_round(self, r: int, n_eps: int, rec: dict, retrieval) -> dict:
         self.state["round"] = r + 1
         self.state["episodes_seen"] = n_eps
         self.state["history"].append(rec)
@@ -224,8 +250,126 @@ class FertLearner:
         own = int(retrieval.own_retry.sum()) if retrieval.own_retry is not None else 0
         rec["own_retry_entries"] = own
         log.info("learner %s round %d: %d contexts, %d retrieved (%d from own retries), v%s", self.run_id, r,
-                 rec["contexts"], rec["retrieved"], own, version)
+                 rec["contexts"], rec["retrieved"], own, rec["version"])
         return rec
+
+    def round_init_checkpoint(self, r: int) -> str:
+        """The weights round ``r`` starts from (``learner.round_init: published``): a publishing learner's current
+        registry version (what the fleet acts with; fetched into ``<work_dir>/init``), else this learner's own
+        last round's output, else its initial checkpoint."""
+        if self.publish_versions:
+            from fleet.registry import CheckpointRegistry
+
+            reg = CheckpointRegistry(self.registry_url)
+            v = reg.latest_version()
+            if v is not None:
+                return str(reg.fetch(v, self.work_dir / "init" / f"v{v:06d}"))
+        hist = [h for h in self.state.get("history") or [] if h.get("checkpoint")]
+        return str(hist[-1]["checkpoint"]) if hist else self.init_checkpoint
+
+    def _run_iterative_round(self, r: int, n_eps: int) -> dict:
+        """One round of the ``published`` mode (see :meth:`run_round`)."""
+        from experience_dict.audit import write_retrieval_audit
+        from fleet.arms import checkpoint_with_critic
+        from policies.aed_diffusion.training import train_policy
+        from policies.critic import save_critic
+        from policies.factory import deployed_checkpoint, load_policy
+
+        times: dict[str, float] = {}
+        t0 = time.perf_counter()
+        upd = self._fert.update()
+        retrieval = self._fert.retrieve()
+        times["retrieval_s"] = time.perf_counter() - t0
+        init = self.round_init_checkpoint(r)
+        policy = load_policy(init)
+        round_seed = 1000 * int(self.lcfg.get("seed") or 0) + r
+        t = time.perf_counter()
+        critic, crit_rec, candidates_k = self.fit_critic_model(policy, round_seed)
+        times["critic_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        dataset, mix = self.round_dataset(retrieval, policy.eval(), critic, candidates_k, round_seed)
+        times["distill_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        rdir = self.work_dir / "rounds" / f"round_{r:03d}"
+        out = train_policy(self._train_cfg(round_seed, int(self.lcfg["updates_per_version"])), rdir / "train",
+                           policy=policy.train(), dataset=dataset, device=str(self.lcfg["device"]))
+        times["train_s"] = time.perf_counter() - t
+        ckpt = deployed_checkpoint(self.lcfg.get("wise_alpha"), init, out["checkpoint"], rdir / "wise")
+        ckpt = checkpoint_with_critic(ckpt, rdir / "policy", None)   # the round's weights, without any critic
+        if critic is not None:
+            save_critic(critic, ckpt, candidates_k)
+        audit = None
+        if self.cfg["fert"].get("audit", True) and len(retrieval):
+            audit = write_retrieval_audit(retrieval, self._fert.index, self.work_dir / "audits", r)
+        validation, chosen = None, "finetuned"
+        candidates = {"finetuned": ckpt}
+        if self.validator is not None and self.publish_versions:
+            t = time.perf_counter()
+            alone = checkpoint_with_critic(ckpt, rdir / "policy_alone", None)
+            name, validation = self.validator({"finetuned": alone}, r, policy_alone=True)
+            times["validation_s"] = time.perf_counter() - t
+            if name is None:   # rejected: the fleet keeps the current weights, with the new critic
+                self.state.setdefault("rejected", []).append(r)
+                chosen = "critic_only" if critic is not None else None
+                if chosen:
+                    candidates["critic_only"] = checkpoint_with_critic(init, rdir / "critic_only", ckpt)
+        version = self._publish_once(candidates[chosen], r, out) if chosen else None
+        rec = {"validation": validation, "round": r, "version": version, "init": init,
+               "published_candidate": chosen if version is not None else None, "step": int(out["step"]),
+               "fleet_episodes": n_eps, "contexts": len(retrieval.contexts), "retrieved": len(retrieval),
+               "dataset": len(dataset), "mix": mix, "update": upd, "loss": (out.get("metrics") or {}).get("loss"),
+               "train_s": time.perf_counter() - t0, "times": times, "audit": (audit or {}).get("files"),
+               "critic": crit_rec, "checkpoint": str(ckpt)}
+        return self._finish_round(r, n_eps, rec, retrieval)
+
+    def round_dataset(self, retrieval, policy, critic, candidates: int, seed: int):
+        """The training windows of an iterative round: a ``experience_dict.sampler.MixtureDataset`` of
+        ``learner.updates_per_version x learner.batch_size`` slots with shares ``fert.mix``:
+
+        * ``retrieved``: FERT's retrieved segments (``FertDataset`` without replay; the similarity and advantage
+          weights as ``sample_weight``);
+        * ``distill``: critic targets (``policies.distill.critic_targets``) at ``fert.distill.states_per_task``
+          states per task drawn from every training-unit episode in the store (demonstrations, fleet episodes
+          successful or not, failure retries), relabelled by ``policy`` (the round's starting weights) and
+          ``critic`` among ``candidates`` samples; only with ``fert.distill.enabled`` and a critic;
+        * ``replay``: per-task balanced replay, each task an equal share, over its demonstrations and its
+          successful training-unit episodes (the fleet's and the retries').
+
+        Returns ``(dataset, record)``; record: ``{"slots": {part: slots}, "distill": critic_targets' record}``.
+        """
+        from experience_dict.retrieval import FertDataset
+        from experience_dict.sampler import MixtureDataset, WindowDataset
+        from policies.distill import balanced_anchors, critic_targets
+
+        fc = dict(self.cfg["fert"])
+        shares = {"retrieved": 0.25, "distill": 0.5, "replay": 0.25, **dict(fc.get("mix") or {})}
+        dcfg = {"enabled": True, "states_per_task": 1024, "batch_size": 128, **dict(fc.get("distill") or {})}
+        spec = policy.window_spec()
+        keys = list(spec) + [f"{n}_is_pad" for n in spec]
+        parts = []
+        if len(retrieval):
+            parts.append(("retrieved", FertDataset(self._reader, retrieval, [], spec, replay_ratio=0.0,
+                                                   weighting=str(fc.get("weighting", "loss")), seed=seed,
+                                                   segment_steps=int(fc.get("segment_steps", 1))),
+                          shares["retrieved"]))
+        rec: dict = {}
+        if dcfg["enabled"] and critic is not None and shares["distill"] > 0 and candidates > 1:
+            eps = self.critic_episodes()
+            windows = WindowDataset(self._reader, eps, windows=spec)
+            anchors = balanced_anchors(windows, int(dcfg["states_per_task"]), seed)
+            targets, rec["distill"] = critic_targets(policy, critic, windows, anchors, candidates, seed,
+                                                     int(dcfg["batch_size"]))
+            parts.append(("distill", targets, shares["distill"]))
+        ok = self.replay_episodes(mode="successes")
+        tasks = sorted({m.task for m in ok})
+        for task in tasks:
+            parts.append((f"replay:{task}", WindowDataset(self._reader, [m for m in ok if m.task == task], windows=spec),
+                          shares["replay"] / len(tasks)))
+        size = int(self.lcfg["updates_per_version"]) * int(self.lcfg["batch_size"])
+        ds = MixtureDataset(parts, keys, size, seed)
+        rec["slots"] = ds.slots
+        log.info("learner %s: round data %s", self.run_id, ds.slots)
+        return ds, rec
 
     def critic_episodes(self) -> list:
         """The episodes the round's success critic learns from: every committed, unquarantined episode of the
@@ -237,15 +381,15 @@ class FertLearner:
         return [m for m in self._reader.episodes() if int(m.unit_id) not in self.heldout
                 and not getattr(m, "quarantined", False) and (retries or not retry_of(m))]
 
-    def fit_critic(self, checkpoint: str | Path, policy, seed: int) -> dict | None:
-        """With ``fert.critic.enabled``: fit a success critic (``policies.critic.fit_critic``) on
-        :meth:`critic_episodes` and save it into ``checkpoint`` (validated and published with the weights, so the
-        fleet and the evaluation choose chunks with it); returns the fit's record, or None when disabled."""
+    def fit_critic_model(self, policy, seed: int):
+        """With ``fert.critic.enabled``: a success critic (``policies.critic.fit_critic``) fitted on
+        :meth:`critic_episodes` for ``policy``'s state keys and chunk; returns ``(critic, record with "fit_s",
+        candidates)``, or ``(None, None, 1)`` when disabled."""
         ccfg = dict(self.cfg["fert"].get("critic") or {})
         if not ccfg.get("enabled", False):
-            return None
+            return None, None, 1
         from fleet.policies import resolve_device
-        from policies.critic import fit_critic, save_critic
+        from policies.critic import fit_critic
 
         keys = [k for k, shape in policy.config.input_shapes.items() if len(shape) == 1]   # state vectors, no images
         t0 = time.perf_counter()
@@ -254,10 +398,21 @@ class FertLearner:
                                  int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
                                  {k: v for k, v in ccfg.items() if k not in ("enabled", "candidates")}, seed=seed,
                                  device=resolve_device(str(self.lcfg["device"])))
-        save_critic(critic, checkpoint, int(ccfg.get("candidates", 8)))
+        critic = critic.cpu()
         rec["fit_s"] = time.perf_counter() - t0
         log.info("learner %s: success critic on %d episodes (%d steps), validation BCE %s, %.0f s", self.run_id,
                  rec["episodes"], rec["steps"], rec["val_loss"], rec["fit_s"])
+        return critic, rec, int(ccfg.get("candidates", 8))
+
+    def fit_critic(self, checkpoint: str | Path, policy, seed: int) -> dict | None:
+        """:meth:`fit_critic_model`, the critic saved into ``checkpoint`` (validated and published with the
+        weights, so the fleet and the evaluation choose chunks with it); returns the fit's record, or None when
+        disabled."""
+        from policies.critic import save_critic
+
+        critic, rec, k = self.fit_critic_model(policy, seed)
+        if critic is not None:
+            save_critic(critic, checkpoint, k)
         return rec
 
     def critic_only_candidate(self, checkpoint: str | Path, r: int) -> str:
@@ -319,6 +474,9 @@ class FertLearner:
         checkpoint, or with ``learner.wise_alpha`` set its interpolation toward the initial checkpoint."""
         from policies.aed_diffusion.training import last_checkpoint
 
+        if self.iterative:
+            hist = [h for h in self.state.get("history") or [] if h.get("checkpoint")]
+            return str(hist[-1]["checkpoint"]) if hist else None
         last = last_checkpoint(self.work_dir / "train")
         if last is None:
             return None

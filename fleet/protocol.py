@@ -265,3 +265,57 @@ def reexplore(c: dict, reader, policy: str, heldout: Sequence[int], dst_url: str
             out = run_retries(fleet, fails, dict(c["fert"].get("retry") or {}), heldout, len(fleet_eps), progress)
         out.pop("episodes", None)
     return {**out, "copied": len(ids), "fleet_episodes": len(fleet_eps)}
+
+
+class VectorFleet:
+    """The synchronous protocol's fleet stepped in batches instead of Ray actors: a plan's trials (fleet episodes
+    and failure retries alike) run through ``fleet.evaluation.run_plan_parallel``, ``batch_size`` robot units'
+    envs stepped together with one batched policy call per control step, in ``processes`` spawned processes split
+    by unit (each unit's store shard keeps one writer, ``fleet.worker.writer_id``, as on a Ray worker).
+
+    Every trial's denoising noise comes from a generator seeded with its reset seed (a retry's from
+    ``fleet.evaluation.retry_noise_seed``), so a trial's episode does not depend on which others share its batch,
+    and a round is reproducible from its plan (its speed against the Ray fleet: docs/PERFORMANCE.md,
+    ``scripts/bench_fleet.py``). It has the interface
+    :func:`run_retries` uses: ``run(plan=..., progress=...)`` returning an object with ``episodes``.
+
+    Args:
+        cfg: the plain job config (``robot``, ``obs``, ``task``, ``store``; ``eval.max_envs`` bounds pooled envs).
+        checkpoint: the ``pretrained_model`` directory every trial acts with (a registry version's copy: its
+            ``MANIFEST.json`` gives the ``policy_version`` committed with each episode).
+        store_url: the experience store the episodes are committed to.
+        batch_size: envs stepped together per process. processes: spawned processes (1: this process).
+    """
+
+    def __init__(self, cfg: dict, checkpoint: str, store_url: str, batch_size: int = 32, processes: int = 2):
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.cfg, self.checkpoint, self.store_url = cfg, str(checkpoint), str(store_url)
+        self.batch_size, self.processes = int(batch_size), max(1, int(processes))
+        self._ex = (ProcessPoolExecutor(self.processes, mp_context=mp.get_context("spawn"))
+                    if self.processes > 1 else None)
+        self.steps = 0
+
+    def run(self, plan: list[dict], progress: bool = True, desc: str = "fleet"):
+        """Run ``plan`` (``[{"task", "unit_id", "seed"[, "explore"]}]``); returns a namespace with ``episodes``
+        (one summary per trial, in plan order; ``fleet.evaluation.run_plan_vectorised``)."""
+        from types import SimpleNamespace
+
+        from fleet.evaluation import run_plan_parallel
+
+        eps = run_plan_parallel(self.cfg, self.checkpoint, plan, self.store_url, self.batch_size, self.processes,
+                                progress, desc, executor=self._ex) if plan else []
+        self.steps += sum(int(e["length"]) for e in eps)
+        return SimpleNamespace(episodes=eps, failures=[])
+
+    def close(self) -> None:
+        if self._ex is not None:
+            self._ex.shutdown()
+            self._ex = None
+
+    def __enter__(self) -> VectorFleet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

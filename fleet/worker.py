@@ -471,7 +471,9 @@ class RobotWorker:
         if ex is not None:
             import torch
 
-            torch.manual_seed(int(seed) * 1009 + ex.attempt + 1)  # a retry draws fresh denoising noise too
+            from fleet.evaluation import retry_noise_seed
+
+            torch.manual_seed(retry_noise_seed(seed, ex.attempt))  # a retry draws fresh denoising noise too
             if ex.temperature != 1.0:
                 if not hasattr(policy, "noise_scale"):
                     raise PolicyLoadError(f"unit {self.unit_id}: exploration noise_temperature={ex.temperature} "

@@ -291,6 +291,7 @@ class CriticGuidedSampler:
         self.inner = inner or policy.predict_action_chunk
         self.picked_own = 0      # decisions where candidate 0 (the policy's own sample) won
         self.decisions = 0
+        self.last_scores: torch.Tensor | None = None
 
     def __call__(self, batch: dict, noise: torch.Tensor | None = None, generator: torch.Generator | None = None,
                  noise_scale: float | torch.Tensor = 1.0, **kw) -> torch.Tensor:
@@ -321,6 +322,7 @@ class CriticGuidedSampler:
         q = self.critic.success_probability(cur.repeat_interleave(K, 0).to(dev), prev.repeat_interleave(K, 0).to(dev),
                                             chunks.to(dev)).reshape(B, K)
         pick = q.argmax(1).to(chunks.device)
+        self.last_scores = q.detach().cpu()        # (B, K) of this call (policies.distill reads them)
         self.picked_own += int((pick == 0).sum())
         self.decisions += B
         return chunks.reshape(B, K, H, A)[torch.arange(B, device=chunks.device), pick]

@@ -4,6 +4,7 @@
     python scripts/bench_fleet.py +bench.workers=[1,2,4,8] +bench.episodes=8 +bench.out=/tmp/b.json
     python scripts/bench_fleet.py +bench.cluster=true      # 32 units on a two-node cluster: outputs/bench/bench_cluster.json
     python scripts/bench_fleet.py +bench.server_vs_local=true   # fleets of 1/8/16 units: server vs per-worker inference
+    python scripts/bench_fleet.py +bench.round=true         # the main job's batched fleet vs the env alone: bench_round.json
 
 Workers are the real ``RobotWorker`` actors with the scripted expert, committing every episode to a Zarr
 store in a temporary directory (state-only, then one 96x96 camera). The baseline is the same ``RobotWorker``
@@ -18,6 +19,15 @@ machine's cores split between the nodes), one unit and then ``bench.cluster_unit
 over both nodes, all acting through the batched policy server with the small AED policy, in the same run:
 episodes/s of the fleet against (cluster CPUs) x (one unit's episodes/s) (target >= 0.8), the server's batch-size
 distribution and the store's commit latency (p50/p95 of every episode's commit).
+
+Round mode (``+bench.round=true``, ``outputs/bench/bench_round.json``): what one fleet round of the main job costs
+to act. The env alone (random actions, one env at a time in this process, on the round's tasks and units) against
+the protocol's batched fleet (``fleet.protocol.VectorFleet``: ``fleet.units`` units, ``bench.round_episodes``
+episodes each, tasks round-robin, ``eval.processes`` processes, waves of ``eval.batch_size``) acting with the default
+policy (``configs/policy``; random weights, so every episode runs to ``max_episode_steps``), once alone (K = 1) and
+once with a success critic choosing among ``fert.critic.candidates`` chunks; the same run measures all three.
+Figures: env steps/s of each and the fleet's ratio to the env alone (the target: a fleet acting at >= 500 env
+steps/s on 2 cores).
 
 Server against per-worker inference (``+bench.server_vs_local=true``, ``outputs/bench/bench_server_vs_local.json``):
 for each fleet size in ``bench.svl_units`` (1, 8, 16), the same units run the same episodes with the small AED
@@ -48,7 +58,8 @@ DEFAULTS = {"workers": [1, 2, 4], "episodes": 6, "task": "reach-v3", "max_episod
             "cluster": False, "cluster_units": 32, "cluster_episodes": 2, "single_episodes": 6,
             "cluster_out": "outputs/bench/bench_cluster.json",
             "server_vs_local": False, "svl_units": [1, 8, 16], "svl_episodes": 2, "svl_repeats": 2,
-            "svl_out": "outputs/bench/bench_server_vs_local.json"}
+            "svl_out": "outputs/bench/bench_server_vs_local.json",
+            "round": False, "round_episodes": 3, "round_env_episodes": 6, "round_out": "outputs/bench/bench_round.json"}
 
 
 def _cfg(base: dict, images: bool, bench: dict) -> dict:
@@ -240,6 +251,86 @@ def bench_server_vs_local(base: dict, bench: dict) -> dict:
             "target": "server_vs_local > 1 from 8 units up", "loadavg": os.getloadavg()}
 
 
+def default_policy_checkpoint(base: dict, path: str, spec: dict) -> str:
+    """The job's default AED policy (``base["policy"]``, the composed Hydra node) with random weights, statistics
+    spanning [-1, 1] and a tokenizer fitted on random-walk actions, saved to ``path``."""
+    import torch
+
+    from experience_dict.tokenizer import ActionTokenizer
+    from policies.aed_diffusion import AEDDiffusionConfig, AEDDiffusionPolicy
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    pc = {k: v for k, v in base["policy"].items() if k not in ("type", "input_keys", "images")}
+    shapes = {k: list(v["shape"]) for k, v in spec["features"].items()
+              if k.startswith("observation.") and len(v["shape"]) == 1}
+    cfg = AEDDiffusionConfig.from_dict({**pc, "input_shapes": shapes})
+    acts = [np.clip(np.cumsum(rng.normal(0, 0.1, (80, cfg.action_dim)), 0), -1, 1).astype(np.float32) for _ in range(8)]
+    tok = ActionTokenizer.fit(acts, r=cfg.aed.group_size, relative_dims=list(cfg.relative_action_dims),
+                              absolute_dims=list(cfg.absolute_action_dims), vocab_size=256)
+    stats = {k: {"min": [-1.0] * s[0], "max": [1.0] * s[0], "mean": [0.0] * s[0], "std": [1.0] * s[0]}
+             for k, s in {**shapes, "action": [cfg.action_dim]}.items()}
+    AEDDiffusionPolicy(cfg, stats, tok).save_pretrained(path)
+    return path
+
+
+def bench_round(base: dict, bench: dict) -> dict:
+    """``+bench.round=true``: the env alone vs the batched fleet acting alone and with a critic (module docstring)."""
+    from fleet.protocol import VectorFleet, fleet_plan
+    from policies.critic import SuccessCritic, save_critic
+    from sim import make_env, unit_lists
+
+    c = json.loads(json.dumps(base))
+    units = unit_lists(c["robot"])[0][: int(c["fleet"]["units"])]
+    tasks = list(c["task"]["tasks"])
+    rng = np.random.default_rng(0)
+    t_env, steps = 0.0, 0
+    spec = None
+    for i in range(int(bench["round_env_episodes"])):
+        env = make_env(task=tasks[i % len(tasks)], unit_id=units[i % len(units)], robot_cfg=c["robot"], obs_cfg=c["obs"],
+                       task_cfg=c["task"])
+        spec = spec or env.spec_dict()
+        env.reset(seed=i)
+        t = time.perf_counter()
+        for _ in range(int(c["task"]["max_episode_steps"])):
+            _, _, term, trunc, _ = env.step(rng.uniform(-1, 1, 4).astype(np.float32))
+            steps += 1
+            if term or trunc:
+                break
+        t_env += time.perf_counter() - t
+        env.close()
+    env_rate = steps / t_env
+    plan = fleet_plan(tasks, units, int(bench["round_episodes"]), 0, 0)
+    report = {"host": {"cpu_count": os.cpu_count(), "loadavg_start": os.getloadavg()}, "tasks": tasks,
+              "units": len(units), "episodes": len(plan), "env_alone_steps_per_s": env_rate,
+              "batch_size": int(c["eval"]["batch_size"]), "processes": int(c["eval"]["processes"]), "fleet": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = default_policy_checkpoint(c, f"{tmp}/policy", spec)
+        k = int(c["fert"]["critic"]["candidates"])
+        with_critic = f"{tmp}/policy_critic"
+        import shutil
+
+        shutil.copytree(ckpt, with_critic)
+        sd = sum(spec["features"][key]["shape"][0] for key in ("observation.state", "observation.environment_state"))
+        save_critic(SuccessCritic(sd, 4, int(c["policy"]["n_action_steps"]), state_keys=["observation.state",
+                                  "observation.environment_state"]), with_critic, k)
+        for name, path in (("policy_alone", ckpt), (f"with_critic_k{k}", with_critic)):
+            with VectorFleet(c, path, f"{tmp}/store_{name}", int(c["eval"]["batch_size"]),
+                             int(c["eval"]["processes"])) as vf:
+                vf.run(plan=plan[: len(units)], progress=False)      # warm-up: processes, envs, policy
+                vf.steps = 0
+                t = time.perf_counter()
+                vf.run(plan=plan[len(units):], progress=False)
+                dt = time.perf_counter() - t
+                report["fleet"][name] = {"steps_per_s": vf.steps / dt, "vs_env_alone": vf.steps / dt / env_rate,
+                                         "episodes": len(plan) - len(units), "seconds": dt}
+            print(f"{name}: {vf.steps / dt:.0f} env steps/s ({vf.steps / dt / env_rate:.2f} x the env alone, "
+                  f"{env_rate:.0f} steps/s)", flush=True)
+    report["host"]["loadavg_end"] = os.getloadavg()
+    report["target"] = "the fleet acting at >= 500 env steps/s on 2 cores"
+    return report
+
+
 def _write_report(report: dict, path: str) -> Path:
     """Write ``report`` as JSON to ``path`` (parents created) and print it; returns the path."""
     out = Path(path)
@@ -258,6 +349,9 @@ def main(cfg: DictConfig) -> None:
     base["robot"]["heldout_units"] = []
     if bench["server_vs_local"]:
         _write_report(bench_server_vs_local(base, bench), bench["svl_out"])
+        return
+    if bench["round"]:
+        _write_report(bench_round(_plain(cfg), bench), bench["round_out"])
         return
     if bench["cluster"]:
         report = bench_cluster(base, bench)

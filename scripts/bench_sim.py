@@ -1,6 +1,6 @@
 """Benchmark the sim: env steps/s state-only and with one camera, beside raw ``mj_step`` of the same model.
 
-    python scripts/bench_sim.py                      # mw_quick; JSON to <output_dir>/bench_sim.json
+    python scripts/bench_sim.py                      # the default suite (mw_mid); JSON to <output_dir>/bench_sim.json
     python scripts/bench_sim.py task=mw10 +sim.bench.image_size=84
 
 Per task, all in one process on one unit (the first training unit): random actions (seeded) through the env

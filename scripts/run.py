@@ -1,6 +1,6 @@
 """The main job: the whole fleet-learning experiment on real Meta-World tasks, from a fresh machine.
 
-    make run                                            # embedded default: mw_quick, state-only, CPU, one seed
+    make run                                            # embedded default: mw_mid, state-only, CPU, one seed
     python scripts/run.py 'job.seeds=[0,1,2]'           # the protocol: every stage and arm per seed, intervals
                                                         # bootstrapped over seeds, then trials
     python scripts/run.py hydra.run.dir=outputs/myrun   # a fixed run dir: re-running resumes finished stages
@@ -16,16 +16,19 @@ from a plan that does not depend on scheduling. Per experiment seed ``s`` (``<ru
    on ``robot.demo_units`` (the training units by default; the only expert data).
 2. base policies: the AED diffusion policy and the same policy without AED, trained on the demonstrations.
 3. fleet rounds (``fert.rounds``): the training units run a fixed plan of ``job.fleet_episodes_per_unit``
-   episodes each with the newest published version (v1 = base); failed episodes are re-attempted with
-   exploration (``fert.retry``: same task, unit and reset seed, growing action noise, tagged ``retry_of``,
-   capped, never on held-out units); then the in-loop arms' learners (``fert``, ``fert_no_aed``) run their
-   FERT round on the store and ``fert`` publishes the next version.
+   episodes each with the newest published version (v1 = base; ``job.fleet_backend: vector`` steps every unit's
+   env in batches, ``fleet.protocol.VectorFleet``); failed episodes are re-attempted with exploration
+   (``fert.retry``: same task, unit and reset seed, growing action noise, tagged ``retry_of``, capped, never on
+   held-out units); then the in-loop arms' learners run their FERT round on the store (by default, from the
+   version the fleet runs: the success critic refitted on the whole store, its chosen chunks distilled into the
+   weights, ``learner.round_init: published``) and ``fert`` publishes the next version through the gate; the new
+   version plays the held-out plan alone and with its critic (the learning curve, ``job.curve_trials_per_task``).
 4. offline arms (filtered BC, filtered BC + retries, FERT ablations): fine-tuned from their base on the final
    store with the same budget (``fleet.arms``).
 5. held-out evaluation: every arm on the held-out units, the same ``eval.trials_per_task`` trials per task.
 
-Then, over all seeds: ``results.md/json`` (success with Wilson intervals, pooled over seeds), ``paired.md/json``
-(paired differences, bootstrapped over seeds then trials), ``arms.png``; with ``job.fleet_sizes``, the
+Then, over all seeds: ``results.md/json`` (success with Wilson intervals, pooled over seeds; ``learning_curve`` per
+seed), ``paired.md/json`` (paired differences, bootstrapped over seeds then trials), ``arms.png`` (with the curve); with ``job.fleet_sizes``, the
 fleet-size sweep on seed ``job.seeds[0]``. Ctrl-C stops cleanly; re-running with the same run dir resumes.
 """
 
@@ -184,19 +187,30 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
     (success, failures, retries and how many failures they recovered)."""
     from experience_dict.store import ExperienceStore
     from fleet.coordinator import Fleet
-    from fleet.protocol import fleet_plan, run_retries, success_by_task
+    from fleet.protocol import VectorFleet, fleet_plan, run_retries, success_by_task
     from fleet.registry import CheckpointRegistry
 
-    version = CheckpointRegistry(c["fleet"]["registry_url"]).latest_version()
+    reg = CheckpointRegistry(c["fleet"]["registry_url"])
+    version = reg.latest_version()
     plan = fleet_plan(list(c["task"]["tasks"]), units, int(c["job"]["fleet_episodes_per_unit"]), int(c["seed"]), r)
     rcfg = dict(c["fert"].get("retry") or {})
+    backend = str(c["job"].get("fleet_backend") or "ray")
     t0 = time.perf_counter()
-    with Fleet(c, policy="latest", units=units, store_url=c["store"]["url"]) as fleet:
+    if backend == "vector":    # every unit's envs stepped in batches, one policy call per step (fleet.protocol)
+        ckpt = reg.fetch(version, Path(c["fleet"]["cache_dir"]) / "fleet" / f"v{version:06d}")
+        fleet = VectorFleet(c, str(ckpt), c["store"]["url"], int(c["eval"].get("batch_size", 32)),
+                            int(c["eval"].get("processes", 2)))
+    elif backend == "ray":
+        fleet = Fleet(c, policy="latest", units=units, store_url=c["store"]["url"])
+    else:
+        raise ValueError(f"job.fleet_backend: expected 'vector' or 'ray', given {backend!r}")
+    with fleet:
         reader = ExperienceStore.open(c["store"]["url"])
         done = {(int(m.unit_id), int(m.seed)) for m in round_trials(reader, plan, version)}
         todo = [t for t in plan if (t["unit_id"], t["seed"]) not in done]
         if todo:
             fleet.run(plan=todo, progress=progress)
+        t_fleet = time.perf_counter() - t0
         reader.refresh()
         eps = round_trials(reader, plan, version)
         fails = [{"episode_id": m.episode_id, "task": m.task, "unit_id": int(m.unit_id), "seed": int(m.seed)}
@@ -204,15 +218,18 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
         retries = {"failures": len(fails), "recovered": 0, "recovered_share": None, "retries": 0, "per_attempt": []}
         if rcfg.get("enabled", True) and fails:
             retries = run_retries(fleet, fails, rcfg, heldout, len(plan), progress)
-            retries.pop("episodes", None)
+            retries["steps"] = sum(int(e.get("length", 0)) for e in retries.pop("episodes", []))
+    wall = time.perf_counter() - t0
     succ = sum(bool(m.success) for m in eps)
     per_task = success_by_task(eps)
-    print(f"round {r}: fleet v{version} {succ}/{len(eps)} successes on units {units}; "
-          f"{retries['failures']} failures, {retries['retries']} retries recovered {retries['recovered']} "
-          f"({_pct(retries['recovered_share'])}) {retries['per_attempt']}", flush=True)
+    steps = sum(int(m.length) for m in eps)
+    print(f"round {r}: fleet v{version} {succ}/{len(eps)} successes on units {units} ({steps / max(t_fleet, 1e-9):.0f} "
+          f"env steps/s, {backend}); {retries['failures']} failures, {retries['retries']} retries recovered "
+          f"{retries['recovered']} ({_pct(retries['recovered_share'])}) {retries['per_attempt']}", flush=True)
     return {"version": version, "successes": succ, "episodes": len(eps), "per_task": per_task, "retries": retries,
             "failed_trials": [{k: f[k] for k in ("task", "unit_id", "seed")} for f in fails],
-            "wall_s": time.perf_counter() - t0}
+            "wall_s": wall, "times": {"fleet_s": t_fleet, "retries_s": wall - t_fleet}, "backend": backend,
+            "env_steps": steps, "env_steps_per_s": steps / max(t_fleet, 1e-9)}
 
 
 def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
@@ -238,32 +255,51 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
     tol = float(c["learner"].get("validate_tolerance", 0.0))
     alpha = float(c["learner"].get("validate_alpha", 1.0))
 
-    def validate(candidates: dict, r: int) -> tuple[str | None, dict]:
+    task_tol = c["learner"].get("validate_task_tolerance")
+
+    def validate(candidates: dict, r: int, policy_alone: bool = False) -> tuple[str | None, dict]:
         from scipy.stats import binomtest
+
+        from fleet.arms import checkpoint_with_critic
 
         if not candidates or "current" in candidates:
             raise ValueError(f"validation: expected named candidates other than 'current', given {list(candidates)}")
         reg = CheckpointRegistry(c["fleet"]["registry_url"])
         v = reg.latest_version()
         current = reg.fetch(v, sd / "cache" / "validation" / f"v{v:06d}")
+        if policy_alone:   # the weights alone (K = 1): the current version without its critic
+            current = checkpoint_with_critic(current, sd / "cache" / "validation" / f"v{v:06d}_alone", None)
         cv = {**c, "eval": {**c["eval"], "seed": 7000 + int(c["seed"])}}
         res = evaluate_arms(cv, {"current": str(current), **{k: str(p) for k, p in candidates.items()}},
                             sd / "validation" / f"round_{r}", n, units=units, progress=progress)
         rate = {k: sum(bool(e["success"]) for e in eps) / max(len(eps), 1) for k, eps in res.items()}
         best = max(candidates, key=lambda k: (rate[k], -list(candidates).index(k)))
-        cell = paired_differences(res, [(best, "current")])["pairs"][0]["average"]
-        n_disc = cell["wins"] + cell["losses"]
-        p_worse = float(binomtest(cell["wins"], n_disc, 0.5, alternative="less").pvalue) if n_disc else 1.0
+        pd = paired_differences(res, [(best, "current")])["pairs"][0]
+        cell = pd["average"]
+
+        def p_less(w: int, lo: int) -> float:
+            return float(binomtest(w, w + lo, 0.5, alternative="less").pvalue) if w + lo else 1.0
+
+        p_worse = p_less(cell["wins"], cell["losses"])
         accept = cell["diff"] >= -tol or p_worse >= alpha
+        # per task: a task that loses more than validate_task_tolerance, with the one-sided test at alpha, rejects
+        lost = []
+        if task_tol is not None:
+            lost = [t for t, tc in pd["tasks"].items()
+                    if tc["diff"] < -float(task_tol) and p_less(tc["wins"], tc["losses"]) < alpha]
+            accept = accept and not lost
         others = ", ".join(f"{k} {100 * rate[k]:.1f}%" for k in candidates if k != best)
-        print(f"  validation of round {r} on training units {units}: {best} {100 * rate[best]:.1f}% vs "
-              f"v{v} {100 * rate['current']:.1f}% (paired {100 * cell['diff']:+.1f} pts, {cell['wins']}/"
-              f"{cell['losses']}, one-sided p={p_worse:.2g}{'; ' + others if others else ''}) -> "
-              f"{'publish ' + best if accept else 'REJECTED (not published)'}", flush=True)
+        print(f"  validation of round {r} on training units {units}{' (policies alone, K = 1)' if policy_alone else ''}: "
+              f"{best} {100 * rate[best]:.1f}% vs v{v} {100 * rate['current']:.1f}% (paired {100 * cell['diff']:+.1f} pts, "
+              f"{cell['wins']}/{cell['losses']}, one-sided p={p_worse:.2g}{'; ' + others if others else ''}"
+              f"{'; tasks lost: ' + ', '.join(lost) if lost else ''}) -> "
+              f"{'publish ' + best if accept else 'REJECTED'}", flush=True)
         return (best if accept else None), {
             "current_version": v, "candidate": rate[best], "current": rate["current"], "chosen": best,
             "rates": {k: rate[k] for k in candidates}, "diff": cell["diff"], "wins": cell["wins"],
-            "losses": cell["losses"], "p_worse": p_worse, "accepted": accept}
+            "losses": cell["losses"], "p_worse": p_worse, "accepted": accept, "policy_alone": policy_alone,
+            "tasks": {t: {k: tc[k] for k in ("diff", "wins", "losses")} for t, tc in pd["tasks"].items()},
+            "tasks_lost": lost}
 
     return validate
 
@@ -301,7 +337,9 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
     chosen = {a.name: ckpt[a.name] for a in arms}
     results = evaluate_arms(c, chosen, sd, int(c["eval"]["trials_per_task"]), units=heldout, progress=progress)
     rounds_rec = [state.get(f"round_{r}") for r in range(int(c["fert"]["rounds"]))]
-    return {"results": results, "checkpoints": chosen, "rounds": rounds_rec, "config": c, "state": state}
+    curve = state.get("curve") if state.done("curve") else []
+    return {"results": results, "checkpoints": chosen, "rounds": rounds_rec, "config": c, "state": state,
+            "learning_curve": curve}
 
 
 def needs_no_aed(arms: list) -> bool:
@@ -412,26 +450,99 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
                       f"{cr['val_loss'] if cr['val_loss'] is None else round(cr['val_loss'], 3)} (predicting the mean: "
                       f"{cr.get('val_loss_constant') if cr.get('val_loss_constant') is None else round(cr['val_loss_constant'], 3)}), "
                       f"{cr['fit_s']:.0f} s", flush=True)
+            if out.get("mix"):
+                dist = out["mix"].get("distill")
+                print(f"  {arm.name} round {r}: training windows {out['mix']['slots']}"
+                      + (f"; critic targets at {dist['states']} states: best of {dist['candidates']} chunks scores "
+                         f"{dist['q_chosen']:.3f} vs the policy's own sample {dist['q_own']:.3f} (own kept at "
+                         f"{100 * dist['picked_own']:.0f}% of states)" if dist else "")
+                      + f"; times {({k: round(v) for k, v in (out.get('times') or {}).items()})}", flush=True)
             rec["learners"][arm.name] = {k: out.get(k) for k in ("contexts", "retrieved", "dataset", "loss", "version",
                                                                  "validation", "own_retry_entries", "critic",
-                                                                 "published_candidate")}
+                                                                 "published_candidate", "mix", "times")}
             if publishing and c["learner"].get("failure_replay", True):
                 rec["learners"][arm.name]["failure_replay"] = replay_round_failures(
                     c, lrn.final_checkpoint(), rec, sd / "failure_replay" / f"round_{r}", heldout)
         state.mark(f"round_{r}", rec)
+        if int(c["job"].get("curve_trials_per_task") or 0) > 0 and any(a.name == "fert" for a in in_loop):
+            curve = state.get("curve") if state.done("curve") else []
+            for pt in learning_curve(c, sd, reg, ckpt["base"], heldout, progress, have=curve):
+                curve.append(pt)
+                state.mark("curve", curve)
+            print_curve(curve, seed)
     for arm in in_loop:
         ckpt[arm.name] = make_learner(c, arm, sd / f"learner_{arm.name}", ckpt[arm.init], None, seed).final_checkpoint()
     if any(a.name == "fert" for a in in_loop):
         v = reg.latest_version()
         meta = reg.manifest(v).get("metadata") or {}
         # the fert arm is what the fleet runs: the newest published version (the base when every round was
-        # rejected by the validation gate), which with learner.validate_critic_only may be the current weights with
-        # the new critic; fert_finetuned: the last round's fine-tuned weights (with their critic) either way
+        # rejected by the validation gate); fert_finetuned: the last round's fine-tuned weights (with their critic)
         ckpt["fert_finetuned"] = ckpt["fert"]
         if meta.get("run_id") != "fert":
             ckpt["fert"] = ckpt["base"]
         else:
             ckpt["fert"] = str(reg.fetch(v, sd / "cache" / "arms" / f"v{v:06d}"))
+        # fert_critic: that version as published (with its success critic); with learner.round_init: published the
+        # fert arm is its weights alone (K = 1), what a robot running the ONNX export executes
+        ckpt["fert_version"] = ckpt["fert"]
+        if str(c["learner"].get("round_init")) == "published":
+            from fleet.arms import checkpoint_with_critic
+
+            ckpt["fert"] = checkpoint_with_critic(ckpt["fert"], sd / "cache" / "arms" / f"v{v:06d}_alone", None)
+
+
+def learning_curve(c: dict, sd: Path, reg, base_ckpt: str, heldout: list[int], progress: bool,
+                   have: list | None = None) -> list[dict]:
+    """The learning curve's new points: every published version not yet in ``have`` (and the base, v1, first)
+    on the held-out plan (``eval.seed``), ``job.curve_trials_per_task`` trials per task, the weights alone
+    (K = 1) and with the version's success critic when it has one. The episodes go to ``<sd>/episodes`` like the
+    final arms' (``curve_v<N>``, ``curve_v<N>_critic``), so an arm with the same checkpoint reuses them.
+
+    Returns ``[{"round", "version", "heldout", "heldout_critic", "per_task", "per_task_critic", "successes",
+    "trials", "successes_critic"}]`` (rates in [0, 1]; ``round`` -1 is the base; ``heldout_critic`` None
+    without a critic)."""
+    from fleet.arms import checkpoint_with_critic
+    from fleet.evaluation import evaluate_arms
+    from fleet.protocol import success_by_task
+    from policies.critic import CRITIC_FILES
+
+    have = have or []
+    seen = {int(p["version"]) for p in have}
+    n = int(c["job"]["curve_trials_per_task"])
+    out = []
+    for v in reg.versions():
+        if v in seen:
+            continue
+        md = reg.manifest(v).get("metadata") or {}
+        d = reg.fetch(v, sd / "cache" / "curve" / f"v{v:06d}")
+        arms = {f"curve_v{v}": checkpoint_with_critic(d, sd / "cache" / "curve" / f"v{v:06d}_alone", None)}
+        critic = all((Path(d) / f).is_file() for f in CRITIC_FILES)
+        if critic:
+            arms[f"curve_v{v}_critic"] = str(d)
+        res = evaluate_arms(c, arms, sd, n, units=heldout, progress=progress)
+        pt = {"round": int(md.get("round", -1)), "version": int(v), "kind": md.get("kind")}
+        for suffix, name in (("", f"curve_v{v}"), ("_critic", f"curve_v{v}_critic")):
+            eps = res.get(name)
+            k = sum(bool(e["success"]) for e in eps) if eps else None
+            pt[f"heldout{suffix}"] = k / len(eps) if eps else None
+            pt[f"successes{suffix}"] = k
+            pt[f"per_task{suffix}"] = success_by_task(eps) if eps else None
+        pt["trials"] = len(res[f"curve_v{v}"])
+        out.append(pt)
+    return out
+
+
+def print_curve(curve: list[dict], seed: int) -> None:
+    """Print the learning curve so far: one line per published version."""
+    def pct(x):
+        return "  -  " if x is None else f"{100 * x:5.1f}"
+
+    lines = [f"learning curve (seed {seed}; held-out units, the same trials for every version):",
+             "  round  version  policy alone (K=1)  with its critic  per task (K=1)"]
+    for p in curve:
+        tasks = ", ".join(f"{t} {k}/{n}" for t, (k, n) in sorted((p.get("per_task") or {}).items()))
+        lines.append(f"  {p['round']:>5}  v{p['version']:<7} {pct(p['heldout']):>18}  {pct(p['heldout_critic']):>15}  {tasks}")
+    print("\n".join(lines), flush=True)
 
 
 def replay_round_failures(c: dict, checkpoint: str, rec: dict, out: Path, heldout: list[int]) -> dict:
@@ -558,6 +669,9 @@ def write_reports(c: dict, out: Path, per_seed: dict, arms: list, seeds: list[in
                      "demos_per_task": int(job["demos_per_task"]),
                      "rounds": {s: r["rounds"] for s, r in per_seed.items()},
                      "total_wall_s": wall_s}
+    table["learning_curve"] = {s: [{k: p[k] for k in ("round", "version", "heldout", "heldout_critic", "successes",
+                                                      "successes_critic", "trials", "per_task", "per_task_critic")}
+                                   for p in r.get("learning_curve") or []] for s, r in per_seed.items()}
     names = [a.name for a in arms]
     paired = paired_over_seeds(results_by_seed, [(a, b) for a, b in PAIRS if a in names and b in names])
     fmt = {"seeds": seeds, "heldout": heldout}
@@ -570,6 +684,13 @@ def write_reports(c: dict, out: Path, per_seed: dict, arms: list, seeds: list[in
         md.write_text(cap.format(**fmt) + md.read_text() + tail)
     fleet_hist = {f"fleet, seed {s}": [{"round": i, "successes": rr["successes"], "trials": rr["episodes"]}
                                        for i, rr in enumerate(r["rounds"])] for s, r in per_seed.items()}
+    for s, r in per_seed.items():   # the learning curve: held-out success of each published version
+        pts = r.get("learning_curve") or []
+        fleet_hist[f"held-out K=1, seed {s}"] = [{"round": p["round"] + 1, "successes": p["successes"],
+                                                  "trials": p["trials"]} for p in pts]
+        fleet_hist[f"held-out + critic, seed {s}"] = [{"round": p["round"] + 1, "successes": p["successes_critic"],
+                                                       "trials": p["trials"]} for p in pts
+                                                      if p.get("successes_critic") is not None]
     plot_arms(table, out / "arms.png", title=f"held-out success, seeds {seeds}", rounds=fleet_hist)
     return table, paired, fmt
 

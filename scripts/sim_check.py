@@ -1,7 +1,7 @@
 """Look at the sim: one frame from each of N robot units side by side (PNG), and the scripted experts' success
 table per task and unit.
 
-    python scripts/sim_check.py                               # mw_quick, all configured units
+    python scripts/sim_check.py                               # the default suite (mw_mid), all configured units
     python scripts/sim_check.py task=mw10 +sim.check.episodes=3 obs.cameras=[corner2]
 
 Writes ``<output_dir>/sim_check_units.png`` and ``<output_dir>/sim_check.json`` (success per task and unit) and

@@ -393,3 +393,40 @@ def test_a_trial_committed_by_a_worker_that_then_died_is_not_run_twice(tmp_path)
     assert sorted(e["seed"] for e in result.episodes) == [11, 12, 13]
     assert {e["episode_id"] for e in result.episodes} == {m.episode_id for m in eps}
     assert "taken from the store" in result.summary()
+
+
+def test_vector_fleet_runs_failure_retries_tagged_and_batch_independent(tmp_path):
+    """The protocol's batched fleet (fleet.protocol.VectorFleet): failure retries with held action noise and a
+    denoising temperature are committed with their tags (retry_of, attempt, exploration), draw their own noise
+    (a retry is not the failed trial again), and do not depend on which trials share their batch."""
+    from experience_dict.retrieval import retry_of
+    from experience_dict.store import ExperienceStore
+    from fleet.protocol import VectorFleet, run_retries
+
+    ckpt = tiny_aed_checkpoint(tmp_path / "a", seed=0, perturb=0.3)
+    c = _plain(make_cfg(tmp_path, "task.tasks=[reach-v3]", "task.max_episode_steps=20"))
+    plan = [{"task": "reach-v3", "unit_id": u, "seed": 40 + u} for u in (0, 1, 2)]
+    outs = {}
+    for bs in (1, 3):
+        url = str(tmp_path / f"store{bs}")
+        with VectorFleet(c, str(ckpt), url, batch_size=bs, processes=1) as vf:
+            first = vf.run(plan=plan, progress=False).episodes
+            fails = [e for e in first if not e["success"]]
+            rec = run_retries(vf, fails, {"attempts": 2, "action_noise_std": 0.3, "noise_temperature": 1.5},
+                              heldout=[100], n_fleet_episodes=len(plan), progress=False)
+            assert vf.steps == sum(e["length"] for e in first) + sum(e["length"] for e in rec["episodes"])
+        reader = ExperienceStore.open(url)
+        retries = [m for m in reader.episodes() if retry_of(m)]
+        assert len(retries) == rec["retries"] >= len(fails) == rec["failures"] == 3
+        ex = retries[0].extra["exploration"]
+        assert ex["noise_temperature"] == 1.5 and ex["action_noise_std"] == 0.3 and retries[0].extra["attempt"] == 0
+        assert {retry_of(m) for m in retries} <= {e["episode_id"] for e in first}
+        acts = {(int(m.seed), retry_of(m) is not None, m.extra.get("attempt")):
+                reader.load_episode(m.episode_id, keys=["action"])["action"] for m in reader.episodes()}
+        outs[bs] = acts
+        # a retry explores: its actions differ from the failed trial's from the same reset seed
+        s = int(first[0]["seed"])
+        assert not np.allclose(acts[(s, True, 0)][:8], acts[(s, False, None)][:8])
+    assert outs[1].keys() == outs[3].keys()
+    for k in outs[1]:
+        np.testing.assert_allclose(outs[1][k], outs[3][k], atol=1e-5)

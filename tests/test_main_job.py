@@ -1,6 +1,7 @@
 """The main job end to end on real Meta-World, real Zarr, real Ray and a tiny real policy: demos, base
 policies, fleet rounds with failure retries and FERT learners, comparison arms, two seeds, held-out evaluation,
-tables bootstrapped over seeds, plot, audits, the fleet-size sweep and scripts/eval.py."""
+tables bootstrapped over seeds, plot, audits, the fleet-size sweep and scripts/eval.py; and the default
+protocol: compounding rounds with the critic's distillation, the learning curve and the ONNX export's arm."""
 
 import json
 import os
@@ -27,7 +28,12 @@ def test_main_job_tiny_end_to_end(tmp_path):
             "learner.validate_trials_per_task=2", "job.val_demos_per_task=1", "train.save_every=5",
             "train.batch_size=16", "train.wandb.enabled=false", "train.progress=false",
             "policy.dim=32", "policy.n_layers=1", "policy.n_heads=2", "policy.state_hidden=32",
-            "policy.aed.tokenizer_vocab_size=128", "job.fleet_sizes=[1,2]", "job.sweep_episodes_per_unit=1"]
+            "policy.aed.tokenizer_vocab_size=128", "job.fleet_sizes=[1,2]", "job.sweep_episodes_per_unit=1",
+            # the earlier protocol (experiments 1-25): one long fine-tuning run, the Ray fleet, the full arm set
+            "learner.round_init=continue", "job.fleet_backend=ray", "job.curve_trials_per_task=0",
+            "learner.failure_replay=true",
+            "job.arms=[base,demos_bc,filtered_bc,filtered_bc_retries,fert,fert_finetuned,fert_no_critic,base_critic,"
+            "fert_no_aed,base_no_aed]"]
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "WANDB_MODE": "disabled",
            "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run([sys.executable, "scripts/run.py", *args], cwd=REPO, env=env, capture_output=True,
@@ -154,7 +160,7 @@ def test_main_job_tiny_end_to_end(tmp_path):
     ab = tmp_path / "ablate"
     proc = subprocess.run([sys.executable, "scripts/ablate.py", f"hydra.run.dir={ab}", f"ablate.run_dir={sd}",
                            "ablate.arms=[fert_no_gate]", "learner.updates_per_version=3", "learner.batch_size=16",
-                           "learner.wise_alpha=0.5"],
+                           "learner.wise_alpha=0.5", "learner.round_init=continue", "fert.rounds=1"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     at = json.loads((ab / "ablate.json").read_text())
@@ -195,3 +201,57 @@ def test_main_job_tiny_end_to_end(tmp_path):
     bad = subprocess.run([sys.executable, "scripts/eval.py", f"hydra.run.dir={tmp_path / 'bad'}",
                           f"eval.checkpoint={tmp_path / 'nope'}"], cwd=REPO, env=env, capture_output=True, text=True, check=False)
     assert bad.returncode != 0 and "is not a checkpoint directory" in bad.stderr + bad.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_default_job_compounds_rounds_with_a_learning_curve_and_the_export_arm(tmp_path):
+    """The default protocol (learner.round_init: published): the batched fleet acts with the newest version, each
+    round starts from it, distils the round's critic into the weights and is gated on the policies alone; the
+    learning curve holds every published version on the held-out plan (K = 1 and with its critic); fert is the
+    newest weights alone, fert_critic the same version with its critic, fert_onnx its export run by ONNX."""
+    out = tmp_path / "run"
+    args = [f"hydra.run.dir={out}", "task.tasks=[reach-v3]", "task.max_episode_steps=60",
+            "robot.train_units=[0,1]", "robot.demo_units=[0,1]", "robot.heldout_units=[100,101]",
+            "job.demos_per_task=3", "job.base_steps=10", "fleet.units=2", "job.fleet_episodes_per_unit=3",
+            "job.videos=0", "eval.trials_per_task=3", "job.curve_trials_per_task=3", "fert.rounds=2",
+            "learner.updates_per_version=5", "learner.batch_size=16", "fert.critic.updates=5", "fert.critic.hidden=16",
+            "fert.critic.members=2", "fert.critic.candidates=2", "fert.distill.states_per_task=16",
+            "learner.validate_trials_per_task=2", "job.val_demos_per_task=1", "train.save_every=5",
+            "train.batch_size=16", "train.wandb.enabled=false", "train.progress=false",
+            "policy.dim=32", "policy.n_layers=1", "policy.n_heads=2", "policy.state_hidden=32",
+            "policy.aed.tokenizer_vocab_size=128"]
+    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "WANDB_MODE": "disabled",
+           "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, "scripts/run.py", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=1100)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = json.loads((out / "results.json").read_text())
+    assert set(table["arms"]) == {"base", "filtered_bc_retries", "fert", "fert_critic", "fert_onnx"}
+    # the learning curve: the base and both published versions, the same 3 held-out trials each, printed as it grew
+    curve = table["learning_curve"]["0"]
+    assert [p["version"] for p in curve] == [1, 2, 3] and [p["round"] for p in curve] == [-1, 0, 1]
+    assert all(p["trials"] == 3 and 0.0 <= p["heldout"] <= 1.0 for p in curve)
+    assert curve[0]["heldout_critic"] is None and all(p["heldout_critic"] is not None for p in curve[1:])
+    assert proc.stdout.count("learning curve (seed 0") == 2
+    # the final arms reuse the curve's episodes: fert is the newest version alone, fert_critic with its critic
+    eps = {a: json.loads((out / "seed_0" / "episodes" / f"{a}.json").read_text()) for a in table["arms"]}
+    assert eps["fert"][0]["same_checkpoint_as"] == "curve_v3" and eps["fert_critic"][0]["same_checkpoint_as"] == "curve_v3_critic"
+    assert eps["base"][0]["same_checkpoint_as"] == "curve_v1"
+    assert table["arms"]["fert"]["average"]["successes"] == curve[-1]["successes"]
+    # fert_onnx: the export of fert's weights, its ONNX graph at batch 1, on the same trials
+    from policies.critic import CRITIC_FILES
+
+    exp = Path(table["meta"]["checkpoints"]["0"]["fert_onnx"])
+    meta = json.loads((exp / "export.json").read_text())
+    assert meta["onnx"][0]["batch_size"] == 1 and not any((exp / f).exists() for f in CRITIC_FILES)
+    assert [(e["unit_id"], e["seed"]) for e in eps["fert_onnx"]] == [(e["unit_id"], e["seed"]) for e in eps["fert"]]
+    state = json.loads((out / "seed_0" / "job_state.json").read_text())
+    for r in (0, 1):
+        rnd = state[f"round_{r}"]
+        lr = rnd["learners"]["fert"]
+        assert rnd["backend"] == "vector" and rnd["version"] == r + 1 and set(rnd["times"]) == {"fleet_s", "retries_s"}
+        assert lr["validation"]["policy_alone"] is True and lr["version"] == r + 2
+        assert lr["mix"]["distill"]["states"] == 16 and "replay:reach-v3" in lr["mix"]["slots"]
+        assert {"critic_s", "distill_s", "train_s", "validation_s"} <= set(lr["times"])
+    assert (out / "arms.png").stat().st_size > 1000

@@ -251,6 +251,18 @@ def test_fert_batches_have_the_replay_mix(world):
     assert all(ds_seg[i]["task"] == ret.source_task[0] for i in range(lengths[0]))
     with pytest.raises(ValueError, match="segment_steps"):
         FertDataset(reader, ret, demos, windows, segment_steps=0)
+    # a batch read at once (fetch: one vectorised read per part) holds exactly the items' values
+    from torch.utils.data import default_collate
+
+    pick = [0, 3, ds_seg.n_retrieved + 2, 1, len(ds_seg) - 1]
+    batch = ds_seg.fetch(pick)
+    order = sorted(pick, key=lambda i: i >= ds_seg.n_retrieved)        # retrieved slots first, then replay
+    ref = default_collate([ds_seg[i] for i in order])
+    for k in ("observation.state", "action", "sample_weight", "fert.is_replay", "fert.similarity", "step"):
+        torch.testing.assert_close(batch[k], ref[k])
+    assert batch["task"] == list(ref["task"])
+    with pytest.raises(IndexError):
+        ds_seg.fetch([len(ds_seg)])
 
 
 def test_task_priority_learnability():
