@@ -419,7 +419,6 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
     import torch
 
     from fleet.rollout import step_trial
-
     from fleet.worker import Exploration
 
     obs = [env.reset(seed=int(tr["seed"]))[0] for env, tr in zip(envs, wave)]

@@ -313,7 +313,8 @@ def plot_arms(table: Mapping, path: str | Path, title: str = "held-out success p
               rounds: Mapping[str, Sequence[Mapping]] | None = None) -> Path:
     """Every arm's held-out success side by side: pooled over tasks (and seeds) with its Wilson 95% interval
     (left), and per task (middle); with ``rounds`` (``{label: [{"round", "successes", "trials"}]}``) holding
-    more than one round, a third panel shows the training units' success per round (per acting version).
+    more than one round, a third panel shows them per round (the fleet on training units per acting version; the
+    main job adds the learning curve: each version on the held-out plan).
 
     Args:
         table: :func:`success_table` output. path: output PNG path. title: figure title.
@@ -366,11 +367,11 @@ def plot_arms(table: Mapping, path: str | Path, title: str = "held-out success p
                          marker="o", label=label)
         ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax2.set_xlabel("round (policy version acting)")
-        ax2.set_ylabel("training-unit success")
+        ax2.set_ylabel("success rate")
         ax2.set_ylim(0, 1.02)
         ax2.grid(alpha=0.3)
         ax2.legend(fontsize=7, loc="lower right")
-        ax2.set_title("fleet success per round", fontsize=10)
+        ax2.set_title("per round: the fleet (training units), the learning curve (held-out)", fontsize=9)
     return _save(fig, path)
 
 

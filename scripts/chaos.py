@@ -109,7 +109,9 @@ class Learner:
         # the success critic (fert.critic) fitted as briefly as the policy: rounds stay short, versions frequent
         critic = dict(c["fert"].get("critic") or {})
         if critic.get("enabled"):
-            lcfg["fert"] = {**c["fert"], "critic": {**critic, "updates": int(ch["learner_updates"])}}
+            lcfg["fert"] = {**c["fert"], "critic": {**critic, "updates": int(ch["learner_updates"])},
+                            # and its chosen chunks distilled at few states (learner.round_init: published)
+                            "distill": {**dict(c["fert"].get("distill") or {}), "states_per_task": 64}}
         self.spec.write_text(json.dumps({"cfg": lcfg, "store": c["store"]["url"], "registry": c["fleet"]["registry_url"],
                                          "work_dir": str(out / "learner"), "base": base,
                                          "stop_file": str(self.stop_file)}))

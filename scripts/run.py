@@ -766,9 +766,9 @@ def fleet_size_sweep(c: dict, out: Path, state: JobState, sizes: list[int], base
         units = train_units[:n]
         cs = {**c, "store": {**c["store"], "url": str(sub / "store")},
               "fleet": {**c["fleet"], "registry_url": str(sub / "registry"), "cache_dir": str(sub / "cache")},
-              # the fleet idles while the learner trains: give training every core
-              "learner": {**c["learner"], "min_new_episodes": 0, "max_wait_s": 0,
-                          "torch_threads": max(int(c["learner"].get("torch_threads") or 1), os.cpu_count() or 1)}}
+              # the fleet idles while the learner trains (learner.torch_threads as configured: 2 threads trained ~2x
+              # slower than 1 on the 2-core machine, docs/RESULTS.md experiment 26)
+              "learner": {**c["learner"], "min_new_episodes": 0, "max_wait_s": 0}}
         if not state.done(stage):
             state.mark(stage, _sweep_size(cs, sub, n, units, state.get("demo_snapshot"), base_ckpt, per_unit, rounds,
                                           heldout))

@@ -30,7 +30,7 @@ def _critic(reader, policy, updates=30):
     return critic
 
 
-def test_critic_targets_are_the_best_ranked_of_the_policys_own_samples(setup):
+def test_critic_targets_are_the_best_ranked_of_the_policys_own_samples(setup):  # noqa: F811 (the fixture)
     reader = ExperienceStore.open(setup["store"])
     policy = load_policy(setup["base"]).eval()
     critic = _critic(reader, policy)
@@ -92,7 +92,7 @@ def _validator(calls):
     return validate
 
 
-def test_iterative_rounds_start_from_the_published_version_and_distil_the_critic(setup, tmp_path):
+def test_iterative_rounds_start_from_the_published_version_and_distil_the_critic(setup, tmp_path):  # noqa: F811 (the fixture)
     reg_url = str(tmp_path / "registry")
     CheckpointRegistry(reg_url).publish(setup["base"], metadata={"run_id": "base", "round": -1})
     cfg = learner_cfg(4)
@@ -122,7 +122,7 @@ def test_iterative_rounds_start_from_the_published_version_and_distil_the_critic
     assert lrn.final_checkpoint() == h1["checkpoint"]
 
 
-def test_a_rejected_round_publishes_the_current_weights_with_the_new_critic(setup, tmp_path):
+def test_a_rejected_round_publishes_the_current_weights_with_the_new_critic(setup, tmp_path):  # noqa: F811 (the fixture)
     reg_url = str(tmp_path / "registry")
     CheckpointRegistry(reg_url).publish(setup["base"], metadata={"run_id": "base", "round": -1})
     cfg = learner_cfg(2)
@@ -141,14 +141,14 @@ def test_a_rejected_round_publishes_the_current_weights_with_the_new_critic(setu
     assert lrn.state["rejected"] == [0]
 
 
-def test_the_export_acts_alone_through_its_onnx_graph_like_the_checkpoint(setup, tmp_path):
+def test_the_export_acts_alone_through_its_onnx_graph_like_the_checkpoint(setup, tmp_path):  # noqa: F811 (the fixture)
     """The deployable artifact (scripts/export.py with an ONNX chunk graph) in the vectorised runner: it runs the
     graph at batch 1, and its actions are the checkpoint's own (same trials, same seeded noise)."""
     from fleet.evaluation import evaluation_plan, load_acting_policy, run_plan_vectorised
     from policies.export import export_checkpoint
 
     exp = export_checkpoint(setup["base"], tmp_path / "export", onnx_steps=[10])
-    policy, version, graph_batch = load_acting_policy(exp)
+    policy, _, graph_batch = load_acting_policy(exp)
     assert graph_batch == 1 and policy.chunk_sampler is not None       # chunks come from ONNX Runtime
     cfg = {"robot": ROBOT_CFG, "obs": OBS_CFG, "task": {**TASK_CFG, "max_episode_steps": 12}, "store": {}}
     plan = evaluation_plan(["reach-v3"], [100], 2, seed=5)

@@ -32,8 +32,8 @@ def test_main_job_tiny_end_to_end(tmp_path):
             # the earlier protocol (experiments 1-25): one long fine-tuning run, the Ray fleet, the full arm set
             "learner.round_init=continue", "job.fleet_backend=ray", "job.curve_trials_per_task=0",
             "learner.failure_replay=true",
-            "job.arms=[base,demos_bc,filtered_bc,filtered_bc_retries,fert,fert_finetuned,fert_no_critic,base_critic,"
-            "fert_no_aed,base_no_aed]"]
+            ("job.arms=[base,demos_bc,filtered_bc,filtered_bc_retries,fert,fert_finetuned,fert_no_critic,base_critic,"
+             "fert_no_aed,base_no_aed]")]
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "WANDB_MODE": "disabled",
            "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run([sys.executable, "scripts/run.py", *args], cwd=REPO, env=env, capture_output=True,
@@ -224,7 +224,7 @@ def test_default_job_compounds_rounds_with_a_learning_curve_and_the_export_arm(t
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "WANDB_MODE": "disabled",
            "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run([sys.executable, "scripts/run.py", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=1100)
+                          text=True, timeout=1100, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = json.loads((out / "results.json").read_text())
     assert set(table["arms"]) == {"base", "filtered_bc_retries", "fert", "fert_critic", "fert_onnx"}
