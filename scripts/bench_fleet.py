@@ -262,8 +262,8 @@ def default_policy_checkpoint(base: dict, path: str, spec: dict) -> str:
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     pc = {k: v for k, v in base["policy"].items() if k not in ("type", "input_keys", "images")}
-    shapes = {k: list(v["shape"]) for k, v in spec["features"].items()
-              if k.startswith("observation.") and len(v["shape"]) == 1}
+    shapes = {k: list(v["shape"]) for k, v in spec.items()
+              if k.startswith("observation.") and isinstance(v, dict) and len(v["shape"]) == 1}
     cfg = AEDDiffusionConfig.from_dict({**pc, "input_shapes": shapes})
     acts = [np.clip(np.cumsum(rng.normal(0, 0.1, (80, cfg.action_dim)), 0), -1, 1).astype(np.float32) for _ in range(8)]
     tok = ActionTokenizer.fit(acts, r=cfg.aed.group_size, relative_dims=list(cfg.relative_action_dims),
@@ -311,7 +311,7 @@ def bench_round(base: dict, bench: dict) -> dict:
         import shutil
 
         shutil.copytree(ckpt, with_critic)
-        sd = sum(spec["features"][key]["shape"][0] for key in ("observation.state", "observation.environment_state"))
+        sd = sum(spec[key]["shape"][0] for key in ("observation.state", "observation.environment_state"))
         save_critic(SuccessCritic(sd, 4, int(c["policy"]["n_action_steps"]), state_keys=["observation.state",
                                   "observation.environment_state"]), with_critic, k)
         for name, path in (("policy_alone", ckpt), (f"with_critic_k{k}", with_critic)):
@@ -351,7 +351,7 @@ def main(cfg: DictConfig) -> None:
         _write_report(bench_server_vs_local(base, bench), bench["svl_out"])
         return
     if bench["round"]:
-        _write_report(bench_round(_plain(cfg), bench), bench["round_out"])
+        _write_report(bench_round(OmegaConf.to_container(cfg, resolve=True), bench), bench["round_out"])
         return
     if bench["cluster"]:
         report = bench_cluster(base, bench)
