@@ -183,8 +183,7 @@ def make_learner(cfg: dict, arm: Arm, work_dir: Path, init_ckpt: str, registry_u
 
     c = fert_config(cfg, arm)
     learner = {**c["learner"], "seed": int(seed)}
-    if offline:   # (learner.torch_threads stays: on the 2-core machine 2 threads trained at 330-530 samples/s in
-        # the main job's rounds against 900 for the base's 1 thread, with nothing else running; experiment 26)
+    if offline:   # learner.torch_threads as configured: 2 threads trained ~2x slower than 1 here (experiment 26)
         learner.update(min_new_episodes=0, max_wait_s=0)
     c = {**c, "learner": learner}
     return FertLearner(c, c["store"]["url"], registry_url, str(work_dir), init_ckpt, run_id=arm.name,

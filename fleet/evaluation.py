@@ -107,13 +107,14 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
         index = json.loads(index_path.read_text()) if index_path.is_file() else {}
         try:
             evaluated: dict[str, str] = {}   # checkpoint fingerprint -> the arm that ran it
-            for fp, src in index.items():
-                if fp.endswith(plan_id) and (out / "episodes" / f"{src}.json").is_file():
-                    evaluated[fp[: -len(plan_id) - 1]] = src
-                    results.setdefault(src, json.loads((out / "episodes" / f"{src}.json").read_text()))
+            for key, src in index.items():   # arms of earlier calls on this plan; their episodes read when used
+                if key.endswith(plan_id) and (out / "episodes" / f"{src}.json").is_file():
+                    evaluated[key[: -len(plan_id) - 1]] = src
             for arm, ckpt in todo.items():
                 fp = checkpoint_fingerprint(ckpt)
                 if fp in evaluated:   # a trial is a function of (task, unit, reset seed, checkpoint): same episodes
+                    if evaluated[fp] not in results:
+                        results[evaluated[fp]] = json.loads((out / "episodes" / f"{evaluated[fp]}.json").read_text())
                     src = evaluated[fp]
                     log.info("arm %s: the same checkpoint as arm %s (weights, critic, config); its %d episodes "
                              "are reused", arm, src, len(results[src]))
@@ -128,7 +129,7 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 cache.write_text(json.dumps(eps))
                 results[arm] = eps
-                if "same_checkpoint_as" not in eps[0] if eps else False:
+                if eps and "same_checkpoint_as" not in eps[0]:
                     index[f"{fp}:{plan_id}"] = arm
                     index_path.write_text(json.dumps(index, indent=1))
         finally:
@@ -339,7 +340,7 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
             out.append({"episode_id": ep_id, "unit_id": u, "task": str(tr["task"]), "seed": int(tr["seed"]),
                         "success": bool(success[i]), "length": int(length[i]), "policy_version": int(version),
                         "is_demo": False, "return": float(ret[i]), "wall_s": wall, "termination": why[i],
-                        "steps": int(length[i]), **{k: v for k, v in tags.items() if k != "exploration"}})
+                        **{k: v for k, v in tags.items() if k != "exploration"}})
         if bar is not None:
             bar.update(len(wave))
             bar.set_postfix_str(f"success={np.mean([e['success'] for e in out]):.2f}", refresh=False)

@@ -253,8 +253,8 @@ class FertLearner:
                  rec["contexts"], rec["retrieved"], own, rec["version"])
         return rec
 
-    def round_init_checkpoint(self, r: int) -> str:
-        """The weights round ``r`` starts from (``learner.round_init: published``): a publishing learner's current
+    def round_init_checkpoint(self) -> str:
+        """The weights the next round starts from (``learner.round_init: published``): a publishing learner's current
         registry version (what the fleet acts with; fetched into ``<work_dir>/init``), else this learner's own
         last round's output, else its initial checkpoint."""
         if self.publish_versions:
@@ -280,7 +280,7 @@ class FertLearner:
         upd = self._fert.update()
         retrieval = self._fert.retrieve()
         times["retrieval_s"] = time.perf_counter() - t0
-        init = self.round_init_checkpoint(r)
+        init = self.round_init_checkpoint()
         policy = load_policy(init)
         round_seed = 1000 * int(self.lcfg.get("seed") or 0) + r
         t = time.perf_counter()
