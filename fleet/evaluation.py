@@ -174,15 +174,17 @@ def checkpoint_fingerprint(checkpoint: str | Path) -> str:
 
 
 def run_plan_parallel(cfg: dict, checkpoint: str, plan: list[dict], store_url: str | Path, batch_size: int = 32,
-                      processes: int = 2, progress: bool = True, desc: str = "eval", executor=None) -> list[dict]:
+                      processes: int = 2, progress: bool = True, desc: str = "eval", executor=None,
+                      with_critic: bool = True) -> list[dict]:
     """:func:`run_plan_vectorised` split over ``processes`` spawned processes by unit (so each unit's store shard
     has one writer), one torch thread each; summaries returned in plan order. ``processes <= 1`` runs here.
-    ``executor``: a spawn-context ``ProcessPoolExecutor`` to reuse (its processes keep their envs)."""
+    ``executor``: a spawn-context ``ProcessPoolExecutor`` to reuse (its processes keep their envs).
+    ``with_critic``: as in :func:`run_plan_vectorised`."""
     units = sorted({int(t["unit_id"]) for t in plan})
     parts = [[t for t in plan if units.index(int(t["unit_id"])) % max(processes, 1) == k] for k in range(max(processes, 1))]
     parts = [p for p in parts if p]
     if len(parts) <= 1:
-        res = run_plan_vectorised(cfg, checkpoint, plan, store_url, batch_size, 1, progress, desc)
+        res = run_plan_vectorised(cfg, checkpoint, plan, store_url, batch_size, 1, progress, desc, with_critic)
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
@@ -190,7 +192,7 @@ def run_plan_parallel(cfg: dict, checkpoint: str, plan: list[dict], store_url: s
         ex = executor or ProcessPoolExecutor(len(parts), mp_context=mp.get_context("spawn"))
         try:
             futs = [ex.submit(run_plan_vectorised, cfg, checkpoint, p, store_url, batch_size, 1, progress and k == 0,
-                              f"{desc} (1 of {len(parts)} processes)") for k, p in enumerate(parts)]
+                              f"{desc} (1 of {len(parts)} processes)", with_critic) for k, p in enumerate(parts)]
             res = [e for f in futs for e in f.result()]
         finally:
             if executor is None:
@@ -264,7 +266,7 @@ def record_rollouts(cfg: dict, checkpoint: str | Path, out_dir: str | Path, unit
 # ---------------------------------------------------------------------------------------------------- vectorised
 def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], store_url: str | Path,
                         batch_size: int = 32, torch_threads: int = 1, progress: bool = False,
-                        desc: str = "eval") -> list[dict]:
+                        desc: str = "eval", with_critic: bool = True) -> list[dict]:
     """Run ``plan``'s trials with one policy in this process, ``batch_size`` envs stepped together and one
     batched policy call per step for all of them (Diffusion Policy's vectorised env runners do the same).
 
@@ -285,6 +287,8 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
             episode, and the retry draws its denoising noise from ``retry_noise_seed(seed, attempt)``, fresh noise
             as on a fleet worker). store_url: the store the episodes are committed to.
         batch_size: envs per wave (>= 1). torch_threads: torch threads of this process.
+        with_critic: False: a checkpoint's success critic is not installed, its weights act alone (K = 1) while
+            its episodes still carry its registry version (the round's fleet with ``job.fleet_critic: false``).
 
     Returns:
         One summary per trial, in plan order: ``{"episode_id", "unit_id", "task", "seed", "success", "length",
@@ -306,7 +310,7 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
         raise ValueError(f"batch_size: expected >= 1, given {batch_size}")
     torch.set_num_threads(int(torch_threads))
     configure_storage({**dict(cfg.get("store") or {}), "url": str(store_url)})
-    model, version, graph_batch = load_acting_policy(checkpoint)
+    model, version, graph_batch = load_acting_policy(checkpoint, with_critic)
     if graph_batch is not None:   # an export's ONNX graph runs at the batch size it was exported for
         batch_size = graph_batch
     takes_generators = "generators" in inspect.signature(model.select_action).parameters
@@ -351,7 +355,7 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     return out
 
 
-def load_acting_policy(checkpoint: str | Path):
+def load_acting_policy(checkpoint: str | Path, with_critic: bool = True):
     """``(policy, version, graph batch size or None)`` for :func:`run_plan_vectorised`: a checkpoint directory
     through ``fleet.policies.load_checkpoint``, or an export folder (``export.json``, ``scripts/export.py``) through
     the deploy runtime (``policies.runtime.PolicyRuntime``) exactly as a robot loads it: with ONNX graphs, every
@@ -366,7 +370,7 @@ def load_acting_policy(checkpoint: str | Path):
 
     d = Path(checkpoint)
     if not (d / EXPORT_META).is_file():
-        return (*load_checkpoint(d, "cpu"), None)
+        return (*load_checkpoint(d, "cpu", with_critic), None)
     meta = json.loads((d / EXPORT_META).read_text())
     graphs = meta.get("onnx") or []
     rt = PolicyRuntime.load(d, backend="onnx" if graphs else "torch")

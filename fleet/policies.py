@@ -69,7 +69,7 @@ class RandomPolicy:
 
 
 # ---------------------------------------------------------------------------------------------------- loading
-def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[Any, int]:
+def load_checkpoint(path: str | Path, device: str = "cpu", with_critic: bool = True) -> tuple[Any, int]:
     """Load a saved policy directory; returns ``(model in eval mode on device, policy version)``.
 
     The class comes from ``config.json``'s ``"type"`` (``policies.factory``; a config without one is taken as
@@ -77,7 +77,8 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[Any, int]:
     against it (``fleet.registry.verify_checkpoint_dir``) and the version comes from it; otherwise the version
     is ``UNVERSIONED`` (0). A success critic saved beside the weights (``critic.safetensors``, FERT's
     ``fert.critic``) is installed: the policy then executes, of ``candidates`` sampled chunks, the one the critic
-    ranks highest (``policies.critic.CriticGuidedSampler``).
+    ranks highest (``policies.critic.CriticGuidedSampler``). ``with_critic=False`` leaves it out: the weights act
+    alone (K = 1), with the version still read from the manifest.
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``path``.
@@ -100,7 +101,8 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[Any, int]:
     from policies.critic import install_critic
 
     model = load_policy(path, device)
-    install_critic(model, path, device)
+    if with_critic:
+        install_critic(model, path, device)
     return model, version
 
 

@@ -285,14 +285,18 @@ class VectorFleet:
             ``MANIFEST.json`` gives the ``policy_version`` committed with each episode).
         store_url: the experience store the episodes are committed to.
         batch_size: envs stepped together per process. processes: spawned processes (1: this process).
+        with_critic: False: the checkpoint's weights act alone (K = 1) even when it carries a success critic
+            (``job.fleet_critic``); its episodes keep the version's number.
     """
 
-    def __init__(self, cfg: dict, checkpoint: str, store_url: str, batch_size: int = 32, processes: int = 2):
+    def __init__(self, cfg: dict, checkpoint: str, store_url: str, batch_size: int = 32, processes: int = 2,
+                 with_critic: bool = True):
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
         self.cfg, self.checkpoint, self.store_url = cfg, str(checkpoint), str(store_url)
         self.batch_size, self.processes = int(batch_size), max(1, int(processes))
+        self.with_critic = bool(with_critic)
         self._ex = (ProcessPoolExecutor(self.processes, mp_context=mp.get_context("spawn"))
                     if self.processes > 1 else None)
         self.steps = 0
@@ -305,7 +309,7 @@ class VectorFleet:
         from fleet.evaluation import run_plan_parallel
 
         eps = run_plan_parallel(self.cfg, self.checkpoint, plan, self.store_url, self.batch_size, self.processes,
-                                progress, desc, executor=self._ex) if plan else []
+                                progress, desc, executor=self._ex, with_critic=self.with_critic) if plan else []
         self.steps += sum(int(e["length"]) for e in eps)
         return SimpleNamespace(episodes=eps, failures=[])
 

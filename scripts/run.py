@@ -195,11 +195,14 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
     plan = fleet_plan(list(c["task"]["tasks"]), units, int(c["job"]["fleet_episodes_per_unit"]), int(c["seed"]), r)
     rcfg = dict(c["fert"].get("retry") or {})
     backend = str(c["job"].get("fleet_backend") or "ray")
+    with_critic = bool(c["job"].get("fleet_critic", True))
     t0 = time.perf_counter()
     if backend == "vector":    # every unit's envs stepped in batches, one policy call per step (fleet.protocol)
         ckpt = reg.fetch(version, Path(c["fleet"]["cache_dir"]) / "fleet" / f"v{version:06d}")
         fleet = VectorFleet(c, str(ckpt), c["store"]["url"], int(c["eval"].get("batch_size", 32)),
-                            int(c["eval"].get("processes", 2)))
+                            int(c["eval"].get("processes", 2)), with_critic=with_critic)
+    elif backend == "ray" and not with_critic:
+        raise ValueError("job.fleet_critic=false (the fleet acts with the weights alone) needs job.fleet_backend=vector")
     elif backend == "ray":
         fleet = Fleet(c, policy="latest", units=units, store_url=c["store"]["url"])
     else:
@@ -223,12 +226,13 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
     succ = sum(bool(m.success) for m in eps)
     per_task = success_by_task(eps)
     steps = sum(int(m.length) for m in eps)
-    print(f"round {r}: fleet v{version} {succ}/{len(eps)} successes on units {units} ({steps / max(t_fleet, 1e-9):.0f} "
+    print(f"round {r}: fleet v{version}{'' if with_critic else ' (K = 1)'} {succ}/{len(eps)} successes on units {units} ({steps / max(t_fleet, 1e-9):.0f} "
           f"env steps/s, {backend}); {retries['failures']} failures, {retries['retries']} retries recovered "
           f"{retries['recovered']} ({_pct(retries['recovered_share'])}) {retries['per_attempt']}", flush=True)
     return {"version": version, "successes": succ, "episodes": len(eps), "per_task": per_task, "retries": retries,
             "failed_trials": [{k: f[k] for k in ("task", "unit_id", "seed")} for f in fails],
             "wall_s": wall, "times": {"fleet_s": t_fleet, "retries_s": wall - t_fleet}, "backend": backend,
+            "with_critic": with_critic,
             "env_steps": steps, "env_steps_per_s": steps / max(t_fleet, 1e-9)}
 
 
