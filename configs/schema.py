@@ -135,6 +135,8 @@ RULES: dict[str, Rule] = {
         integer(1)(x) is None for x in v)) else "null or a list of integers >= 1",
     "deploy.export.onnx_batch_size": POS, "deploy.run.backend": one_of("auto", "torch", "onnx"),
     "chaos.kills": integer(0), "chaos.units": POS, "chaos.interval_s": number(0, open_lo=True),
+    "async_run.learner_rounds": optional(integer(1)), "async_run.min_new_episodes": optional(integer(1)),
+    "async_run.wave": POS, "async_run.max_wall_s": number(0, open_lo=True),
 }
 
 

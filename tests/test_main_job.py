@@ -255,3 +255,26 @@ def test_default_job_compounds_rounds_with_a_learning_curve_and_the_export_arm(t
         assert lr["mix"]["distill"]["states"] == 16 and "replay:reach-v3" in lr["mix"]["slots"]
         assert {"critic_s", "distill_s", "train_s", "validation_s"} <= set(lr["times"])
     assert (out / "arms.png").stat().st_size > 1000
+    # the same learning run asynchronously (scripts/async_run.py): from this seed's demos and base, the learner in its
+    # own process beside a fleet that never waits; every version on the same held-out trials, with staleness
+    arun = tmp_path / "async"
+    proc = subprocess.run([sys.executable, "scripts/async_run.py", f"hydra.run.dir={arun}",
+                           f"async_run.from_dir={out / 'seed_0'}", "async_run.wave=2", "async_run.min_new_episodes=3"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads((arun / "async.json").read_text())
+    acurve = rep["learning_curve"]
+    assert [p["version"] for p in acurve] == [1, 2, 3] and acurve[0]["successes"] == curve[0]["successes"]
+    assert acurve[0]["t_s"] == 0.0 and acurve[0]["fleet_episodes"] == 0 and all(p["trials"] == 3 for p in acurve)
+    assert 0 < acurve[1]["t_s"] < acurve[2]["t_s"] and 0 < acurve[1]["fleet_episodes"] <= acurve[2]["fleet_episodes"]
+    assert rep["learner"]["round"] == 2 and rep["fleet_episodes"] == rep["staleness"]["episodes"] > 0
+    assert sum(w["trials"] for w in rep["waves"]) == rep["fleet_episodes"] and all(w["trials"] <= 2 for w in rep["waves"])
+    assert {w["version"] for w in rep["waves"]} >= {1}
+    # the final comparison pairs the same held-out trials as the synchronous job's arms
+    pairs = {(p["arm"], p["baseline"]) for p in rep["paired"]["pairs"]}
+    assert {("fert", "base"), ("fert", "fert_sync"), ("fert_critic", "fert_critic_sync")} <= pairs
+    assert rep["table"]["arms"]["base"]["average"]["trials"] == 3 and (arun / "async_curve.png").stat().st_size > 1000
+    from experience_dict.store import ExperienceStore
+
+    demos = ExperienceStore.open(str(arun / "store")).episodes(is_demo=True)
+    assert len(demos) == 3 and all(int(m.unit_id) in (0, 1) for m in demos)
