@@ -96,8 +96,12 @@ def export_onnx(policy: torch.nn.Module, path: str | Path, num_inference_steps: 
             torch.onnx.export(graph, args, str(tmp), input_names=["noise", *names], output_names=["action"],
                               opset_version=OPSET, dynamo=False)
         if optimize:
+            import logging
+
             import onnxscript.optimizer
 
+            # one INFO line per deduplicated initializer (1,600 lines per export in a job's log under Hydra)
+            logging.getLogger("onnx_ir").setLevel(logging.WARNING)
             onnx.save(onnxscript.optimizer.optimize(onnx.load(str(tmp))), str(tmp))
         sampler = OnnxChunkSampler(tmp, num_threads=1)
         diff = 0.0   # checked on inputs the trace did not see: an episode's first step and another mid-episode one
