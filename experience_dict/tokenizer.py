@@ -203,11 +203,12 @@ class ActionTokenizer:
                 coefficients (not produced by ``encode``).
         """
         out = np.zeros((len(ids), self.r * self.action_dim), dtype=np.int64)
+        n_ids = len(self._id_to_str)
         for n, seq in enumerate(ids):
-            try:
-                text = "".join(self._id_to_str[int(i)] for i in seq if int(i) != self.pad_id)
-            except IndexError as e:
-                raise ValueError(f"token id outside [0, {self.vocab_size}) in sequence {n}: {list(seq)}") from e
+            # checked, not caught: Python's indexing would wrap a negative id to a valid token silently
+            if any(not 0 <= int(i) < n_ids for i in seq if int(i) != self.pad_id):
+                raise ValueError(f"token id outside [0, {self.vocab_size}) in sequence {n}: {list(seq)}")
+            text = "".join(self._id_to_str[int(i)] for i in seq if int(i) != self.pad_id)
             vals = np.fromiter((ord(ch) for ch in text), dtype=np.int64) - _CHAR_BASE + self.min_coeff
             if vals.size != out.shape[1]:
                 raise ValueError(f"sequence {n} decodes to {vals.size} coefficients, expected {out.shape[1]}")

@@ -162,16 +162,17 @@ class PolicyRuntime:
 
     def uses_onnx(self, num_inference_steps: int | None = None, batch_size: int = 1) -> bool:
         """Whether a chunk at this step count (None: the runtime's) and batch size runs the ONNX graph."""
-        steps = int(num_inference_steps or getattr(self.config, "num_inference_steps", 0))
+        check = getattr(self.policy, "inference_steps", None)   # ValueError outside 1..num_train_timesteps
+        steps = check(num_inference_steps) if check else int(num_inference_steps or 0)
         return self.backend != "torch" and (steps, int(batch_size)) in self._graph_files
 
     def _chunk(self, batch: dict, noise: torch.Tensor | None = None, generator: torch.Generator | None = None,
                num_inference_steps: int | None = None, noise_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
         """An action chunk from the ONNX graph when there is one for (steps, B), else from PyTorch (backend
         "auto"; "onnx" raises ValueError). Same arguments and result as the policy's ``predict_action_chunk``."""
-        p, cfg = self.policy, self.config
+        p = self.policy
         B = int(np.shape(next(v for k, v in batch.items() if not k.endswith("_is_pad")))[0])
-        steps = int(num_inference_steps or cfg.num_inference_steps)
+        steps = p.inference_steps(num_inference_steps)   # ValueError outside 1..num_train_timesteps
         if not self.uses_onnx(steps, B):
             if self.backend == "onnx":
                 raise ValueError(f"backend='onnx': no ONNX graph for {steps} DDIM steps at batch size {B} (the "
@@ -243,9 +244,12 @@ class PolicyRuntime:
         Args:
             batch: the windows of ``inference_window_spec()``, tensors or arrays with a leading batch dim B.
             noise: (B, horizon, action_dim) initial noise (default: drawn with ``generator``).
-            num_inference_steps: DDIM steps for this call (default: the runtime's).
+            num_inference_steps: DDIM steps for this call (default: the runtime's), 1..num_train_timesteps.
         Returns:
             (B, horizon, action_dim) float32 actions in raw units (``export.json`` ``features.action``).
+        Raises:
+            ValueError: a step count outside 1..num_train_timesteps (0 and negative counts included), or noise /
+            steps given to a policy without denoising.
         """
         kw = {"noise": noise, "generator": generator, "num_inference_steps": num_inference_steps}
         if any(v is not None for k, v in kw.items() if k not in self._chunk_kw):

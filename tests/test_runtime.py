@@ -154,6 +154,12 @@ def test_onnx_backend_gives_the_training_policys_actions(exported_onnx, exported
                                                           t["history.group_mask"].bool()),
                                policy.aed(t["history.tokens"], t["history.token_mask"].bool(),
                                           t["history.group_mask"].bool()))
+    # a per-call step count outside 1..num_train_timesteps is refused on the policy and on both backends (0 used to
+    # run the default silently; a negative count returned the initial noise as the action chunk)
+    for bad_steps in (0, -1, 101, 2.5, True):
+        for sampler in (policy, rt, auto):
+            with pytest.raises(ValueError, match=r"num_inference_steps: expected an integer in 1\.\.100"):
+                sampler.predict_action_chunk(batch, noise=noise, num_inference_steps=bad_steps)
     # refused: an export without graphs under backend="onnx", a step count without a graph, a tampered graph
     with pytest.raises(ValueError, match="has no ONNX graph for 6 DDIM steps"):
         PolicyRuntime.load(exported[1], backend="onnx")

@@ -96,6 +96,11 @@ def test_bad_input_errors(tok, tmp_path):
         tok.encode(np.zeros((3, 5, 4)))
     with pytest.raises(ValueError, match="token id outside"):
         tok.decode([[tok.vocab_size + 5]])
+    # a negative id is refused too (Python's indexing would wrap it to a valid token: decode(ids - V) == decode(ids))
+    ids = tok.encode(np.zeros((1, 4, 4), np.float32))[0]
+    assert len(ids) > 0 and tok.decode([ids]).shape == (1, 4, 4)
+    with pytest.raises(ValueError, match="token id outside"):
+        tok.decode([[int(i) - tok.vocab_size for i in ids]])
     with pytest.raises(ValueError, match="exceeds vocab_size"):
         ActionTokenizer.fit(smooth_episodes(n=2), r=4, relative_dims=[0, 1, 2], absolute_dims=[3], scale=1000.0,
                             vocab_size=64)

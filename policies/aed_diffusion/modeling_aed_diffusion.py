@@ -685,7 +685,7 @@ class AEDDiffusionPolicy(nn.Module):
         Args:
             batch: the windows of ``inference_window_spec()`` (collated, leading batch dim B).
             noise: (B, horizon, action_dim) initial noise (default: ``torch.randn`` with ``generator``).
-            num_inference_steps: DDIM steps (default ``config.num_inference_steps``).
+            num_inference_steps: DDIM steps (default ``config.num_inference_steps``), 1..num_train_timesteps.
             noise_scale: temperature of the initial noise: a float, or a (B,) tensor (one per row); the
                 sampler starts from ``noise * noise_scale``. 1.0 is the trained sampler; > 1 draws chunks
                 farther from the policy's usual mode while every chunk is still the denoiser's own output
@@ -694,12 +694,31 @@ class AEDDiffusionPolicy(nn.Module):
         Returns:
             (B, horizon, action_dim) float32 actions in raw (unnormalized) units.
         Raises:
-            ValueError: a missing window, noise of the wrong shape, or a negative / non-finite noise_scale.
+            ValueError: a missing window, noise of the wrong shape, a negative / non-finite noise_scale, or a
+            step count outside 1..num_train_timesteps (:meth:`inference_steps`).
         """
+        steps = self.inference_steps(num_inference_steps)
         batch = self._to_device(self.tokenize_history(batch))
         obs, prefix = self._conditioning(batch)
         x = self.initial_noise(obs.shape[0], noise, generator, noise_scale).to(obs.dtype)
-        return self._denoise_chunk(obs, prefix, x, num_inference_steps or self.config.num_inference_steps, use_cache)
+        return self._denoise_chunk(obs, prefix, x, steps, use_cache)
+
+    def inference_steps(self, num_inference_steps: int | None = None) -> int:
+        """The DDIM step count to run: ``config.num_inference_steps`` for None, else ``num_inference_steps``
+        checked to be an integer in 1..``config.num_train_timesteps``.
+
+        Raises:
+            ValueError: out of range or not an integer. 0 steps would silently run the default and a negative
+            count would return the initial noise as the action chunk (on a robot, a safety matter).
+        """
+        if num_inference_steps is None:
+            return int(self.config.num_inference_steps)
+        T = int(self.config.num_train_timesteps)
+        if isinstance(num_inference_steps, bool) or int(num_inference_steps) != num_inference_steps \
+                or not 1 <= int(num_inference_steps) <= T:
+            raise ValueError(f"num_inference_steps: expected an integer in 1..{T} (num_train_timesteps), "
+                             f"given {num_inference_steps!r}")
+        return int(num_inference_steps)
 
     def initial_noise(self, B: int, noise: torch.Tensor | None = None, generator: torch.Generator | None = None,
                       noise_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
