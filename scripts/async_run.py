@@ -67,8 +67,8 @@ class FollowingFleet:
     of the store (same unit and reset seed, not a retry) are skipped, so a restarted run does not repeat them.
 
     ``waves``: one record per wave (``t_s`` since ``t0``, ``version`` acted with, ``latest`` at its end, trials,
-    successes, whether it held retries). Every episode summary gets ``staleness``: versions published while
-    its wave ran."""
+    successes, whether it held retries); an episode's staleness is its wave's ``latest - version``: versions
+    published while it ran."""
 
     def __init__(self, c: dict, reg, cache: Path, wave: int, t0: float, should_stop=None):
         from fleet.protocol import VectorFleet
@@ -95,8 +95,6 @@ class FollowingFleet:
             self.vf.checkpoint = str(self.reg.fetch(v, self.cache / f"v{v:06d}"))
             part = self.vf.run(todo[i:i + self.wave], progress=False).episodes
             latest = int(self.reg.latest_version())
-            for e in part:
-                e["staleness"] = latest - v
             eps += part
             self.episodes += len(part)
             self.waves.append({"t_s": round(time.perf_counter() - self.t0, 1), "version": v, "latest": latest,
@@ -158,7 +156,7 @@ def run(cfg) -> dict:
 
     from experience_dict.store import ExperienceStore
     from fleet.registry import CheckpointRegistry
-    from scripts.run import learning_curve, print_curve, seed_config
+    from scripts.run import learning_curve, print_curve, seed_config, staleness_summary
     from sim import unit_lists
 
     a = OmegaConf.to_container(cfg.async_run, resolve=True)
@@ -243,13 +241,12 @@ def run(cfg) -> dict:
         p.update({k: published.get(int(p["version"]), {}).get(k) for k in ("t_s", "fleet_episodes")})
     print_curve(curve, seed)
     report = compare(c, src, out, curve, src_state)
-    staleness = [w["latest"] - w["version"] for w in fleet.waves for _ in range(w["trials"])]
+    staleness = staleness_summary([{"staleness": w["latest"] - w["version"]} for w in fleet.waves
+                                   for _ in range(w["trials"])])
     report.update({"from_dir": str(src), "seed": seed, "wall_s": round(wall, 1), "learner_rounds": rounds,
                    "min_new_episodes": min_new, "learning_curve": curve, "fleet_rounds": fleet_rounds,
                    "waves": fleet.waves, "fleet_episodes": fleet.episodes,
-                   "staleness": {"episodes": len(staleness), "max": max(staleness, default=None),
-                                 "mean": sum(staleness) / max(len(staleness), 1),
-                                 "counts": {str(k): staleness.count(k) for k in sorted(set(staleness))}},
+                   "staleness": staleness,
                    "learner": json.loads((out / "learner_fert" / "learner_state.json").read_text())})
     (out / "async.json").write_text(json.dumps(report, indent=1, default=str))
     plot_curves(curve, sync_curve_points(src_state), out / "async_curve.png")
@@ -341,7 +338,7 @@ def main() -> None:
         rep = run(cfg)
         st = rep["staleness"]
         print(f"async run: {rep['fleet_episodes']} fleet episodes, versions {[p['version'] for p in rep['learning_curve']]}, "
-              f"staleness mean {st['mean']:.2f} (max {st['max']}); {rep['wall_s']:.0f} s; "
+              f"staleness mean {st['mean'] or 0:.2f} (max {st['max']}); {rep['wall_s']:.0f} s; "
               f"outputs: {Path(str(cfg.output_dir)).resolve()}/async.json, async.md, async_curve.png", flush=True)
 
     _main()
