@@ -182,9 +182,10 @@ def test_main_job_tiny_end_to_end(tmp_path):
     from policies.aed_diffusion.training import last_checkpoint
 
     # the fert arm is the learner's newest published version, fetched from the registry; the fine-tuned
-    # candidate is by default its weights halfway back to the base (WiSE-FT)
+    # candidate is by default the round's raw fine-tuned weights (learner.wise_alpha: null), a training step
     assert Path(table["meta"]["checkpoints"]["0"]["fert"]).parent.name == "arms"
-    assert Path(table["meta"]["checkpoints"]["0"]["fert_finetuned"]).parent.name == "wise"
+    tuned_ckpt = Path(table["meta"]["checkpoints"]["0"]["fert_finetuned"])
+    assert tuned_ckpt.name == "pretrained_model" and tuned_ckpt.parent.parent.name == "checkpoints"
     ckpts = {"base": state["base"]["checkpoint"],   # a training step dir is resolved to its pretrained_model too
              "fert": str(last_checkpoint(out / "seed_0" / "learner_fert" / "train"))}
     arg = "eval.checkpoints={" + ", ".join(f"{k}: '{v}'" for k, v in ckpts.items()) + "}"
