@@ -468,6 +468,51 @@ def test_missing_chunk_is_reported(tmp_path):
     assert "missing" in report["problems"][0]["error"] and report["problems"][0]["key"] == LOWDIM
 
 
+def test_missing_chunk_is_named_by_every_read_path(tmp_path):
+    """Zarr reads a missing chunk file as zeros; every read of committed rows names it like a corrupt chunk."""
+    from experience_dict.sampler import WindowDataset
+    from experience_dict.store import CorruptChunkError
+
+    url = tmp_path / "s"
+    w = new_store(url).writer("u0")
+    ids = [write_episode(w, 0, e) for e in range(12)]
+    w.close()
+    reader = ExperienceStore.open(str(url))
+    cr = int(reader.array("u0", "action").chunks[0])
+    hit = [e.episode_id for e in reader.episodes() if e.start < cr]   # episodes with rows in chunk 0
+    assert hit and len(hit) < len(ids)
+    (url / "shards/u0" / LOWDIM / "c.0.0").unlink()
+    reader = ExperienceStore.open(str(url))
+    with pytest.raises(CorruptChunkError, match=r"shard 'u0', array 'lowdim': chunk 0 .*c\.0\.0 is missing"):
+        reader.load_episode(hit[0])
+    assert reader.load_episode(ids[-1])["action"].shape[0] == ep_len(0, 11)   # other chunks still read
+    assert sorted(reader.corrupt_episodes()) == sorted(hit)
+    left = reader.readable(reader.episodes(), on_corrupt="skip")
+    assert {e.episode_id for e in left} == set(ids) - set(hit)
+    with pytest.raises(CorruptChunkError, match="is missing"):   # the training sampler
+        WindowDataset(reader, windows={"action": ("action", [0, 1])})[0]
+    ds = WindowDataset(reader, episodes=left, windows={"action": ("action", [0, 1])})
+    np.testing.assert_array_equal(ds[0]["action"][0].numpy(), expected_episode(0, ids.index(left[0].episode_id))["action"][0])
+
+
+def test_unparseable_array_metadata_is_named(tmp_path):
+    """A truncated zarr.json of a shard's array: a named store error, not a bare JSONDecodeError."""
+    from experience_dict.store import CorruptChunkError
+
+    url = tmp_path / "s"
+    w = new_store(url).writer("u0")
+    ids = [write_episode(w, 0, e) for e in range(2)]
+    w.close()
+    meta = url / "shards/u0" / LOWDIM / "zarr.json"
+    meta.write_text(meta.read_text()[:40])
+    reader = ExperienceStore.open(str(url))
+    with pytest.raises(CorruptChunkError, match=r"shard 'u0', array 'lowdim': its metadata .*zarr.json.*JSONDecodeError"):
+        reader.load_episode(ids[0])
+    assert sorted(reader.corrupt_episodes()) == sorted(ids)
+    assert reader.readable(reader.episodes(), on_corrupt="skip") == []
+    assert not reader.verify()["ok"]
+
+
 def test_cli_info_and_stats(tmp_path, capsys):
     url = tmp_path / "s"
     w = new_store(url).writer("u0")

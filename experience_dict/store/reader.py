@@ -139,6 +139,7 @@ class ExperienceStore:
         self._inline: dict[str, dict] = {}   # episode id -> {array: encoded rows} (rows in the commit record)
         self._inline_shards: set[str] = set()   # shards with such episodes
         self._shard_end: dict[str, int] = {}   # shard -> end of its last committed row in the snapshot
+        self._present: dict[tuple[str, str], set[int]] = {}   # (shard, array) -> chunks seen on storage
         self.refresh()
 
     # -- construction ---------------------------------------------------------------------------
@@ -242,7 +243,15 @@ class ExperienceStore:
         """Array ``name`` (see :func:`_layout`) of ``shard``, opened lazily and cached."""
         k = (shard, name)
         if reopen or k not in self._arrays:
-            self._arrays[k] = zarr.open_array(self._zstore, path=f"shards/{shard}/{name}", mode="r")
+            try:
+                self._arrays[k] = zarr.open_array(self._zstore, path=f"shards/{shard}/{name}", mode="r")
+            except Exception as e:  # noqa: BLE001 - named and re-raised (a truncated zarr.json: JSONDecodeError)
+                eps = [x.episode_id for x in self.episodes(shard=shard, quarantined=None)]
+                raise CorruptChunkError(
+                    f"store {self.url!r}, shard {shard!r}, array {name!r}: its metadata (shards/{shard}/{name}/"
+                    f"zarr.json) cannot be read ({type(e).__name__}: {e}) - episodes {eps}. Check the store with "
+                    f"`python -m experience_dict.store verify {self.url}`; store.on_corrupt=skip leaves such "
+                    "episodes out of training") from None
         return self._arrays[k]
 
     def array(self, shard: str, key: str, reopen: bool = False) -> zarr.Array | _ColumnView:
@@ -434,9 +443,42 @@ class ExperienceStore:
         if arr.shape[0] < hi:
             arr = get(True)
         try:
-            return arr[lo:hi]
+            rows = arr[lo:hi]
+            # Zarr reads a missing chunk file as its fill value (zeros); every chunk holding committed rows was
+            # written, so a missing one is damage, named like a corrupt one
+            missing = self._missing_chunks(shard, name, lo, hi)
+            if missing:
+                raise FileNotFoundError(f"chunk file {missing[0]} is missing")
+            return rows
         except Exception as e:  # noqa: BLE001 - named and re-raised
             raise self._corrupt(shard, name, lo, hi, e) from None
+
+    def _chunk_key(self, shard: str, name: str, c: int) -> str:
+        """Storage key of chunk ``c`` (along rows) of array ``name`` of ``shard``."""
+        arr = self._array(shard, name)
+        return f"shards/{shard}/{name}/" + arr.metadata.encode_chunk_key((c,) + (0,) * (arr.ndim - 1))
+
+    def _missing_chunks(self, shard: str, name: str, lo: int, hi: int) -> list[str]:
+        """Storage keys of the chunks of array ``name`` over rows ``lo .. hi-1`` that hold committed rows but
+        whose file is absent. Each chunk is looked up once per store handle (a file seen stays trusted; its
+        bytes are checked by the codecs' crc32c on every read)."""
+        if name in self._inline_arrays(shard):   # past the sealed chunks the rows are in commit records
+            hi = min(hi, self._sealed(shard, name))
+        hi = min(hi, self._shard_end.get(shard, 0))
+        if hi <= lo:
+            return []
+        cr = int(self._array(shard, name).chunks[0])
+        seen = self._present.setdefault((shard, name), set())
+        out = []
+        for c in range(lo // cr, (hi - 1) // cr + 1):
+            if c in seen:
+                continue
+            key = self._chunk_key(shard, name, c)
+            if self.fs.exists(self._p(key)):
+                seen.add(c)
+            else:
+                out.append(key)
+        return out
 
     def _bad_chunks(self, shard: str, name: str, lo: int, hi: int) -> list[tuple[int, int, int, str]]:
         """``[(chunk, first row, end row, error)]`` of the chunks of array ``name`` over rows ``lo .. hi-1`` that
@@ -458,6 +500,9 @@ class ExperienceStore:
             a, b = c * cr, min((c + 1) * cr, arr.shape[0])
             try:
                 arr[a:b]
+                self._present.get((shard, name), set()).discard(c)   # look the file up again
+                if self._missing_chunks(shard, name, a, b):
+                    raise FileNotFoundError(f"chunk file {self._chunk_key(shard, name, c)} is missing")
             except Exception as e:  # noqa: BLE001 - collected
                 out.append((c, a, b, f"{type(e).__name__}: {e}"))
         return out
@@ -669,7 +714,7 @@ class ExperienceStore:
                             ep = next(x for x in eps if x.start == lo)
                             block, hit = self._episode_rows(ep, name), [ep.episode_id]
                         else:
-                            ckey = f"shards/{shard}/{name}/" + arr.metadata.encode_chunk_key((c,) + (0,) * (arr.ndim - 1))
+                            ckey = self._chunk_key(shard, name, c)
                             if not self.fs.exists(self._p(ckey)):
                                 raise FileNotFoundError(f"chunk file {ckey} is missing")
                             block = arr[lo:hi]
