@@ -24,6 +24,7 @@ steps whose tails hold the quantile); min, max, mean and std are exact (up to fl
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -76,7 +77,8 @@ def episode_sketch(values: np.ndarray, is_image: bool = False) -> dict:
             :data:`IMAGE_STRIDE`-th pixel row and column).
 
     Returns:
-        JSON-able dict ``{"n", "mean", "m2", "min", "max", "q"}`` (see module docstring).
+        JSON-able dict ``{"n", "mean", "m2", "min", "max", "q"}`` (see module docstring), plus ``"nan"``
+        (per-dimension NaN counts) when there are NaNs: every statistic is of the non-NaN values.
 
     Raises:
         ValueError: if ``values`` is empty or not numeric.
@@ -95,19 +97,30 @@ def episode_sketch(values: np.ndarray, is_image: bool = False) -> dict:
         flat = values.reshape(-1, values.shape[-1])
     else:
         flat = values.reshape(values.shape[0], -1)
-    flat64 = np.sort(flat.astype(np.float64), axis=0)
+    flat64 = np.sort(flat.astype(np.float64), axis=0)   # NaNs sort last
     n = flat64.shape[0]
-    mean = flat64.mean(0)
-    m2 = ((flat64 - mean) ** 2).sum(0)
-    # Hazen quantiles (numpy.quantile(method="hazen"): virtual index n p - 1/2, clipped, linear interpolation),
-    # from one sort instead of a numpy.quantile call per key
-    pos = np.clip(n * QGRID - 0.5, 0, n - 1)
-    i0 = np.floor(pos).astype(np.int64)
-    i1 = np.minimum(i0 + 1, n - 1)
-    frac = (pos - i0)[:, None]
-    q = flat64[i0] + frac * (flat64[i1] - flat64[i0])  # (G, D)
-    return {"n": int(n), "mean": mean.tolist(), "m2": m2.tolist(), "min": _f32_list(flat64[0]),
-            "max": _f32_list(flat64[-1]), "q": _f32_list(q)}
+    nan = np.isnan(flat64).sum(0)                        # (D,) NaN is "no value" (e.g. no progress signal)
+    k = n - nan                                          # (D,) values per dimension
+    cols = np.arange(flat64.shape[1])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.nansum(flat64, 0) / k                  # NaN where a dimension has no value
+        m2 = np.nansum((flat64 - mean) ** 2, 0)
+        # Hazen quantiles (numpy.quantile(method="hazen"): virtual index k p - 1/2, clipped, linear
+        # interpolation) of each dimension's k values, from one sort instead of a numpy.quantile call per key
+        last = np.maximum(k - 1, 0)
+        pos = np.clip(k[None, :] * QGRID[:, None] - 0.5, 0, last[None, :])   # (G, D)
+        i0 = np.floor(pos).astype(np.int64)
+        i1 = np.minimum(i0 + 1, last[None, :])
+        q = flat64[i0, cols] + (pos - i0) * (flat64[i1, cols] - flat64[i0, cols])  # (G, D)
+    empty = k == 0
+    q[:, empty] = np.nan
+    lo, hi = flat64[0].copy(), flat64[last, cols]
+    lo[empty] = hi[empty] = np.nan
+    out = {"n": int(n), "mean": mean.tolist(), "m2": np.where(empty, np.nan, m2).tolist(), "min": _f32_list(lo),
+           "max": _f32_list(hi), "q": _f32_list(q)}
+    if nan.any():
+        out["nan"] = nan.astype(int).tolist()
+    return out
 
 
 def pixel_histogram(pixels: np.ndarray) -> np.ndarray:
@@ -190,8 +203,10 @@ def merge_sketches(sketches: list[dict]) -> dict[str, list[float]]:
         sketches: non-empty list of :func:`episode_sketch` outputs of the same key (same D).
 
     Returns:
-        ``{"min", "max", "mean", "std", "q01", "q99", "count"}``: per-dimension lists of floats (``count``
-        is an int). ``std`` is the population standard deviation.
+        ``{"min", "max", "mean", "std", "q01", "q99", "count", "nan_count"}``: per-dimension lists of floats
+        (``count`` is an int: the values per dimension, NaN included; ``nan_count`` per dimension). NaN is "no
+        value" (the documented "no signal" of reward and progress keys): every statistic skips it, and a
+        dimension with no value at all gets NaN. ``std`` is the population standard deviation.
 
     Raises:
         ValueError: if ``sketches`` is empty or the sketches disagree on the number of dimensions.
@@ -201,23 +216,34 @@ def merge_sketches(sketches: list[dict]) -> dict[str, list[float]]:
     dims = {len(s["mean"]) for s in sketches}
     if len(dims) != 1:
         raise ValueError(f"sketches disagree on the number of dimensions: {sorted(dims)}")
-    n = np.array([s["n"] for s in sketches], dtype=np.float64)
-    means = np.array([s["mean"] for s in sketches], dtype=np.float64)  # (E, D)
-    m2s = np.array([s["m2"] for s in sketches], dtype=np.float64)
-    total = n.sum()
-    mean = (n[:, None] * means).sum(0) / total
-    # Chan et al.: M2 = sum_e M2_e + sum_e n_e (mean_e - mean)^2
-    m2 = m2s.sum(0) + (n[:, None] * (means - mean) ** 2).sum(0)
-    std = np.sqrt(np.maximum(m2 / total, 0.0))
+    d = dims.pop()
+    nan = np.array([s["nan"] if s.get("nan") is not None else [0] * d for s in sketches], dtype=np.float64)  # (E, D)
+    n = np.array([s["n"] for s in sketches], dtype=np.float64)[:, None] - nan          # (E, D) values
+    has = n > 0
+    means = np.where(has, np.array([s["mean"] for s in sketches], dtype=np.float64), 0.0)  # (E, D)
+    m2s = np.where(has, np.array([s["m2"] for s in sketches], dtype=np.float64), 0.0)
+    total = n.sum(0)                                                                    # (D,)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = (n * means).sum(0) / total
+        # Chan et al.: M2 = sum_e M2_e + sum_e n_e (mean_e - mean)^2
+        m2 = m2s.sum(0) + (n * (means - mean) ** 2).sum(0)
+        std = np.sqrt(np.maximum(m2 / total, 0.0))
     q = np.array([s["q"] for s in sketches], dtype=np.float64)  # (E, G, D)
-    q01 = [_mixture_quantile(q[:, :, d], n, 0.01) for d in range(q.shape[2])]
-    q99 = [_mixture_quantile(q[:, :, d], n, 0.99) for d in range(q.shape[2])]
+    q01 = [_mixture_quantile(q[has[:, j], :, j], n[has[:, j], j], 0.01) if has[:, j].any() else math.nan
+           for j in range(d)]
+    q99 = [_mixture_quantile(q[has[:, j], :, j], n[has[:, j], j], 0.99) if has[:, j].any() else math.nan
+           for j in range(d)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # a dimension with no value in any episode -> NaN
+        lo = np.nanmin(np.array([s["min"] for s in sketches], dtype=np.float64), 0)
+        hi = np.nanmax(np.array([s["max"] for s in sketches], dtype=np.float64), 0)
     return {
-        "min": np.min([s["min"] for s in sketches], 0).tolist(),
-        "max": np.max([s["max"] for s in sketches], 0).tolist(),
+        "min": lo.tolist(),
+        "max": hi.tolist(),
         "mean": mean.tolist(),
         "std": std.tolist(),
         "q01": q01,
         "q99": q99,
-        "count": int(total),
+        "count": int(sum(s["n"] for s in sketches)),
+        "nan_count": nan.sum(0).astype(int).tolist(),
     }

@@ -530,6 +530,40 @@ def test_cli_info_and_stats(tmp_path, capsys):
     assert out.returncode == 0 and json.loads(out.stdout)["ok"]
 
 
+def test_statistics_skip_nan_and_count_it(tmp_path, capsys):
+    """NaN reward / progress ("no signal") is skipped by every statistic and counted; not NaN max/mean/std/q99."""
+    url = tmp_path / "s"
+    w = new_store(url).writer("u0")
+    rewards, near = [], []
+    for ep in range(3):
+        w.begin_episode(unit_id=0, embodiment="sawyer", task="push-v3", policy_version=0, seed=ep)
+        for t in range(ep_len(0, ep)):
+            obs, act, rew, prog = make_step(0, ep, t)
+            rew = float("nan") if t % 3 == 1 else rew         # some steps without a reward signal
+            prog = {**prog, "near_object": float("nan")} if ep == 0 else prog   # episode 0: no progress signal
+            rewards.append(rew)
+            near.append(prog["near_object"])
+            w.add_step(obs, act, rew, prog)
+        w.commit(success=True)
+    w.close()
+    st = ExperienceStore.open(str(url)).stats(["reward", "progress.near_object"])
+    for key, vals in (("reward", np.float32(rewards).astype(np.float64)), ("progress.near_object", np.float32(near).astype(np.float64))):
+        ok = vals[~np.isnan(vals)]
+        got = st[key]
+        assert got["nan_count"] == [int(np.isnan(vals).sum())] and got["count"] == len(vals)
+        np.testing.assert_allclose(got["mean"], [ok.mean()], rtol=1e-9)
+        np.testing.assert_allclose(got["std"], [ok.std()], rtol=1e-9)
+        assert got["max"] == [np.float32(ok.max())] and got["min"] == [np.float32(ok.min())]
+        assert ok.min() <= got["q01"][0] <= got["q99"][0] <= ok.max()
+    assert cli_main(["stats", str(url), "--keys", "reward"]) == 0
+    cli = json.loads(capsys.readouterr().out)["reward"]
+    assert np.isfinite(cli["max"] + cli["mean"] + cli["std"] + cli["q99"]).all() and cli["nan_count"][0] > 0
+    from experience_dict.stats import episode_sketch, merge_sketches
+
+    none = merge_sketches([episode_sketch(np.full((4, 2), np.nan))])   # a dimension with no value at all
+    assert none["nan_count"] == [4, 4] and np.isnan(none["mean"] + none["max"] + none["q99"]).all()
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 

@@ -173,11 +173,14 @@ def _pack_sketch(sketch: dict) -> dict:
     """An :func:`~experience_dict.stats.episode_sketch` as compact JSON (schema 2 commit records).
 
     Returns ``{"n": int, "d": D, "f64": base64 of little-endian float64 [mean (D), m2 (D), min (D), max (D),
-    q (G x D, row-major)]}``: exact (min / max / q hold float32 values, mean / m2 float64) and ~30x faster
+    q (G x D, row-major)]}`` and, when the values hold NaNs, ``"nan"``: per-dimension NaN counts: exact (min / max / q hold float32 values, mean / m2 float64) and ~30x faster
     to write and read than JSON lists of floats.
     """
     flat = np.concatenate([np.asarray(sketch[f], dtype="<f8").reshape(-1) for f in (*_SKETCH_FIELDS, "q")])
-    return {"n": int(sketch["n"]), "d": len(sketch["mean"]), "f64": base64.b64encode(flat.tobytes()).decode("ascii")}
+    out = {"n": int(sketch["n"]), "d": len(sketch["mean"]), "f64": base64.b64encode(flat.tobytes()).decode("ascii")}
+    if sketch.get("nan") is not None:   # per-dimension NaN counts (the statistics skip NaN)
+        out["nan"] = [int(x) for x in sketch["nan"]]
+    return out
 
 
 def _unpack_sketch(packed: dict, where: str) -> dict:
@@ -191,18 +194,26 @@ def _unpack_sketch(packed: dict, where: str) -> dict:
         g = len(v) // d - len(_SKETCH_FIELDS) if d > 0 else -1
         if g < 2 or len(v) != (len(_SKETCH_FIELDS) + g) * d:
             raise ValueError(f"{len(v)} values for D={d}")
+        nan = np.asarray(packed["nan"], dtype=np.int64) if packed.get("nan") is not None else None
+        if nan is not None and nan.shape != (d,):
+            raise ValueError(f"{nan.shape} NaN counts for D={d}")
     except (KeyError, TypeError, ValueError) as e:
         raise StoreError(f"malformed statistics sketch in {where}: {type(e).__name__}: {e}") from None
     out = {"n": int(packed["n"])}
     for i, f in enumerate(_SKETCH_FIELDS):
         out[f] = v[i * d:(i + 1) * d]
     out["q"] = v[len(_SKETCH_FIELDS) * d:].reshape(g, d)
+    if nan is not None:
+        out["nan"] = nan
     return out
 
 
 def _sketch_columns(sketch: dict, lo: int, hi: int) -> dict:
     """Dimensions ``lo:hi`` of an unpacked sketch: the sketch of the feature stored in those columns."""
-    return {"n": sketch["n"], **{f: sketch[f][lo:hi] for f in _SKETCH_FIELDS}, "q": sketch["q"][:, lo:hi]}
+    out = {"n": sketch["n"], **{f: sketch[f][lo:hi] for f in _SKETCH_FIELDS}, "q": sketch["q"][:, lo:hi]}
+    if sketch.get("nan") is not None:
+        out["nan"] = sketch["nan"][lo:hi]
+    return out
 
 
 def _image_pixels(frames: np.ndarray) -> np.ndarray:
