@@ -34,8 +34,23 @@ from tokenizers import Tokenizer, models, trainers
 log = logging.getLogger(__name__)
 
 FORMAT = "fleetmind.fast_action_tokenizer/v1"
-# Integer coefficient v maps to chr(_CHAR_BASE + v - min_coeff): CJK ideographs, no whitespace/control chars.
+# Integer coefficient v maps to code point _CHAR_BASE + v - min_coeff (CJK ideographs, no whitespace/control
+# chars), skipping the UTF-16 surrogates U+D800..U+DFFF, which are not characters (HF tokenizers cannot encode
+# them): an alphabet of more than 35,328 symbols continues at U+E000.
 _CHAR_BASE = 0x4E00
+_SURROGATES = (0xD800, 0xE000)
+
+
+def _code_points(offsets: np.ndarray) -> np.ndarray:
+    """Alphabet offsets (ints >= 0) -> code points (int64), skipping the surrogate block."""
+    c = np.asarray(offsets, dtype=np.int64) + _CHAR_BASE
+    return np.where(c >= _SURROGATES[0], c + (_SURROGATES[1] - _SURROGATES[0]), c)
+
+
+def _offsets(code_points: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`_code_points`."""
+    c = np.asarray(code_points, dtype=np.int64)
+    return np.where(c >= _SURROGATES[1], c - (_SURROGATES[1] - _SURROGATES[0]), c) - _CHAR_BASE
 MEMO_SIZE = 1 << 16  # memoised group encodings per tokenizer (~15 MB at most)
 
 
@@ -175,7 +190,7 @@ class ActionTokenizer:
 
     def _to_string(self, coeffs: np.ndarray) -> list[str]:
         """(N, r*D) ints -> N strings of r*D code points (numpy's UTF-32 view, no per-character Python)."""
-        c = np.ascontiguousarray(coeffs - self.min_coeff + _CHAR_BASE, dtype="<u4")
+        c = np.ascontiguousarray(_code_points(coeffs - self.min_coeff), dtype="<u4")
         return c.view(f"<U{c.shape[-1]}").reshape(-1).tolist()
 
     # ---------------------------------------------------------------- token part (BPE)
@@ -209,7 +224,7 @@ class ActionTokenizer:
             if any(not 0 <= int(i) < n_ids for i in seq if int(i) != self.pad_id):
                 raise ValueError(f"token id outside [0, {self.vocab_size}) in sequence {n}: {list(seq)}")
             text = "".join(self._id_to_str[int(i)] for i in seq if int(i) != self.pad_id)
-            vals = np.fromiter((ord(ch) for ch in text), dtype=np.int64) - _CHAR_BASE + self.min_coeff
+            vals = _offsets(np.fromiter((ord(ch) for ch in text), dtype=np.int64)) + self.min_coeff
             if vals.size != out.shape[1]:
                 raise ValueError(f"sequence {n} decodes to {vals.size} coefficients, expected {out.shape[1]}")
             out[n] = vals
@@ -282,7 +297,7 @@ class ActionTokenizer:
                   low=low, high=high, min_coeff=-(2 ** 31), max_coeff=2 ** 31, bpe=Tokenizer(models.BPE()))
         coeffs = tmp.coefficients(groups)
         cmin, cmax = int(coeffs.min()), int(coeffs.max())
-        alphabet = [chr(_CHAR_BASE + i) for i in range(cmax - cmin + 1)]
+        alphabet = [chr(c) for c in _code_points(np.arange(cmax - cmin + 1)).tolist()]
         if len(alphabet) > vocab_size:
             raise ValueError(f"coefficient alphabet ({len(alphabet)} symbols for scale={scale}) exceeds "
                              f"vocab_size={vocab_size}; lower scale or raise vocab_size")
@@ -290,8 +305,8 @@ class ActionTokenizer:
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
                                       special_tokens=[], initial_alphabet=alphabet,
                                       limit_alphabet=len(alphabet), max_token_length=r * D)
-        base = _CHAR_BASE - cmin
-        bpe.train_from_iterator(("".join(map(chr, (row + base).tolist())) for row in coeffs), trainer=trainer)
+        points = _code_points(coeffs - cmin).tolist()
+        bpe.train_from_iterator(("".join(map(chr, row)) for row in points), trainer=trainer)
         tok = cls(r=r, action_dim=D, relative_dims=relative_dims, absolute_dims=absolute_dims, scale=scale,
                   low=low, high=high, min_coeff=cmin, max_coeff=cmax, bpe=bpe)
         ids = tok.encode(groups)

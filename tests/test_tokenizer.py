@@ -107,3 +107,28 @@ def test_bad_input_errors(tok, tmp_path):
     (tmp_path / "bad.json").write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="format"):
         ActionTokenizer.load(tmp_path / "bad.json")
+
+
+def test_alphabet_past_the_utf16_surrogates_round_trips(tmp_path):
+    """An alphabet of more than 35,328 coefficients (scale 10,000, r = 4, the gripper at -1 then +1) used to
+    reach U+D800 and crash HF tokenizers' BpeTrainer; its code points now skip the surrogate block."""
+    rng = np.random.default_rng(0)
+    eps = []
+    for _ in range(20):
+        a = rng.uniform(-1, 1, (60, 4)).astype(np.float32)
+        a[:30, 3], a[30:, 3] = -1.0, 1.0
+        eps.append(a)
+    tok = ActionTokenizer.fit(eps, r=4, relative_dims=[0, 1, 2], absolute_dims=[3], scale=10000, vocab_size=50000)
+    assert tok.fit_report["alphabet_size"] > 0xD800 - 0x4E00
+    assert not any(0xD800 <= ord(ch) < 0xE000 for t in tok._id_to_str for ch in t)
+    groups, _, _ = align_groups(np.stack([e[:8] for e in eps]), None, 4, [0, 1, 2], [3])
+    g = groups.reshape(-1, 4, 4)
+    top = np.full_like(g[:1], 0.0)
+    top[0, :, 3] = 1.0   # a group whose coefficients sit near the alphabet's top
+    assert any(ord(ch) >= 0xE000 for s in tok._to_string(tok.coefficients(np.concatenate([g, top]))) for ch in s)
+    for x in (g, top):
+        x = np.clip(x, tok.low, tok.high)
+        assert (np.abs(tok.decode(tok.encode(x)) - x) <= tok.tolerance + 1e-6).all()
+    tok.save(tmp_path / "t.json")
+    again = ActionTokenizer.load(tmp_path / "t.json")
+    assert again.encode(g) == tok.encode(g)
