@@ -118,7 +118,7 @@ RULES: dict[str, Rule] = {
     "job.fleet_backend": one_of("vector", "ray"), "job.curve_trials_per_task": integer(0), "job.fleet_critic": boolean,
     "fert.mix.retrieved": number(0), "fert.mix.distill": number(0), "fert.mix.replay": number(0),
     "fert.distill.enabled": boolean, "fert.distill.states_per_task": POS, "fert.distill.batch_size": POS,
-    "fert.rounds": integer(0), "fert.window": POS, "fert.top_k": POS, "fert.segment_steps": POS,
+    "fert.tokenizer_range_warn": number(0, 1), "fert.rounds": integer(0), "fert.window": POS, "fert.top_k": POS, "fert.segment_steps": POS,
     "fert.temperature": number(0, open_lo=True), "fert.replay_ratio": number(0, 1),
     "fert.key": one_of("relative", "relative+aed", "absolute"), "fert.replay": one_of("demos", "successes"),
     "fert.neighbours": one_of("fleet", "own_retries"),

@@ -51,6 +51,8 @@ def _offsets(code_points: np.ndarray) -> np.ndarray:
     """Inverse of :func:`_code_points`."""
     c = np.asarray(code_points, dtype=np.int64)
     return np.where(c >= _SURROGATES[1], c - (_SURROGATES[1] - _SURROGATES[0]), c) - _CHAR_BASE
+
+
 MEMO_SIZE = 1 << 16  # memoised group encodings per tokenizer (~15 MB at most)
 
 
@@ -181,6 +183,45 @@ class ActionTokenizer:
         x = np.clip((g - self.low) / self._half_range - 1.0, -1.0, 1.0)  # per-dim min/max -> [-1, 1]
         c = np.rint(dct(x, axis=-2, norm="ortho") * self.scale).astype(np.int64)
         return np.clip(c.reshape(*c.shape[:-2], -1), self.min_coeff, self.max_coeff)
+
+    def outside_range(self, groups: np.ndarray) -> np.ndarray:
+        """Which aligned groups hold a value outside the fitted ``[low, high]`` (``coefficients`` clips those:
+        their round trip is no longer within ``tolerance``).
+
+        Args:
+            groups: (N, r, D) aligned action groups, raw units.
+        Returns:
+            (N, D) bool: group n leaves the range in dimension d (by more than 1e-6 of the half range).
+        """
+        g = self._check_groups(groups)
+        x = (g - self.low) / self._half_range - 1.0
+        return (np.abs(x) > 1.0 + 1e-6).any(axis=-2)
+
+    def range_report(self, episode_actions: Sequence[np.ndarray]) -> dict:
+        """How much of some episodes' actions the tokenizer's fitted range covers: every window of ``r``
+        consecutive actions of every episode, aligned as in :meth:`fit`.
+
+        Args:
+            episode_actions: list of (T_i, D) raw actions.
+        Returns:
+            ``{"groups": N, "outside": groups with any dimension outside, "share": outside / N (0 when N = 0),
+            "outside_per_dim": [D counts], "low": [D], "high": [D], "seen_low": [D], "seen_high": [D]}``.
+        """
+        windows = []
+        for a in episode_actions:
+            a = np.asarray(a, dtype=np.float32)
+            if len(a) >= self.r:
+                idx = np.arange(len(a) - self.r + 1)[:, None] + np.arange(self.r)[None]
+                windows.append(align_groups(a[idx], None, self.r, self.relative_dims, self.absolute_dims)[0][:, 0])
+        g = np.concatenate(windows) if windows else np.zeros((0, self.r, self.action_dim), np.float32)
+        out = self.outside_range(g) if len(g) else np.zeros((0, self.action_dim), bool)
+        flat = g.reshape(-1, self.action_dim)
+        return {"groups": int(len(g)), "outside": int(out.any(1).sum()),
+                "share": float(out.any(1).mean()) if len(g) else 0.0,
+                "outside_per_dim": out.sum(0).astype(int).tolist(),
+                "low": self.low.tolist(), "high": self.high.tolist(),
+                "seen_low": flat.min(0).tolist() if len(flat) else None,
+                "seen_high": flat.max(0).tolist() if len(flat) else None}
 
     def groups_from_coefficients(self, coeffs: np.ndarray) -> np.ndarray:
         """Inverse of ``coefficients``: (N, r*D) ints -> (N, r, D) float32 aligned groups, raw units."""

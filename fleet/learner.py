@@ -137,6 +137,38 @@ class FertLearner:
             aed_key = aed_history_encoder(self._key_policy, float(fert_cfg.get("aed_key_scale_m", 0.05)))
         self._fert = FertData(self._reader, fert_cfg, stats=stats, exclude_units=self.heldout, aed_key=aed_key)
 
+    def tokenizer_range(self, policy) -> dict | None:
+        """How many of the fleet's new action groups (training units, episodes not counted by an earlier round
+        of this process) fall outside the range the policy's AED tokenizer was fitted on: those are clipped
+        before tokenization, so their history tokens no longer round-trip within the tokenizer's tolerance.
+        Logged as a warning past ``fert.tokenizer_range_warn`` (a share of groups). The token vocabulary is the
+        AED embedding table's, so it is not refitted mid-fine-tuning: a share that stays high calls for a new
+        base (``job.base_steps``' tokenizer fitted on data that covers the fleet's actions).
+
+        Returns:
+            :meth:`experience_dict.tokenizer.ActionTokenizer.range_report` plus ``"episodes"``; None without a
+            tokenizer (AED off).
+        """
+        tok = getattr(policy, "tokenizer", None)
+        if tok is None:
+            return None
+        seen = self.__dict__.setdefault("_range_seen", set())
+        new = [m for m in self._reader.episodes(is_demo=False)
+               if int(m.unit_id) not in self.heldout and m.episode_id not in seen]
+        rep = tok.range_report([self._reader.load_episode(m.episode_id, ["action"])["action"] for m in new])
+        seen.update(m.episode_id for m in new)
+        rep["episodes"] = len(new)
+        warn = float(self.cfg["fert"].get("tokenizer_range_warn", 0.05))
+        if rep["groups"] and rep["share"] > warn:
+            log.warning("learner %s: %d of %d new fleet action groups (%.1f %%) lie outside the AED tokenizer's "
+                        "fitted range (per dimension %s; fitted low %s, high %s; seen %s .. %s) and are clipped "
+                        "(fert.tokenizer_range_warn %.2f); a base whose tokenizer covers them needs new demos or "
+                        "a wider fit", self.run_id, rep["outside"], rep["groups"], 100 * rep["share"],
+                        rep["outside_per_dim"], [round(x, 3) for x in rep["low"]],
+                        [round(x, 3) for x in rep["high"]], [round(x, 3) for x in rep["seen_low"]],
+                        [round(x, 3) for x in rep["seen_high"]], warn)
+        return rep
+
     def replay_episodes(self, mode: str | None = None) -> list:
         """The episodes a round replays beside its retrieved windows (``fert.replay``): ``demos`` (default),
         the demonstrations; ``successes``, the demonstrations plus every successful episode of the training
@@ -196,6 +228,7 @@ class FertLearner:
         upd = self._fert.update()
         retrieval = self._fert.retrieve()
         policy = load_policy(self.init_checkpoint).train()
+        tok_range = self.tokenizer_range(policy)
         demos = self.replay_episodes()
         round_seed = 1000 * int(self.lcfg.get("seed") or 0) + r
         dataset = self._fert.dataset(retrieval, demos, policy.window_spec(), seed=round_seed)
@@ -205,7 +238,8 @@ class FertLearner:
         critic = self.fit_critic(ckpt, policy, round_seed)
         audit = None
         if self.cfg["fert"].get("audit", True) and len(retrieval):
-            audit = write_retrieval_audit(retrieval, self._fert.index, self.work_dir / "audits", r)
+            audit = write_retrieval_audit(retrieval, self._fert.index, self.work_dir / "audits", r,
+                                          tokenizer_range=tok_range)
         validation, chosen, candidates = None, "finetuned", {"finetuned": ckpt}
         if self.validator is not None and self.publish_versions:
             if critic is not None and self.lcfg.get("validate_critic_only"):
@@ -219,7 +253,8 @@ class FertLearner:
                "fleet_episodes": n_eps,
                "contexts": len(retrieval.contexts), "retrieved": len(retrieval), "dataset": len(dataset),
                "update": upd, "loss": (out.get("metrics") or {}).get("loss"), "train_s": time.perf_counter() - t0,
-               "audit": (audit or {}).get("files"), "critic": critic, "checkpoint": str(ckpt)}
+               "audit": (audit or {}).get("files"), "critic": critic, "checkpoint": str(ckpt),
+               "tokenizer_range": tok_range}
         return self._finish_round(r, n_eps, rec, retrieval)
 
     @property
@@ -282,6 +317,7 @@ class FertLearner:
         times["retrieval_s"] = time.perf_counter() - t0
         init = self.round_init_checkpoint()
         policy = load_policy(init)
+        tok_range = self.tokenizer_range(policy)
         round_seed = 1000 * int(self.lcfg.get("seed") or 0) + r
         t = time.perf_counter()
         critic, crit_rec, candidates_k = self.fit_critic_model(policy, round_seed)
@@ -300,7 +336,8 @@ class FertLearner:
             save_critic(critic, ckpt, candidates_k)
         audit = None
         if self.cfg["fert"].get("audit", True) and len(retrieval):
-            audit = write_retrieval_audit(retrieval, self._fert.index, self.work_dir / "audits", r)
+            audit = write_retrieval_audit(retrieval, self._fert.index, self.work_dir / "audits", r,
+                                          tokenizer_range=tok_range)
         validation, chosen = None, "finetuned"
         candidates = {"finetuned": ckpt}
         if self.validator is not None and self.publish_versions:
@@ -319,7 +356,7 @@ class FertLearner:
                "fleet_episodes": n_eps, "contexts": len(retrieval.contexts), "retrieved": len(retrieval),
                "dataset": len(dataset), "mix": mix, "update": upd, "loss": (out.get("metrics") or {}).get("loss"),
                "train_s": time.perf_counter() - t0, "times": times, "audit": (audit or {}).get("files"),
-               "critic": crit_rec, "checkpoint": str(ckpt)}
+               "critic": crit_rec, "checkpoint": str(ckpt), "tokenizer_range": tok_range}
         return self._finish_round(r, n_eps, rec, retrieval)
 
     def round_dataset(self, retrieval, policy, critic, candidates: int, seed: int):

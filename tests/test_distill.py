@@ -114,6 +114,9 @@ def test_iterative_rounds_start_from_the_published_version_and_distil_the_critic
     # round 1 started from what round 0 published (the registry's v2), not from the base
     assert "v000002" in h1["init"] and h0["init"] != h1["init"]
     assert set(h1["times"]) >= {"critic_s", "distill_s", "train_s", "validation_s"}
+    # each round counts its new fleet action groups outside the tokenizer's fitted range (round 1: none new)
+    assert h0["tokenizer_range"]["episodes"] > 0 and h0["tokenizer_range"]["groups"] > 0
+    assert h1["tokenizer_range"]["episodes"] == 0
     # the gate compared the weights alone; the published version carries the round's critic
     assert [c["policy_alone"] for c in calls] == [True, True]
     assert not any((Path(calls[0]["candidates"]["finetuned"]) / f).exists() for f in CRITIC_FILES)

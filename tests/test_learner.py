@@ -104,6 +104,12 @@ def test_learner_rounds_publish_versions_and_audits(setup, tmp_path):
     assert rec["contexts"] >= 1 and rec["retrieved"] >= rec["contexts"]  # failures found similar successes
     assert Path(rec["audit"]["json"]).is_file() and Path(rec["audit"]["png"]).is_file()
     assert status["history"][1]["step"] == 6
+    # the fleet's action groups outside the AED tokenizer's fitted range, counted once per episode per round
+    fleet_eps = [m for m in ExperienceStore.open(setup["store"]).episodes(is_demo=False) if int(m.unit_id) not in lrn.heldout]
+    rng = rec["tokenizer_range"]
+    assert rng["episodes"] == len(fleet_eps) > 0 and rng["groups"] > 0 and 0 <= rng["outside"] <= rng["groups"]
+    assert status["history"][1]["tokenizer_range"]["episodes"] == 0
+    assert json.loads(Path(rec["audit"]["json"]).read_text())["tokenizer_range"] == rng
     assert _rounds_published(reg_url, "a") == [0, 1]
     # every failed fleet episode got a failure onset written into the store
     reader = ExperienceStore.open(setup["store"])

@@ -132,3 +132,20 @@ def test_alphabet_past_the_utf16_surrogates_round_trips(tmp_path):
     tok.save(tmp_path / "t.json")
     again = ActionTokenizer.load(tmp_path / "t.json")
     assert again.encode(g) == tok.encode(g)
+
+
+def test_range_report_counts_clipped_groups(tok):
+    """Actions past the fitted range are clipped by ``coefficients``; ``range_report`` counts them per dimension."""
+    eps = smooth_episodes(n=3, seed=1)
+    inside = tok.range_report(eps)
+    assert inside["groups"] == 3 * (120 - 4 + 1) and inside["outside"] == 0 and inside["share"] == 0.0
+    wide = [a * np.float32([1.5, 1.0, 1.0, 1.0]) for a in eps]   # the first dimension 1.5x wider
+    rep = tok.range_report(wide)
+    assert 0 < rep["outside"] == rep["outside_per_dim"][0] and rep["outside_per_dim"][1:] == [0, 0, 0]
+    assert rep["share"] == rep["outside"] / rep["groups"] and rep["seen_high"][0] > rep["high"][0]
+    # exactly the groups the tokenizer cannot round-trip within its tolerance
+    groups = align_groups(np.stack([a[i:i + 4] for a in wide for i in range(117)]), None, 4, [0, 1, 2], [3])[0][:, 0]
+    err = np.abs(tok.decode(tok.encode(groups)) - groups).max(axis=(1, 2))
+    out = tok.outside_range(groups).any(1)
+    assert out.sum() == rep["outside"] and (err[~out] <= tok.tolerance.max() + 1e-6).all()
+    assert tok.range_report([])["groups"] == 0
