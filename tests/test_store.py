@@ -28,6 +28,7 @@ from experience_dict.store import (
     SchemaVersionError,
     SpecMismatchError,
     StoreError,
+    StoreWriteError,
     WriterBusyError,
 )
 from experience_dict.store.__main__ import main as cli_main
@@ -371,8 +372,10 @@ def test_failed_chunk_write_keeps_episode_open_and_commit_can_be_retried(tmp_pat
     w.begin_episode(unit_id=0, embodiment="sawyer", task="push-v3", policy_version=1, seed=1)
     for t in range(ep_len(0, 1)):
         w.add_step(*make_step(0, 1, t))
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(StoreWriteError, match=r"store .*'u0': writing episode u0-000001 .*no space left .*"
+                       r"Nothing committed is lost") as err:
         w.commit(success=True)
+    assert isinstance(err.value, OSError) and err.value.errno == 28   # still an OSError with its errno
     assert failed and w.open_steps == ep_len(0, 1)  # nothing visible, the episode still open
     reader = ExperienceStore.open(str(url))
     assert [e.episode_id for e in reader.episodes()] == ["u0-000000"]

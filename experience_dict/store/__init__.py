@@ -15,6 +15,7 @@ from experience_dict.store.schema import (
     SchemaVersionError,
     SpecMismatchError,
     StoreError,
+    StoreWriteError,
     WriterBusyError,
 )
 from experience_dict.store.storage import configure_storage
@@ -33,6 +34,7 @@ __all__ = [
     "SchemaVersionError",
     "SpecMismatchError",
     "StoreError",
+    "StoreWriteError",
     "WriterBusyError",
     "configure_storage",
     "copy_episodes",

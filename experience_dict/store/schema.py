@@ -47,6 +47,12 @@ class CorruptChunkError(StoreError, ValueError):
     the store, shard, array, chunk (and its rows) and the episodes with rows in it."""
 
 
+class StoreWriteError(StoreError, OSError):
+    """Writing an episode to the store failed (a full disk: ``errno`` ENOSPC, a lost mount, a denied file). The
+    message names the store, the writer, the episode and the file; nothing committed before is touched, and
+    the episode stays open (``commit`` again, or ``abort``)."""
+
+
 class WriterBusyError(StoreError):
     """Another live process holds the writer id (its shard) of this store."""
 

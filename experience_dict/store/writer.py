@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import json
 import math
 import operator
@@ -30,6 +31,7 @@ from experience_dict.store.schema import (
     NonFiniteError,
     SpecMismatchError,
     StoreError,
+    StoreWriteError,
     WriterBusyError,
     _chunk_rows,
     _image_histogram,
@@ -500,14 +502,19 @@ class EpisodeWriter:
         ``renameat2`` the spare is moved with ``os.replace`` (and created again next time).
         """
         data = col.encode(block)
-        if atomic:
-            with open(col.spare, "wb") as f:
-                f.write(data)
-            if _RENAMEAT2 is None or _RENAMEAT2(-100, os.fsencode(col.spare), -100, os.fsencode(path), 2) != 0:
-                os.replace(col.spare, path)  # AT_FDCWD, RENAME_EXCHANGE failed: not supported, or no old chunk
-        else:
-            with open(path, "wb") as f:
-                f.write(data)
+        try:
+            if atomic:
+                with open(col.spare, "wb") as f:
+                    f.write(data)
+                if _RENAMEAT2 is None or _RENAMEAT2(-100, os.fsencode(col.spare), -100, os.fsencode(path), 2) != 0:
+                    os.replace(col.spare, path)  # AT_FDCWD, RENAME_EXCHANGE failed: not supported, or no old chunk
+            else:
+                with open(path, "wb") as f:
+                    f.write(data)
+        except OSError as e:
+            if e.filename is None:   # a failed write() names no file: name the chunk
+                e.filename = path
+            raise
         return _image_histogram(block[rows[0]:rows[1]]) if rows is not None and rows[1] > rows[0] else None
 
     def _write_remote(self) -> None:
@@ -593,6 +600,14 @@ class EpisodeWriter:
                                  for n in self._inline if n in self._cols}
             record = json.dumps(rec).encode()
             self._write_record(episode_id, record)  # 2) the commit point
+        except OSError as e:
+            self._rewind()
+            what = "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+            raise StoreWriteError(
+                e.errno, f"store {self.store.url!r}, writer {self.writer_id!r}: writing episode {episode_id} "
+                f"({length} steps) failed: {what} (file {e.filename or 'unknown'}; {type(e).__name__}: {e}). "
+                "Nothing committed is lost; the episode is not visible and stays open: free space and commit() "
+                "again, or abort()", e.filename) from e
         except BaseException:
             self._rewind()
             raise
