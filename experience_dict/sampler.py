@@ -85,11 +85,12 @@ class WindowDataset(Dataset):
         self._small: dict[str, np.ndarray] = {}
         self._chunks: OrderedDict[tuple[str, str, int], np.ndarray] = OrderedDict()
         self._chunk_bytes = 0
+        self._checked: set[tuple[int, str]] = set()   # (episode index, key) checked against its record
         self.cache_hits = self.cache_misses = 0
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for k in ("_small", "_chunks"):
+        for k in ("_small", "_chunks", "_checked"):
             state[k] = type(state[k])()
         state["_chunk_bytes"] = 0
         return state
@@ -119,7 +120,12 @@ class WindowDataset(Dataset):
                 for c in need:
                     buf[c * cr:min((c + 1) * cr, end)] = self.store.read(shard, key, c * cr, min((c + 1) * cr, end))
                 parts.append(buf)
-            a = self._small[key] = np.concatenate(parts)
+            a = np.concatenate(parts)
+            # every episode's rows against the statistics its commit record holds (a chunk file holding valid
+            # bytes of another place passes its checksum; its rows do not match): CorruptChunkError naming it
+            for e, g in zip(self.episodes, self.gstarts):
+                self.store.check_rows(e, key, a[g:g + e.length])
+            self._small[key] = a
         return a
 
     def _chunk(self, shard: str, key: str, c: int) -> np.ndarray:
@@ -131,7 +137,9 @@ class WindowDataset(Dataset):
             return chunk
         self.cache_misses += 1
         cr = self.chunk_rows(shard, key)
-        chunk = self.store.read(shard, key, c * cr, min((c + 1) * cr, self.shard_end[shard]))
+        lo, hi = c * cr, min((c + 1) * cr, self.shard_end[shard])
+        chunk = self.store.read(shard, key, lo, hi)
+        self._check_episodes(shard, key, lo, hi)
         if self.cache_bytes > 0:
             self._chunks[ck] = chunk
             self._chunk_bytes += chunk.nbytes
@@ -139,6 +147,19 @@ class WindowDataset(Dataset):
                 _, old = self._chunks.popitem(last=False)
                 self._chunk_bytes -= old.nbytes
         return chunk
+
+    def _check_episodes(self, shard: str, key: str, lo: int, hi: int) -> None:
+        """On a chunk's first decode in this process: every episode of the dataset with rows in ``lo .. hi-1``
+        not checked yet is read whole and checked against its commit record's statistics
+        (``ExperienceStore.check_rows``), once per (episode, key) per process."""
+        sid = self.shard_order.index(shard)
+        hit = np.flatnonzero((self.ep_shard_id == sid) & (self.starts < hi) & (self.starts + self.lengths > lo))
+        for i in hit:
+            if (int(i), key) in self._checked:
+                continue
+            e = self.episodes[int(i)]
+            self.store.check_rows(e, key, self.store.read(shard, key, e.start, e.start + e.length))
+            self._checked.add((int(i), key))
 
     def _image_rows(self, key: str, ep: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Rows ``rows`` (B, K) (shard-local) of image ``key`` for episodes ``ep`` (B,): (B, K, H, W, C)."""

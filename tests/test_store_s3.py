@@ -122,9 +122,10 @@ def test_sigkilled_writers_lose_nothing_committed_on_s3(s3):
             p.send_signal(signal.SIGKILL)
         for p in procs:
             out, _ = p.communicate()
-            assert p.returncode == -signal.SIGKILL
+            # 0: the writer committed all its episodes before the signal came (a slow, loaded machine)
+            assert p.returncode in (0, -signal.SIGKILL), p.returncode
             reported |= {line.strip() for line in out.splitlines() if line.strip()}
-            kills += 1
+            kills += int(p.returncode == -signal.SIGKILL)
     store = ExperienceStore.open(url)
     ids = {m.episode_id for m in store.episodes()}
     assert reported <= ids                             # nothing reported committed is lost

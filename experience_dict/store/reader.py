@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -13,7 +14,7 @@ import fsspec
 import numpy as np
 import zarr
 
-from experience_dict.stats import merge_sketches
+from experience_dict.stats import IMAGE_STRIDE, merge_sketches
 from experience_dict.store.schema import (
     _META_ATTR,
     INLINE_ARRAYS,
@@ -293,10 +294,21 @@ class ExperienceStore:
             for path in sorted(_ls_json(self.fs, self._p("commits", w))):
                 if path in self._seen_commits:
                     continue
-                rec = json.loads(self.fs.cat_file(path))
-                meta = EpisodeMeta(**rec["episode"])
+                try:
+                    rec = json.loads(self.fs.cat_file(path))
+                    meta = EpisodeMeta(**rec["episode"])
+                    if path.rsplit("/", 1)[-1] != f"{meta.episode_id}.json" or meta.shard != w:
+                        raise ValueError(f"it holds episode {meta.episode_id!r} of shard {meta.shard!r}")
+                    sketch = self._decode_sketch(rec["sketch"], path)
+                except StoreError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - named and re-raised
+                    raise StoreError(
+                        f"store {self.url!r}: commit record {path} cannot be read ({type(e).__name__}: {e}); its "
+                        "episode's data is untouched in the shard. Move the record aside to open the store, then "
+                        f"`python -m experience_dict.store verify {self.url}`") from None
                 self._episodes[meta.episode_id] = meta
-                self._sketches[meta.episode_id] = self._decode_sketch(rec["sketch"], path)
+                self._sketches[meta.episode_id] = sketch
                 if rec.get("inline"):
                     self._inline[meta.episode_id] = rec["inline"]
                     self._inline_shards.add(meta.shard)
@@ -383,7 +395,54 @@ class ExperienceStore:
             if name not in rows:
                 rows[name] = self._read_array(ep.shard, name, ep.start, ep.start + ep.length)
             out[key] = rows[name] if cols is None else _columns(rows[name], cols)
+            self.check_rows(ep, key, out[key])
         return out
+
+    def check_rows(self, ep: EpisodeMeta, key: str, values: np.ndarray) -> None:
+        """Check an episode's rows of ``key`` against the statistics sketch its commit record holds: the count,
+        the exact per-dimension min and max, and the mean (relative 1e-6). A chunk file that holds valid bytes
+        of another place (copied or restored over it: its own checksum passes) gives rows that disagree.
+
+        Args:
+            values: ``(T, *shape)`` rows of ``key`` of ``ep`` as read.
+        Raises:
+            CorruptChunkError: the rows disagree; names store, shard, array, episode and the chunks it spans.
+        """
+        sk = (self._sketches.get(ep.episode_id) or {}).get(key)
+        if sk is None:
+            return
+        shape = self.features[key]["shape"]
+        if len(shape) == 3 and values.dtype == np.uint8:   # images: the sketch's every-4th-pixel subsample
+            flat = values[:, ::IMAGE_STRIDE, ::IMAGE_STRIDE].reshape(-1, shape[-1])
+        else:
+            flat = values.reshape(len(values), -1)
+        why = None
+        if flat.shape[0] != int(sk["n"]):
+            why = f"{flat.shape[0]} values per dimension, the record says {int(sk['n'])}"
+        elif flat.size:
+            x = flat.astype(np.float64)
+            with np.errstate(invalid="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)   # an all-NaN dimension (no signal)
+                lo, hi = np.nanmin(x, 0), np.nanmax(x, 0)
+                mean = np.nanmean(x, 0)
+            want_lo, want_hi = np.asarray(sk["min"], np.float64), np.asarray(sk["max"], np.float64)
+            want_mean = np.asarray(sk["mean"], np.float64)
+            same = lambda a, b: ((a == b) | (np.isnan(a) & np.isnan(b))).all()   # noqa: E731
+            fin = np.isfinite(mean) & np.isfinite(want_mean)
+            if not (same(np.float32(lo).astype(np.float64), want_lo) and same(np.float32(hi).astype(np.float64), want_hi)):
+                why = "its min / max differ from the record's"
+            elif not np.allclose(mean[fin], want_mean[fin], rtol=1e-6, atol=1e-9 * (1 + np.abs(want_hi - want_lo)[fin])):
+                why = "its mean differs from the record's"
+        if why:
+            name = self._where[key][0]
+            cr = int(self._array(ep.shard, name).chunks[0])
+            chunks = list(range(ep.start // cr, (ep.start + ep.length - 1) // cr + 1))
+            raise CorruptChunkError(
+                f"store {self.url!r}, shard {ep.shard!r}, array {name!r}: episode {ep.episode_id!r}'s rows of "
+                f"{key!r} (rows {ep.start}..{ep.start + ep.length - 1}, chunks {chunks}) disagree with the "
+                f"statistics its commit record holds ({why}): a chunk holds data of another place. Check the store "
+                f"with `python -m experience_dict.store verify {self.url}`; store.on_corrupt=skip leaves such "
+                "episodes out of training")
 
     # -- guarded reads --------------------------------------------------------------------------
     def read(self, shard: str, key: str, lo: int, hi: int) -> np.ndarray:
@@ -540,6 +599,13 @@ class ExperienceStore:
                     for x in mine:
                         if x.start < b and x.start + x.length > a:
                             out.setdefault(x.episode_id, f"shard {shard!r}, array {name!r}, chunk {c}: {err}")
+        want = list(keys) if keys is not None else self.keys
+        for x in eps:   # readable chunks that hold another place's data: the rows disagree with the record
+            if x.episode_id not in out:
+                try:
+                    self.load_episode(x.episode_id, want)
+                except CorruptChunkError as e:
+                    out[x.episode_id] = str(e)
         return out
 
     def readable(self, episodes: Sequence[EpisodeMeta], keys: Sequence[str] | None = None,
@@ -733,6 +799,22 @@ class ExperienceStore:
                                 nf[1].add(eps[ep[0]].episode_id)
             non_finite += [{"shard": shard, "key": k, "rows": n, "episodes": sorted(ids)}
                            for k in self.features if k in bad_rows for n, ids in [bad_rows[k]]]
+        flagged = {i for p in problems for i in p["episodes"]}
+        for e in self.episodes(quarantined=None):   # readable chunks holding another place's data
+            if e.episode_id not in flagged:
+                try:
+                    self.load_episode(e.episode_id)
+                except CorruptChunkError as err:
+                    problems.append({"shard": e.shard, "key": None, "chunk": None, "error": str(err),
+                                     "episodes": [e.episode_id]})
+        for shard in self.shards():   # commit records are numbered 0, 1, ... per writer: a gap is a lost record
+            have = {int(e.episode_id.rsplit("-", 1)[1]) for e in self.episodes(shard=shard, quarantined=None)}
+            lost = sorted(set(range(max(have) + 1)) - have) if have else []
+            if lost:
+                problems.append({"shard": shard, "key": "commits", "chunk": None, "episodes": [],
+                                 "error": f"commit records of episodes {[f'{shard}-{i:06d}' for i in lost]} are "
+                                          "missing (the writer numbers its commits 0, 1, ...): their rows are "
+                                          "in the shard but no record makes them visible"})
         bad = sorted({i for p in problems for i in p["episodes"]})
         unflagged = sorted({i for p in non_finite for i in p["episodes"] if not self._episodes[i].quarantined})
         return {"ok": not problems and not unflagged, "episodes": len(self._episodes), "chunks_checked": checked,
