@@ -30,7 +30,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experience_dict.store.faults import FAULTS, TARGETS, WINDOWS, build_store, run_case, snapshot  # noqa: E402
+from experience_dict.store.faults import FAULTS, TARGETS, WINDOWS, build_store, run_case, snapshot
+
 
 def fuzz(cases: int, seed: int, work: Path, progress: bool = True, keep_failures: int = 20) -> dict:
     """Run ``cases`` fault cases; returns the report (see the module docstring)."""
@@ -48,7 +49,7 @@ def fuzz(cases: int, seed: int, work: Path, progress: bool = True, keep_failures
         k["skipped"] += int(bool(res.get("skipped")))
         k["failed"] += int(not res["ok"])
         k["undetectable"] += int(bool(res.get("undetectable")))
-        for path, outs in res["reads"].items():
+        for outs in res["reads"].values():
             for o, n in outs.items():
                 k["reads"].setdefault(o, 0)
                 k["reads"][o] += n
