@@ -116,6 +116,7 @@ RULES: dict[str, Rule] = {
     "learner.validate_alpha": number(0, 1), "learner.round_init": one_of("continue", "published"),
     "learner.validate_task_tolerance": optional(number(0, 1)),
     "job.fleet_backend": one_of("vector", "ray"), "job.curve_trials_per_task": integer(0), "job.fleet_critic": boolean,
+    "job.overlap_offline_arms": boolean,
     "fert.mix.retrieved": number(0), "fert.mix.distill": number(0), "fert.mix.replay": number(0),
     "fert.distill.enabled": boolean, "fert.distill.states_per_task": POS, "fert.distill.batch_size": POS,
     "fert.tokenizer_range_warn": number(0, 1), "fert.rounds": integer(0), "fert.window": POS, "fert.top_k": POS, "fert.segment_steps": POS,

@@ -256,6 +256,26 @@ def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path
     return deployed_checkpoint(cfg["learner"].get("wise_alpha"), init_ckpt, res["checkpoint"], out_dir / "wise")
 
 
+def train_offline_arms_process(cfg: dict, jobs: list, heldout: list[int], seed: int) -> dict:
+    """:func:`train_offline_arm` for each ``(arm, init checkpoint, out dir)`` of ``jobs``, one after the other,
+    in a process of its own (``scripts/run.py`` runs it beside the last round's learner, in a spawned process:
+    it opens its own reader of ``cfg.store``). Returns ``{arm name: (checkpoint, wall_s)}``."""
+    import time
+
+    from experience_dict.store import ExperienceStore, configure_storage
+    from policies.threads import passive_wait
+
+    passive_wait()
+    configure_storage(cfg["store"])
+    reader = ExperienceStore.open(cfg["store"]["url"])
+    out = {}
+    for arm, init, out_dir in jobs:
+        t0 = time.perf_counter()
+        out[arm.name] = (train_offline_arm(cfg, arm, reader, init, Path(out_dir), heldout, seed),
+                         time.perf_counter() - t0)
+    return out
+
+
 def checkpoint_with_critic(src: str | Path, out_dir: str | Path, critic_from: str | Path | None = None) -> str:
     """Copy the ``pretrained_model`` directory ``src`` to ``out_dir`` without its success critic, and with
     ``critic_from``'s critic files when given (the weights of one checkpoint, the critic of another). The registry

@@ -334,9 +334,17 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
         reg.publish(ckpt["base"], metadata={"run_id": "base", "round": -1, "kind": "base"})
     if sweep and c["job"].get("fleet_sizes"):
         stage_sweep_snapshot(c, sd, state, reader)
+    background: dict = {}
+
+    def after_last_fleet() -> None:
+        # the store is final once the last round's fleet and retries are in: the offline arms train in a process
+        # of their own beside that round's learner (1 thread each), instead of after it
+        if c["job"].get("overlap_offline_arms", True):
+            background.update(start_offline_arms(c, sd, state, arms, ckpt, heldout, seed))
+
     stage_fleet_rounds(c, sd, seed, state, stages, [a for a in arms if a.in_loop], ckpt, fleet_units, heldout,
-                       reg, progress)
-    stage_offline_arms(c, sd, seed, state, stages, arms, ckpt, reader, heldout)
+                       reg, progress, after_last_fleet=after_last_fleet)
+    stage_offline_arms(c, sd, seed, state, stages, arms, ckpt, reader, heldout, background=background)
     stages.start(f"seed {seed}: held-out evaluation of {len(arms)} arms, {c['eval']['trials_per_task']} trials per task")
     chosen = {a.name: ckpt[a.name] for a in arms}
     results = evaluate_arms(c, chosen, sd, int(c["eval"]["trials_per_task"]), units=heldout, progress=progress)
@@ -420,10 +428,13 @@ def stage_sweep_snapshot(c: dict, sd: Path, state: JobState, reader) -> None:
 
 
 def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: Stages, in_loop: list, ckpt: dict,
-                       fleet_units: list[int], heldout: list[int], reg, progress: bool) -> None:
+                       fleet_units: list[int], heldout: list[int], reg, progress: bool,
+                       after_last_fleet=None) -> None:
     """``fert.rounds`` rounds of fleet collection (``fleet_round``), each followed by one round of every in-loop
     learner (FERT publishes through the validation gate); sets ``ckpt[arm]`` for the in-loop arms (``fert``: the
-    newest published version, the base when every round was rejected)."""
+    newest published version, the base when every round was rejected). ``after_last_fleet()`` is called once the
+    last round's fleet episodes and retries are committed, before that round's learners (not on a resumed job
+    whose last round is done)."""
     from fleet.arms import make_learner
 
     rounds = int(c["fert"]["rounds"])
@@ -433,6 +444,8 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
         if state.done(f"round_{r}"):
             continue
         rec = fleet_round(c, r, fleet_units, heldout, progress)
+        if r == rounds - 1 and after_last_fleet is not None:
+            after_last_fleet()
         rec["learners"] = {}
         for arm in in_loop:
             publishing = arm.name == "fert"
@@ -561,13 +574,57 @@ def replay_round_failures(c: dict, checkpoint: str, rec: dict, out: Path, heldou
     return fr
 
 
+def _offline_arms_to_train(state: JobState, arms: list) -> list:
+    """The offline arms (trained outside the fleet loop, with data) whose stage is not done yet."""
+    return [a for a in arms if not a.in_loop and a.data != "none" and not state.done(a.name)]
+
+
+def start_offline_arms(c: dict, sd: Path, state: JobState, arms: list, ckpt: dict, heldout: list[int],
+                       seed: int) -> dict:
+    """Start training the offline arms not done yet (``stage_offline_arms``' work, the same calls) in one
+    background process (spawned; ``train.num_threads`` threads, 1 by default, so the weights are those a
+    sequential run gives). Returns ``{"future", "executor", "arms", "t0"}`` or ``{}`` when there is nothing to
+    train or an arm starts from a checkpoint the rounds have not made yet."""
+    import concurrent.futures
+    import multiprocessing
+
+    todo = _offline_arms_to_train(state, arms)
+    if not todo or any(a.init not in ckpt for a in todo):
+        return {}
+    ex = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    from fleet.arms import train_offline_arms_process
+
+    jobs = [(a, ckpt[a.init], str(sd / a.name)) for a in todo]
+    print(f"  training {[a.name for a in todo]} in a background process beside the last round's learner", flush=True)
+    return {"future": ex.submit(train_offline_arms_process, c, jobs, heldout, seed), "executor": ex,
+            "arms": [a.name for a in todo], "t0": time.perf_counter()}
+
+
 def stage_offline_arms(c: dict, sd: Path, seed: int, state: JobState, stages: Stages, arms: list, ckpt: dict,
-                       reader, heldout: list[int]) -> None:
+                       reader, heldout: list[int], background: dict | None = None) -> None:
     """Fine-tune every arm trained outside the fleet loop (filtered BC, demos_bc, ...) on the final store; sets
     ``ckpt[arm]``. Arms without data (the bases) and in-loop arms are skipped; the critic arms
-    (``fert_no_critic``, ``base_critic``) are copies of a checkpoint with or without FERT's success critic."""
+    (``fert_no_critic``, ``base_critic``) are copies of a checkpoint with or without FERT's success critic.
+    ``background``: :func:`start_offline_arms`' handle; its arms are collected from that process (its error,
+    if any, is raised here) instead of trained again.
+
+    Raises:
+        RuntimeError: the background training failed (the cause chained; re-running resumes it here)."""
     from fleet.arms import train_offline_arm
 
+    if background:
+        stages.start(f"seed {seed}: fine-tune {background['arms']} (in the background since the last fleet round)")
+        try:
+            done = background["future"].result()
+        except Exception as e:
+            raise RuntimeError(f"training the offline arms {background['arms']} in the background failed: "
+                               f"{type(e).__name__}: {e}; re-running the job trains them again") from e
+        finally:
+            background["executor"].shutdown()
+        waited = time.perf_counter() - background["t0"]
+        for name, (path, wall) in done.items():
+            state.mark(name, {"checkpoint": path, "wall_s": wall, "background": True,
+                              "wall_s_to_join": waited})
     for arm in arms:
         if arm.in_loop or arm.data == "none":
             continue

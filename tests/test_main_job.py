@@ -61,6 +61,8 @@ def test_main_job_tiny_end_to_end(tmp_path):
         assert list((sd / "learner_fert" / "audits").glob("retrieval_audit_round_000.json"))
         rnd = state["round_0"]
         assert rnd["episodes"] == 6 and rnd["learners"]["fert"]["version"] == 2
+        # the offline arms trained in a background process beside the last round's learner (job.overlap_offline_arms)
+        assert all(state[a].get("background") for a in ("demos_bc", "filtered_bc", "filtered_bc_retries"))
         # the validation gate ran (2 trials per task cannot show a significant loss: published), and the
         # base was picked by its validation loss on the held-out demonstrations
         assert rnd["learners"]["fert"]["validation"]["accepted"] is True
