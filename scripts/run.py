@@ -612,8 +612,8 @@ def stage_offline_arms(c: dict, sd: Path, seed: int, state: JobState, stages: St
         RuntimeError: the background training failed (the cause chained; re-running resumes it here)."""
     from fleet.arms import train_offline_arm
 
-    if background:
-        stages.start(f"seed {seed}: fine-tune {background['arms']} (in the background since the last fleet round)")
+    if background:   # the arms' own stage lines follow (the stage count stays the job's)
+        print(f"  waiting for {background['arms']} (training in the background since the last fleet round)", flush=True)
         try:
             done = background["future"].result()
         except Exception as e:
