@@ -172,6 +172,10 @@ def test_object_store_commits_carry_their_rows_and_chunks_are_written_once_full(
     path = reader._p("commits", "unit-0003", f"{ids[-1]}.json")
     rec["inline"][LOWDIM]["data"] = rec["inline"][LOWDIM]["data"][:-8] + "AAAAAAA="
     reader.fs.pipe_file(path, json.dumps(rec).encode())
+    with pytest.raises(StoreError, match=rf"commit record .*{ids[-1]}.json cannot be read .*CRC-32"):
+        ExperienceStore.open(url)                         # the record's own CRC-32 names it on open
+    rec.pop("crc32")                                      # as an earlier writer left it: the rows' CRC names it
+    reader.fs.pipe_file(path, json.dumps(rec).encode())
     bad = ExperienceStore.open(url)
     report = bad.verify()
     assert not report["ok"] and report["corrupt_episodes"] == [ids[-1]]
@@ -862,9 +866,14 @@ def test_non_finite_steps_are_refused_or_quarantined(tmp_path, where):
         rec = json.loads(rec_path.read_text())
         assert rec["episode"]["episode_id"] == qid
         rec["episode"]["quarantined"] = False
+        rec.pop("crc32")                          # an older writer's record carries no CRC-32
         rec_path.write_text(json.dumps(rec))
         v = ExperienceStore.open(str(url)).verify()
         assert not v["ok"] and v["non_finite_episodes"] == [qid]
+        rec["episode"]["quarantined"] = True      # edited with its CRC-32 in place: the record is named on open
+        rec_path.write_text(json.dumps({**rec, "crc32": 1}))
+        with pytest.raises(StoreError, match=r"commit record .*u0-000002.json cannot be read .*CRC-32"):
+            ExperienceStore.open(str(url))
     with pytest.raises(ValueError, match="non_finite"):
         store.writer("u1", non_finite="drop")
 

@@ -139,7 +139,8 @@ def snapshot(url: str, windows: dict) -> dict:
     items = {(int(ds[i]["episode_index"]), int(ds[i]["step"])): _item(ds[i]) for i in range(len(ds))}
     ids = [e.episode_id for e in st.episodes()]
     metas = {e.episode_id: e for e in st.episodes(quarantined=None)}
-    return {"episodes": eps, "items": {(ids[k[0]], k[1]): v for k, v in items.items()}, "ids": ids, "metas": metas}
+    return {"episodes": eps, "items": {(ids[k[0]], k[1]): v for k, v in items.items()}, "ids": ids, "metas": metas,
+            "stats": st.stats()}
 
 
 def _item(it: dict) -> dict:
@@ -226,6 +227,12 @@ def check_reads(url: str, truth: dict, windows: dict) -> dict:
     def same_items(items) -> bool:
         return all(k in truth["items"] and _same(v, truth["items"][k]) for k, v in items)
 
+    # the normalization statistics, merged from the commit records' sketches: the same whenever every record is
+    # there (a lost record changes them rightly: that episode is gone)
+    if sorted(ids) == sorted(truth["episodes"]):
+        record("stats", lambda: st.stats(),
+               lambda got: all(np.allclose(np.asarray(got[k][m], float), np.asarray(v[m], float), rtol=1e-9,
+                                           equal_nan=True) for k, v in truth["stats"].items() for m in v))
     # the training sampler on every episode (store.on_corrupt=raise, the default)
     record("sampler", lambda: sample_all(st.episodes()), same_items)
     bad = record("corrupt_episodes", lambda: st.corrupt_episodes()) or {}

@@ -22,6 +22,7 @@ from experience_dict.store.schema import (
     READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
     CorruptChunkError,
+    check_record,
     EpisodeMeta,
     SchemaVersionError,
     SpecMismatchError,
@@ -295,13 +296,11 @@ class ExperienceStore:
                 if path in self._seen_commits:
                     continue
                 try:
-                    rec = json.loads(self.fs.cat_file(path))
+                    rec = check_record(json.loads(self.fs.cat_file(path)), path)
                     meta = EpisodeMeta(**rec["episode"])
                     if path.rsplit("/", 1)[-1] != f"{meta.episode_id}.json" or meta.shard != w:
                         raise ValueError(f"it holds episode {meta.episode_id!r} of shard {meta.shard!r}")
                     sketch = self._decode_sketch(rec["sketch"], path)
-                except StoreError:
-                    raise
                 except Exception as e:  # noqa: BLE001 - named and re-raised
                     raise StoreError(
                         f"store {self.url!r}: commit record {path} cannot be read ({type(e).__name__}: {e}); its "

@@ -7,6 +7,7 @@ import base64
 import dataclasses
 import json
 import re
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -173,6 +174,30 @@ def _is_image(feat: dict) -> bool:
 def _chunk_rows(feat: dict, chunk_bytes: int, max_chunk_rows: int) -> int:
     row_bytes = int(np.prod(feat["shape"], dtype=np.int64)) * np.dtype(feat["dtype"]).itemsize
     return int(np.clip(chunk_bytes // max(row_bytes, 1), 1, max_chunk_rows))
+
+
+def seal_record(rec: dict) -> bytes:
+    """A commit record as written: its JSON with ``"crc32"``, the zlib CRC-32 of the JSON of the other fields, so a
+    record that still parses but changed (a flipped bit in a number, a sketch, a task name) is named on read."""
+    body = json.dumps(rec)
+    return json.dumps({**rec, "crc32": zlib.crc32(body.encode())}).encode()
+
+
+def check_record(rec: dict, where: str) -> dict:
+    """Inverse of :func:`seal_record` on a parsed record: the record without its ``"crc32"`` (records of earlier
+    writers carry none and pass).
+
+    Raises:
+        StoreError: the CRC-32 does not match (``where`` names the file).
+    """
+    if "crc32" not in rec:
+        return rec
+    body = {k: v for k, v in rec.items() if k != "crc32"}
+    got = zlib.crc32(json.dumps(body).encode())
+    if got != rec["crc32"]:
+        raise StoreError(f"commit record {where}: its CRC-32 is {got}, the record says {rec['crc32']} (changed after "
+                         "it was written)")
+    return body
 
 
 def _pack_sketch(sketch: dict) -> dict:

@@ -37,6 +37,7 @@ from experience_dict.store.schema import (
     _image_histogram,
     _is_image,
     _pack_sketch,
+    seal_record,
     decode_inline_rows,
     encode_inline_rows,
     place_episode_rows,
@@ -598,7 +599,7 @@ class EpisodeWriter:
             if self._inline:
                 rec["inline"] = {n: encode_inline_rows(self._cols[n].buf[start - self._cols[n].lo:end - self._cols[n].lo])
                                  for n in self._inline if n in self._cols}
-            record = json.dumps(rec).encode()
+            record = seal_record(rec)
             self._write_record(episode_id, record)  # 2) the commit point
         except OSError as e:
             self._rewind()
