@@ -22,7 +22,6 @@ from experience_dict.store.schema import (
     READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
     CorruptChunkError,
-    check_record,
     EpisodeMeta,
     SchemaVersionError,
     SpecMismatchError,
@@ -32,6 +31,7 @@ from experience_dict.store.schema import (
     _parse_spec,
     _sketch_columns,
     _unpack_sketch,
+    check_record,
     decode_inline_rows,
     place_episode_rows,
 )
@@ -426,7 +426,7 @@ class ExperienceStore:
                 mean = np.nanmean(x, 0)
             want_lo, want_hi = np.asarray(sk["min"], np.float64), np.asarray(sk["max"], np.float64)
             want_mean = np.asarray(sk["mean"], np.float64)
-            same = lambda a, b: ((a == b) | (np.isnan(a) & np.isnan(b))).all()   # noqa: E731
+            same = lambda a, b: ((a == b) | (np.isnan(a) & np.isnan(b))).all()
             fin = np.isfinite(mean) & np.isfinite(want_mean)
             if not (same(np.float32(lo).astype(np.float64), want_lo) and same(np.float32(hi).astype(np.float64), want_hi)):
                 why = "its min / max differ from the record's"

@@ -37,10 +37,10 @@ from experience_dict.store.schema import (
     _image_histogram,
     _is_image,
     _pack_sketch,
-    seal_record,
     decode_inline_rows,
     encode_inline_rows,
     place_episode_rows,
+    seal_record,
 )
 from experience_dict.store.storage import (
     _RENAMEAT2,
