@@ -106,7 +106,7 @@ RULES: dict[str, Rule] = {
     "fleet.torch_threads": POS, "fleet.placement": one_of("pack", "spread"),
     "fleet.policy_server": lambda v: None if v in (True, False, "auto") else "true, false or 'auto'",
     "robot.stratify_block": optional(integer(0)),
-    "job.base_steps": POS, "job.demos_per_task": POS, "job.seeds": int_list(0),
+    "job.base_steps": POS, "job.base_select": one_of("val_loss", "success"), "job.base_select_trials_per_task": POS, "job.demos_per_task": POS, "job.seeds": int_list(0),
     "eval.trials_per_task": POS, "eval.batch_size": POS, "eval.processes": POS, "eval.max_envs": optional(POS),
     "eval.backend": one_of("vector", "ray"),
     "learner.updates_per_version": POS, "learner.batch_size": POS, "learner.lr": number(0, open_lo=True),

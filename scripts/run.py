@@ -136,6 +136,8 @@ def train_base(c: dict, reader, demos, out_dir: Path, aed: bool, val_reader=None
     res = train_policy(tcfg, out_dir, policy_cfg=policy_cfg, reader=reader, episodes=demos, device=c["device"],
                        val_dataset=val)
     curve = res.get("val_curve") or []
+    if str(c["job"].get("base_select") or "val_loss") == "success":
+        return select_base_by_success(c, out_dir, curve, res)
     if curve:
         best = min(curve, key=lambda p: p["val_loss"])
         print(f"  {out_dir.name}: validation loss on held-out demonstrations by step: "
@@ -143,6 +145,39 @@ def train_base(c: dict, reader, demos, out_dir: Path, aed: bool, val_reader=None
               flush=True)
         return {"checkpoint": best["checkpoint"], "val_curve": curve, "best_step": best["step"]}
     return {"checkpoint": str(res["checkpoint"]), "val_curve": [], "best_step": res["step"]}
+
+
+def select_base_by_success(c: dict, out_dir: Path, val_curve: list[dict], res: dict) -> dict:
+    """``job.base_select: success``: every saved checkpoint of the base's training (``train.save_every``) plays the
+    same fixed plan of training-unit trials (``job.base_select_trials_per_task`` per task on the fleet's units,
+    seed stream ``6000 + seed``: neither the held-out plan nor the validation gate's), and the checkpoint with
+    the most successes is the base (ties: the later one). A success curve that is still rising at the last
+    checkpoint says ``job.base_steps`` stops short of the plateau. Returns ``{"checkpoint", "val_curve",
+    "best_step", "success_curve": [{"step", "checkpoint", "success", "successes", "trials"}]}``."""
+    from fleet.evaluation import evaluate_arms
+    from sim import unit_lists
+
+    saved = sorted((int(d.parent.name), d) for d in (out_dir / "checkpoints").glob("*/pretrained_model")
+                   if d.parent.name.isdigit())
+    points = [{"step": p["step"], "checkpoint": str(p["checkpoint"])} for p in val_curve] or [
+        {"step": step, "checkpoint": str(d)} for step, d in saved]
+    if not points:
+        points = [{"step": res["step"], "checkpoint": str(res["checkpoint"])}]
+    units = unit_lists(c["robot"])[0][: int(c["fleet"]["units"])]
+    n = int(c["job"].get("base_select_trials_per_task") or 10)
+    cs = {**c, "eval": {**c["eval"], "seed": 6000 + int(c["seed"])}}
+    eps = evaluate_arms(cs, {f"step_{p['step']}": p["checkpoint"] for p in points}, out_dir / "select", n,
+                        units=units, progress=False)
+    for p in points:
+        got = eps[f"step_{p['step']}"]
+        p["successes"], p["trials"] = sum(bool(e["success"]) for e in got), len(got)
+        p["success"] = p["successes"] / max(p["trials"], 1)
+    best = max(points, key=lambda p: (p["successes"], p["step"]))
+    print(f"  {out_dir.name}: training-unit success by step ({n} trials per task on units {units}): "
+          + ", ".join(f"{p['step']}: {100 * p['success']:.1f}%" for p in points) + f" -> base = step {best['step']}",
+          flush=True)
+    return {"checkpoint": best["checkpoint"], "val_curve": val_curve, "best_step": best["step"],
+            "success_curve": points}
 
 
 def demo_config(c: dict) -> tuple[dict, list[int]]:
@@ -370,7 +405,8 @@ def stage_demos_and_bases(c: dict, sd: Path, seed: int, state: JobState, stages:
     bases = [("base", True)] + ([("base_no_aed", False)] if need_no_aed else [])
     for name, aed in bases:
         stages.start(f"seed {seed}: train {name} on {len(demos)} demonstrations (at most {job['base_steps']} steps, "
-                     "the checkpoint with the lowest validation loss)")
+                     + ("the checkpoint with the most training-unit successes)" if job.get("base_select") == "success"
+                        else "the checkpoint with the lowest validation loss)"))
         stage_base(c, state, name, reader, demos, sd / name, aed, val_reader)
     return reader, {name: state.get(name)["checkpoint"] for name, _ in bases}
 

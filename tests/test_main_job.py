@@ -31,7 +31,7 @@ def test_main_job_tiny_end_to_end(tmp_path):
             "policy.aed.tokenizer_vocab_size=128", "job.fleet_sizes=[1,2]", "job.sweep_episodes_per_unit=1",
             # the earlier protocol (experiments 1-25): one long fine-tuning run, the Ray fleet, the full arm set
             "learner.round_init=continue", "job.fleet_backend=ray", "job.curve_trials_per_task=0",
-            "learner.failure_replay=true",
+            "learner.failure_replay=true", "job.base_select=success", "job.base_select_trials_per_task=1",
             ("job.arms=[base,demos_bc,filtered_bc,filtered_bc_retries,fert,fert_finetuned,fert_no_critic,base_critic,"
              "fert_no_aed,base_no_aed]")]
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "WANDB_MODE": "disabled",
@@ -72,6 +72,12 @@ def test_main_job_tiny_end_to_end(tmp_path):
         assert rnd["learners"]["fert"]["published_candidate"] == val["chosen"]
         assert val["rates"][val["chosen"]] == max(val["rates"].values())
         assert [p["step"] for p in state["base"]["val_curve"]] == [5, 10]
+        # job.base_select=success: both saved checkpoints played the same training-unit plan; the base is the one
+        # with the most successes (ties: the later)
+        sc = state["base"]["success_curve"]
+        assert [p["step"] for p in sc] == [5, 10] and all(p["trials"] == 1 for p in sc)
+        best = max(sc, key=lambda p: (p["successes"], p["step"]))
+        assert state["base"]["best_step"] == best["step"] and state["base"]["checkpoint"] == best["checkpoint"]
         assert rnd["retries"]["failures"] == 6 - rnd["successes"]
         # failure replay: the round's new weights replayed exactly the failed fleet trials
         fr = rnd["learners"]["fert"]["failure_replay"]
