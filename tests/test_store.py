@@ -921,3 +921,29 @@ def test_the_zarr_adapter_still_fits_the_installed_zarr():
     from experience_dict.store import zarr_compat
 
     zarr_compat.check()
+
+
+def test_rows_check_accepts_earlier_writers_nan_sketches(tmp_path):
+    """Sketches written before the statistics skipped NaN hold NaN max / mean for a column with a NaN reward;
+    reading such an episode still works (a NaN in the record says nothing), and a real mismatch is still named."""
+    from experience_dict.store import CorruptChunkError
+
+    url = tmp_path / "s"
+    w = new_store(url).writer("u0")
+    w.begin_episode(unit_id=0, embodiment="sawyer", task="push-v3", policy_version=0, seed=0)
+    for t in range(6):
+        obs, act, rew, prog = make_step(0, 0, t)
+        w.add_step(obs, act, float("nan") if t == 2 else rew, prog)
+    eid = w.commit(success=True)
+    w.close()
+    r = ExperienceStore.open(str(url))
+    ep = r.episode(eid)
+    sk = r._sketches[eid]["reward"]
+    old = {**sk, "max": np.array([np.nan]), "mean": np.array([np.nan])}   # as the earlier sketch said
+    old.pop("nan", None)
+    r._sketches[eid]["reward"] = old
+    rows = r.load_episode(eid)["reward"]
+    assert np.isnan(rows[2]) and np.isfinite(np.delete(rows, 2)).all()
+    r._sketches[eid]["reward"] = {**old, "min": np.array([123.0])}
+    with pytest.raises(CorruptChunkError, match="disagree with the statistics"):
+        r.check_rows(ep, "reward", rows)

@@ -426,7 +426,8 @@ class ExperienceStore:
                 mean = np.nanmean(x, 0)
             want_lo, want_hi = np.asarray(sk["min"], np.float64), np.asarray(sk["max"], np.float64)
             want_mean = np.asarray(sk["mean"], np.float64)
-            same = lambda a, b: ((a == b) | (np.isnan(a) & np.isnan(b))).all()
+            # a NaN in the record says nothing (earlier writers' sketches: NaN max / mean where a column held NaN)
+            same = lambda a, b: ((a == b) | np.isnan(b)).all()
             fin = np.isfinite(mean) & np.isfinite(want_mean)
             if not (same(np.float32(lo).astype(np.float64), want_lo) and same(np.float32(hi).astype(np.float64), want_hi)):
                 why = "its min / max differ from the record's"
