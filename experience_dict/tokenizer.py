@@ -105,6 +105,23 @@ def align_groups(actions: np.ndarray, is_pad: np.ndarray | None, r: int,
     return a, a[..., -1, :].copy(), group_mask
 
 
+def episode_windows(episode_actions: Sequence[np.ndarray], r: int, relative_dims: Sequence[int],
+                    absolute_dims: Sequence[int], action_dim: int, stride: int = 1) -> np.ndarray:
+    """Every window of ``r`` consecutive actions (step ``stride``) of every episode, aligned (``align_groups``):
+    ``(N, r, D)`` float32 (``N = 0`` when no episode has ``r`` actions).
+
+    Args:
+        episode_actions: list of (T_i, D) raw actions.
+    """
+    windows = []
+    for a in episode_actions:
+        a = np.asarray(a, dtype=np.float32)
+        if len(a) >= r:
+            idx = np.arange(0, len(a) - r + 1, stride)[:, None] + np.arange(r)[None]
+            windows.append(align_groups(a[idx], None, r, relative_dims, absolute_dims)[0][:, 0])
+    return np.concatenate(windows) if windows else np.zeros((0, r, action_dim), np.float32)
+
+
 @dataclass
 class FitReport:
     """What ``ActionTokenizer.fit`` measured on its training groups (raw action units)."""
@@ -207,13 +224,7 @@ class ActionTokenizer:
             ``{"groups": N, "outside": groups with any dimension outside, "share": outside / N (0 when N = 0),
             "outside_per_dim": [D counts], "low": [D], "high": [D], "seen_low": [D], "seen_high": [D]}``.
         """
-        windows = []
-        for a in episode_actions:
-            a = np.asarray(a, dtype=np.float32)
-            if len(a) >= self.r:
-                idx = np.arange(len(a) - self.r + 1)[:, None] + np.arange(self.r)[None]
-                windows.append(align_groups(a[idx], None, self.r, self.relative_dims, self.absolute_dims)[0][:, 0])
-        g = np.concatenate(windows) if windows else np.zeros((0, self.r, self.action_dim), np.float32)
+        g = episode_windows(episode_actions, self.r, self.relative_dims, self.absolute_dims, self.action_dim)
         out = self.outside_range(g) if len(g) else np.zeros((0, self.action_dim), bool)
         flat = g.reshape(-1, self.action_dim)
         return {"groups": int(len(g)), "outside": int(out.any(1).sum()),
@@ -321,16 +332,9 @@ class ActionTokenizer:
         if len(dims) != 1:
             raise ValueError(f"episodes disagree on action dim: {sorted(dims)}")
         D = dims.pop()
-        windows = []
-        for a in episode_actions:
-            a = np.asarray(a, dtype=np.float32)
-            if len(a) < r:
-                continue
-            idx = np.arange(0, len(a) - r + 1, stride)[:, None] + np.arange(r)[None]
-            windows.append(align_groups(a[idx], None, r, relative_dims, absolute_dims)[0][:, 0])
-        if not windows:
+        groups = episode_windows(episode_actions, r, relative_dims, absolute_dims, D, stride)  # (N, r, D)
+        if not len(groups):
             raise ValueError(f"no episode has at least r={r} actions")
-        groups = np.concatenate(windows)  # (N, r, D)
         low = groups.reshape(-1, D).min(0).astype(np.float64)
         high = groups.reshape(-1, D).max(0).astype(np.float64)
         # Provisional tokenizer (empty BPE) to compute the coefficient range with the real normalization.

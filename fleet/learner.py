@@ -99,6 +99,7 @@ class FertLearner:
         self.state = self._load_state()
         self._fert = None
         self._reader = None
+        self._range_seen: set[str] = set()   # fleet episodes whose actions tokenizer_range has counted
 
     # ------------------------------------------------------------------ state
     def _load_state(self) -> dict:
@@ -152,11 +153,10 @@ class FertLearner:
         tok = getattr(policy, "tokenizer", None)
         if tok is None:
             return None
-        seen = self.__dict__.setdefault("_range_seen", set())
         new = [m for m in self._reader.episodes(is_demo=False)
-               if int(m.unit_id) not in self.heldout and m.episode_id not in seen]
+               if int(m.unit_id) not in self.heldout and m.episode_id not in self._range_seen]
         rep = tok.range_report([self._reader.load_episode(m.episode_id, ["action"])["action"] for m in new])
-        seen.update(m.episode_id for m in new)
+        self._range_seen.update(m.episode_id for m in new)
         rep["episodes"] = len(new)
         warn = float(self.cfg["fert"].get("tokenizer_range_warn", 0.05))
         if rep["groups"] and rep["share"] > warn:

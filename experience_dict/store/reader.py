@@ -599,13 +599,39 @@ class ExperienceStore:
                     for x in mine:
                         if x.start < b and x.start + x.length > a:
                             out.setdefault(x.episode_id, f"shard {shard!r}, array {name!r}, chunk {c}: {err}")
-        want = list(keys) if keys is not None else self.keys
-        for x in eps:   # readable chunks that hold another place's data: the rows disagree with the record
-            if x.episode_id not in out:
+        # readable chunks that hold another place's data: the rows disagree with the record
+        for i, why in self._rows_mismatches([x for x in eps if x.episode_id not in out], keys).items():
+            out.setdefault(i, why)
+        return out
+
+    def _rows_mismatches(self, episodes: Sequence[EpisodeMeta], keys: Sequence[str] | None = None) -> dict[str, str]:
+        """``{episode_id: reason}`` for the ``episodes`` whose rows of ``keys`` (default: all) cannot be read or
+        disagree with their commit record's statistics (:meth:`check_rows`). One read per shard and array covers
+        every episode (a lowdim chunk holds many episodes); when that read fails, each episode is read alone."""
+        keys = list(keys) if keys is not None else self.keys
+        by_array: dict[str, list[str]] = {}
+        for k in keys:
+            by_array.setdefault(self._where[k][0], []).append(k)
+        out: dict[str, str] = {}
+        for shard in sorted({e.shard for e in episodes}):
+            mine = [e for e in episodes if e.shard == shard]
+            lo, hi = min(e.start for e in mine), max(e.start + e.length for e in mine)
+            for name, ks in by_array.items():
                 try:
-                    self.load_episode(x.episode_id, want)
-                except CorruptChunkError as e:
-                    out[x.episode_id] = str(e)
+                    rows = self._read_array(shard, name, lo, hi)
+                except CorruptChunkError:
+                    rows = None
+                for e in mine:
+                    if e.episode_id in out:
+                        continue
+                    try:
+                        block = (rows[e.start - lo:e.start + e.length - lo] if rows is not None else
+                                 self._read_array(shard, name, e.start, e.start + e.length))
+                        for k in ks:
+                            cols = self._where[k][1]
+                            self.check_rows(e, k, block if cols is None else _columns(block, cols))
+                    except CorruptChunkError as err:
+                        out[e.episode_id] = str(err)
         return out
 
     def readable(self, episodes: Sequence[EpisodeMeta], keys: Sequence[str] | None = None,
@@ -800,13 +826,11 @@ class ExperienceStore:
             non_finite += [{"shard": shard, "key": k, "rows": n, "episodes": sorted(ids)}
                            for k in self.features if k in bad_rows for n, ids in [bad_rows[k]]]
         flagged = {i for p in problems for i in p["episodes"]}
-        for e in self.episodes(quarantined=None):   # readable chunks holding another place's data
-            if e.episode_id not in flagged:
-                try:
-                    self.load_episode(e.episode_id)
-                except CorruptChunkError as err:
-                    problems.append({"shard": e.shard, "key": None, "chunk": None, "error": str(err),
-                                     "episodes": [e.episode_id]})
+        # readable chunks holding another place's data
+        for i, err in self._rows_mismatches([e for e in self.episodes(quarantined=None)
+                                             if e.episode_id not in flagged]).items():
+            problems.append({"shard": self._episodes[i].shard, "key": None, "chunk": None, "error": err,
+                             "episodes": [i]})
         for shard in self.shards():   # commit records are numbered 0, 1, ... per writer: a gap is a lost record
             have = {int(e.episode_id.rsplit("-", 1)[1]) for e in self.episodes(shard=shard, quarantined=None)}
             lost = sorted(set(range(max(have) + 1)) - have) if have else []
