@@ -103,7 +103,7 @@ RULES: dict[str, Rule] = {
     "fleet.units": POS, "fleet.episodes_per_unit": optional(POS), "fleet.wall_time_s": optional(number(0, open_lo=True)),
     "fleet.episode_timeout_s": optional(number(0, open_lo=True)), "fleet.max_restarts": integer(-1),
     "fleet.max_recreates": integer(0), "fleet.max_trial_faults": POS, "fleet.trial_retries": integer(0),
-    "fleet.torch_threads": POS, "fleet.placement": one_of("pack", "spread"),
+    "fleet.torch_threads": POS, "fleet.head_lost_after_s": number(0), "fleet.shard_wait_s": number(0), "fleet.placement": one_of("pack", "spread"),
     "fleet.policy_server": lambda v: None if v in (True, False, "auto") else "true, false or 'auto'",
     "robot.stratify_block": optional(integer(0)),
     "job.base_steps": POS, "job.base_select": one_of("val_loss", "success"), "job.base_select_trials_per_task": POS, "job.demos_per_task": POS, "job.seeds": int_list(0),

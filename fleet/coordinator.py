@@ -19,6 +19,8 @@ Ctrl-C stops the fleet: running episodes are dropped, every committed episode st
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -78,6 +80,90 @@ def ensure_ray(fleet_cfg: dict) -> None:
     # machine started with `ray start` (which a bare ray.init() would join)
     ray.init(address="local", num_cpus=fleet_cfg.get("num_cpus"), include_dashboard=False, logging_level="WARNING",
              log_to_driver=bool(fleet_cfg.get("log_to_driver", True)))
+
+
+HEAD_LOST_EXIT = 3   # the process's exit status when the Ray head of a joined cluster is lost (HeadWatch)
+
+
+def head_address(fleet_cfg: dict) -> str | None:
+    """``host:port`` of the joined cluster's head to watch (its GCS; for ``ray://host:port`` the client server's
+    port), or None for a local instance. Call after ``ensure_ray``."""
+    address = fleet_cfg.get("ray_address")
+    if not address:
+        return None
+    if str(address).startswith("ray://"):
+        return str(address)[len("ray://"):]
+    import ray
+
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - an older Ray: the address as given, when it names a host
+        return None if str(address) == "auto" else str(address)
+
+
+class HeadWatch:
+    """Ends the process when a joined Ray cluster's head becomes unreachable, before Ray does it its own way.
+
+    When the head (its GCS) goes away mid-run, Ray's driver either aborts in a native check (``WrongClusterID``,
+    a C++ stack trace, once a new head answers at the address) or exits 1 after its 60 s reconnect timeout with
+    no word about the run. This thread opens a TCP connection to the head every ``probe_s`` seconds; once it has
+    failed for ``lost_after_s`` seconds in a row it calls ``on_lost(down_s)`` (which writes what the run has and
+    says so in one line) and ends the process with ``HEAD_LOST_EXIT`` (``os._exit``: Ray's own threads could
+    otherwise abort first). Committed episodes are in the store already; re-running the same command resumes.
+
+    Args:
+        address: ``host:port`` of the head's GCS.
+        on_lost: called once from the watch thread with the seconds the head has been unreachable.
+        lost_after_s: how long the head must stay unreachable (seconds; > 0).
+        probe_s: seconds between probes.
+        exit: called with ``HEAD_LOST_EXIT`` after ``on_lost`` (``os._exit``; a test passes its own).
+    """
+
+    def __init__(self, address: str, on_lost: Callable[[float], None], lost_after_s: float = 10.0,
+                 probe_s: float = 1.0, exit: Callable[[int], None] = os._exit):
+        host, _, port = str(address).rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"HeadWatch: expected the head's address as host:port, given {address!r}")
+        if lost_after_s <= 0:
+            raise ValueError(f"HeadWatch: lost_after_s must be > 0 seconds, given {lost_after_s}")
+        self.host, self.port, self.on_lost = host, int(port), on_lost
+        self.lost_after_s, self.probe_s, self._exit = float(lost_after_s), float(probe_s), exit
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fleetmind-head-watch", daemon=True)
+
+    def start(self) -> HeadWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def reachable(self) -> bool:
+        """Whether a TCP connection to the head opens within ``probe_s`` seconds."""
+        import socket
+
+        try:
+            with socket.create_connection((self.host, self.port), timeout=max(self.probe_s, 0.5)):
+                return True
+        except OSError:
+            return False
+
+    def _run(self) -> None:
+        down_since: float | None = None
+        while not self._stop.wait(self.probe_s):
+            if self.reachable():
+                down_since = None
+                continue
+            now = time.monotonic()
+            down_since = now if down_since is None else down_since
+            if now - down_since >= self.lost_after_s and not self._stop.is_set():
+                try:
+                    self.on_lost(now - down_since)
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    self._exit(HEAD_LOST_EXIT)
+                return
 
 
 def policy_spec(cfg: dict, policy: Any = None) -> dict:
@@ -223,13 +309,18 @@ class Fleet:
         is_demo: committed with every episode.
         faults: test hook, unit id -> ``RobotWorker`` fault dict.
         use_server: serve a trained policy from one batched ``PolicyServer`` (default: ``server_wanted(cfg.fleet)``).
+        on_head_lost: on a joined cluster (``fleet.ray_address``), called as ``on_head_lost(result, address,
+            down_s)`` from ``HeadWatch``'s thread when the head has been unreachable ``fleet.head_lost_after_s``
+            seconds (``result``: the running ``FleetResult`` so far, or None before ``run``); the process then
+            exits with ``HEAD_LOST_EXIT``. Default: one line on stderr.
     Raises:
         ValueError: more units requested than ``robot.train_units`` holds, or no units.
     """
 
     def __init__(self, cfg, policy: Any = None, units: list[int] | None = None, tasks: list[str] | None = None,
                  store_url: str | None = None, is_demo: bool = False, faults: dict[int, dict] | None = None,
-                 use_server: bool | None = None):
+                 use_server: bool | None = None,
+                 on_head_lost: Callable[[FleetResult | None, str, float], None] | None = None):
         self.cfg = _plain(cfg)
         self.fcfg = self.cfg["fleet"]
         if units is None:
@@ -256,6 +347,9 @@ class Fleet:
         self.recreates: Counter = Counter()
         self.unit_nodes: dict[int, str] = {}   # unit -> Ray node id of its worker
         self._reader = None
+        self.on_head_lost = on_head_lost
+        self.head_watch: HeadWatch | None = None
+        self.result: FleetResult | None = None   # the running (or last) run's result, filled as episodes commit
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Fleet:
@@ -270,6 +364,9 @@ class Fleet:
         import ray
 
         ensure_ray(self.fcfg)
+        address, lost_after = head_address(self.fcfg), float(self.fcfg.get("head_lost_after_s", 10) or 0)
+        if address and lost_after > 0 and self.head_watch is None:
+            self.head_watch = HeadWatch(address, lambda down_s: self._head_lost(address, down_s), lost_after).start()
         self._prepare_store()
         if self.use_server and self.policy["kind"] == "checkpoint":
             from fleet.policy_server import make_policy_server
@@ -281,11 +378,19 @@ class Fleet:
             self.policy = {**self.policy, "server": self.server}
         total = ray.cluster_resources().get("CPU", 1.0)
         self.worker_cpus = float(self.fcfg.get("worker_cpus") or min(1.0, total / len(self.units)))
-        for u in self.units:
-            self.actors[u] = self._make_actor(u)
-        # wait until every worker has built its env and opened its shard (surfaces config errors here)
-        self.pids = dict(zip(self.actors, ray.get([a.pid.remote() for a in self.actors.values()])))
-        self.unit_nodes = dict(zip(self.actors, ray.get([a.node.remote() for a in self.actors.values()])))
+        try:
+            for u in self.units:
+                self.actors[u] = self._make_actor(u)
+            # wait until every worker has built its env and opened its shard (surfaces config errors here)
+            ready = dict(zip(self.actors, ray.get([a.ready.remote() for a in self.actors.values()])))
+            refused = {u: r["refusal"] for u, r in ready.items() if r["refusal"] is not None}
+            if refused:
+                raise _refusal(refused, self.store_url)
+        except BaseException:
+            self.shutdown()   # no worker outlives a failed start (each holds a store shard)
+            raise
+        self.pids = {u: r["pid"] for u, r in ready.items()}
+        self.unit_nodes = {u: r["node"] for u, r in ready.items()}
 
     def _prepare_store(self) -> None:
         """Create the store once, from the driver, before workers open their shards (avoids a creation race)."""
@@ -320,6 +425,9 @@ class Fleet:
         import ray
         from ray.exceptions import RayActorError
 
+        if self.head_watch is not None:
+            self.head_watch.stop()
+            self.head_watch = None
         actors = list(self.actors.values()) + ([self.server] if self.server is not None else [])
         for a in actors:
             try:
@@ -422,8 +530,17 @@ class Fleet:
         if policy is not None:
             self.policy = policy_spec(self.cfg, policy)
         budget = make_budget(self.unit_tasks, self.fcfg, episodes_per_unit, wall_time_s, episodes_per_task, plan)
-        result = FleetResult(restarts={u: 0 for u in self.units})
+        result = self.result = FleetResult(restarts={u: 0 for u in self.units})
         return RunSupervisor(self, budget, result, progress, should_stop, on_episode).run()
+
+    def _head_lost(self, address: str, down_s: float) -> None:
+        """``HeadWatch``'s callback: the user's ``on_head_lost``, or one line on stderr."""
+        if self.on_head_lost is not None:
+            self.on_head_lost(self.result, address, down_s)
+            return
+        n = len(self.result.episodes) if self.result is not None else 0
+        print(f"\nfleet: the Ray head at {address} was lost (unreachable for {down_s:.0f} s); the {n} episodes this "
+              f"run committed to {self.store_url} are kept; re-run the same command to resume", file=sys.stderr)
 
     def server_stats(self, reset: bool = False) -> dict | None:
         """The policy server's batch-size and latency report (``PolicyServer.stats``; ``reset``: start counting
@@ -434,6 +551,19 @@ class Fleet:
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+def _refusal(refused: dict[int, Exception], store_url: str) -> Exception:
+    """The one exception that says why the store refused these units (the first unit's, its type kept; a
+    ``WriterBusyError`` says what to do about the other fleet)."""
+    from experience_dict.store import WriterBusyError
+
+    u, err = next(iter(sorted(refused.items())))
+    more = f" (and units {sorted(refused)[1:]})" if len(refused) > 1 else ""
+    if isinstance(err, WriterBusyError):
+        return WriterBusyError(f"unit {u}{more}: {err}; another fleet is writing this store: wait for it to end, "
+                               f"stop it, or give this run its own store.url (not {store_url!r})")
+    return type(err)(f"unit {u}{more}: {err}")
+
+
 def collect(cfg, policy: Any = "expert", is_demo: bool = True, episodes_per_task: int = 10,
             units: list[int] | None = None, store_url: str | None = None, progress: bool = True) -> FleetResult:
     """Collect ``episodes_per_task`` episodes of every task of ``cfg.task`` on the fleet, in parallel.

@@ -156,6 +156,17 @@ class TorchPolicy:
         return a.reshape(-1).astype(np.float32)
 
 
+def policy_input_shapes(config) -> dict[str, list[int]]:
+    """``{feature: shape}`` a policy config reads: its ``input_shapes``, or ``state_keys`` with ``state_dims``
+    (the state-only policies); ``{}`` when it declares neither."""
+    shapes = getattr(config, "input_shapes", None)
+    if shapes:
+        return {str(k): [int(d) for d in v] for k, v in dict(shapes).items()}
+    if hasattr(config, "state_dims"):
+        return {str(k): [int(d)] for k, d in zip(config.state_keys, config.state_dims)}
+    return {}
+
+
 # ---------------------------------------------------------------------------------------------------- server
 class ObservationHistory:
     """One episode's inference sample, step by step, for the policy server: ``policies.history.WindowHistory``

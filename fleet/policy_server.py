@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fleet.policies import load_checkpoint, resolve_device
+from fleet.policies import load_checkpoint, policy_input_shapes, resolve_device
 
 
 class PolicyServer:
@@ -89,8 +89,10 @@ class PolicyServer:
         return model
 
     def info(self, version: int | None = None) -> dict[str, Any]:
-        """What a worker needs to build requests: ``{"version", "window_spec", "n_action_steps", "action_dim",
-        "horizon"}`` of ``version`` (``None``: latest). Raises ``RuntimeError`` when nothing is published."""
+        """What a worker needs to build requests and check that the version fits its robot: ``{"version",
+        "window_spec", "n_action_steps", "action_dim", "horizon", "input_shapes"}`` of ``version`` (``None``:
+        latest; ``input_shapes``: ``{feature: shape}`` the policy reads). Raises ``RuntimeError`` when nothing is
+        published."""
         version = self.latest_version() if version is None else version
         if version is None:
             raise RuntimeError(f"PolicyServer: registry {self.registry_url!r} has no published version yet")
@@ -99,7 +101,7 @@ class PolicyServer:
         spec = model.inference_window_spec() if hasattr(model, "inference_window_spec") else model.window_spec()
         return {"version": version, "window_spec": {k: (s, list(o)) for k, (s, o) in spec.items()},
                 "n_action_steps": int(cfg.n_action_steps), "action_dim": int(cfg.action_dim),
-                "horizon": int(cfg.horizon)}
+                "horizon": int(cfg.horizon), "input_shapes": policy_input_shapes(cfg)}
 
     # ------------------------------------------------------------------ batching
     async def predict_chunk(self, sample: dict[str, np.ndarray], version: int, noise_scale: float = 1.0) -> np.ndarray:

@@ -29,6 +29,7 @@ from fleet.policies import (
     RandomPolicy,
     TorchPolicy,
     load_checkpoint,
+    policy_input_shapes,
     resolve_device,
 )
 from fleet.rollout import rollout
@@ -162,7 +163,17 @@ class RobotWorker:
         # every env / GL call runs on this one thread: an EGL context is current in one thread only, and the
         # actor answers progress() on a second thread while an episode runs
         self._sim_thread = ThreadPoolExecutor(1, thread_name_prefix=f"unit{self.unit_id}")
-        self._sim_thread.submit(self._open, store_url).result()
+        # a store that refuses this unit (another live fleet holds its shard, a spec that does not fit) is kept and
+        # reported by ready(), not raised here: an actor whose constructor raises has Ray print the whole traceback
+        # from the worker's log before the coordinator can say the one-line reason
+        from experience_dict.store import StoreError
+
+        self.refusal: Exception | None = None
+        self.episode_index = 0
+        try:
+            self._sim_thread.submit(self._open, store_url).result()
+        except StoreError as e:
+            self.refusal = e
         self.policy = None  # the current trained-policy acting object (None for expert/random)
         self.policy_version: int | None = None
         self.server_info: dict | None = None
@@ -176,7 +187,7 @@ class RobotWorker:
         configure_storage({**dict(self.cfg.get("store") or {}), "url": store_url})   # this process's storage options
         spec = self._env(self.tasks[0]).spec_dict()
         self.store = ExperienceStore.create_or_open(store_url, spec=spec, control_hz=spec.get("control_hz"))
-        self.writer = self._open_writer()  # recovers a crashed shard
+        self.writer = self._open_writer(float(self.cfg["fleet"].get("shard_wait_s", 30.0)))  # recovers a crashed shard
         # resume the episode count (and so the seeds) from the shard's committed episodes, as they are now that
         # this process holds the shard (another process may have committed while this one waited for the lock)
         self.store.refresh()
@@ -251,11 +262,11 @@ class RobotWorker:
         this unit's env has, with the same shapes, and writes actions of the env's width."""
         model = getattr(self.policy, "model", None)
         cfg = getattr(model, "config", None)
-        if cfg is None or getattr(self, "_fits", None) == (self.policy_version, task):
+        served = getattr(self.policy, "input_shapes", None)   # a policy server's version (its info())
+        if (cfg is None and served is None) or getattr(self, "_fits", None) == (self.policy_version, task):
             return
         spec = self._env(task).spec_dict()
-        shapes = getattr(cfg, "input_shapes", None) or (
-            {k: [int(d)] for k, d in zip(cfg.state_keys, cfg.state_dims)} if hasattr(cfg, "state_dims") else {})
+        shapes = served if cfg is None else policy_input_shapes(cfg)
         for k, shape in shapes.items():
             if k not in spec:
                 raise ValueError(f"the policy reads {k!r}, which task {task!r} on unit {self.unit_id} does not "
@@ -264,7 +275,7 @@ class RobotWorker:
                 raise ValueError(f"the policy reads {k!r} of shape {list(shape)}; task {task!r} on unit "
                                  f"{self.unit_id} gives {list(spec[k]['shape'])} (a checkpoint trained for "
                                  "another robot or observation config)")
-        adim = getattr(cfg, "action_dim", None)
+        adim = getattr(cfg, "action_dim", None) if cfg is not None else getattr(self.policy, "action_dim", None)
         if adim is not None and [int(adim)] != list(spec["action"]["shape"]):
             raise ValueError(f"the policy writes {adim}-d actions; the env takes {list(spec['action']['shape'])}")
         self._fits = (self.policy_version, task)
@@ -308,6 +319,7 @@ class RobotWorker:
             info = self._server_call("info", version)
             self.policy = ChunkQueuePolicy(server, info["version"], info["window_spec"], info["n_action_steps"],
                                            info["action_dim"], retry_s=float(self.cfg["fleet"].get("server_retry_s", 60)))
+            self.policy.input_shapes = info.get("input_shapes") or {}   # what _check_fits compares with the env
             self.policy_version = info["version"]
             return
         import torch
@@ -519,6 +531,8 @@ class RobotWorker:
             self.policy_cfg, self.policy, self.policy_version = dict(policy), None, None
         if seed is not None and int(n) != 1:
             raise ValueError(f"run_episodes: an explicit seed is for one episode, given n={n}")
+        if self.refusal is not None:   # a restarted worker whose shard is still held: the coordinator retries
+            raise self.refusal
         return self._sim_thread.submit(self._run_episodes, int(n), task, seed, explore).result()
 
     def _run_episodes(self, n: int, task: str | None, seed: int | None = None,
@@ -543,6 +557,12 @@ class RobotWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def ready(self) -> dict[str, Any]:
+        """``{"pid", "node", "refusal"}`` once the constructor is done: ``refusal`` is the store's refusal of this
+        unit (``experience_dict.store.StoreError``, e.g. ``WriterBusyError`` when another live fleet holds the
+        unit's shard past the 30 s wait) or None."""
+        return {"pid": os.getpid(), "node": self.node(), "refusal": self.refusal}
 
     def node(self) -> str:
         """The Ray node id (hex) this worker runs on (where it was placed, or re-placed after a node loss)."""

@@ -330,7 +330,10 @@ def plot_curves(curve: list[dict], sync: list[dict], path: Path) -> None:
 def main() -> None:
     import hydra
 
+    from fleet.refusals import one_line_refusals
+
     @hydra.main(version_base=None, config_path="../configs", config_name="config")
+    @one_line_refusals("async run")
     def _main(cfg) -> None:
         from configs.schema import check_or_exit
 

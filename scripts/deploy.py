@@ -62,7 +62,11 @@ def sim_robot_defaults(fields: dict, input_shapes: dict, meta: dict) -> dict:
     return fields
 
 
+from fleet.refusals import one_line_refusals  # noqa: E402 - after passive_wait (torch not loaded here)
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
+@one_line_refusals("deploy")   # a refusal (store, registry, policy): one line, exit 2, the trace in the run's log
 def main(cfg: DictConfig) -> None:
     from configs.schema import check_or_exit
 

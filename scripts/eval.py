@@ -65,7 +65,11 @@ def resolve_arms(ecfg: dict) -> dict[str, str]:
     return out
 
 
+from fleet.refusals import one_line_refusals  # noqa: E402 - after passive_wait (torch not loaded here)
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
+@one_line_refusals("eval")   # a refusal (store, registry, policy): one line, exit 2, the trace in the run's log
 def main(cfg: DictConfig) -> None:
     from configs.schema import check_or_exit
 

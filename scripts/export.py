@@ -69,7 +69,11 @@ def onnx_steps(given, ckpt: Path) -> list[int]:
     return [int(cfg["num_inference_steps"])] if has_graph and "num_inference_steps" in cfg else []
 
 
+from fleet.refusals import one_line_refusals  # noqa: E402 - after passive_wait (torch not loaded here)
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
+@one_line_refusals("export")   # a refusal (store, registry, policy): one line, exit 2, the trace in the run's log
 def main(cfg: DictConfig) -> None:
     from configs.schema import check_or_exit
 

@@ -11,8 +11,11 @@ Prints per-task and per-unit success tables and writes them, with every episode 
 
 Exit status: 0 when every unit ran its budget; 1 (with a summary saying why) when the run committed nothing,
 gave up a unit (its trials kept committing nothing: an error in the env or the policy, a NaN at the first
-step) or the store's ``verify`` fails; 2 when the acting policy cannot be built (e.g. a checkpoint of the wrong
-shape; said once, not retried).
+step) or the store's ``verify`` fails; 2 on a refusal, said in one line with the full trace in the run's log
+file (``fleet.refusals``): the acting policy cannot be built (e.g. a checkpoint of the wrong shape), another live
+fleet holds a unit's shard (``WriterBusyError``), a missing or tampered checkpoint; 3 when the Ray head of a
+joined cluster is lost mid-run (``fleet.head_lost_after_s``): one line, the partial ``fleet_result.json``
+(``"complete": false``) and the command that resumes.
 """
 
 from __future__ import annotations
@@ -31,21 +34,52 @@ passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of sp
 from fleet.coordinator import Fleet
 
 
+def result_json(result, server: dict | None, verify_ok: bool | None, **extra) -> dict:
+    """``fleet_result.json``'s content: the run's episodes, restarts, failures, success tables and store check."""
+    return {"episodes": result.episodes, "restarts": result.restarts, "failures": result.failures,
+            "interrupted": result.interrupted, "wall_s": result.wall_s,
+            "success_by_task": {k: list(v) for k, v in result.success_by("task").items()},
+            "success_by_unit": {str(k): list(v) for k, v in result.success_by("unit_id").items()},
+            "policy_server": server, "store_verify_ok": verify_ok,
+            "terminations": result.terminations, "faulted": result.faulted,
+            "dropped_units": result.dropped_units, **extra}
+
+
+def head_lost_handler(out: Path, store_url: str):
+    """``Fleet(on_head_lost=...)``: write the partial ``fleet_result.json`` (``"head_lost"`` says when and where;
+    the store is not verified) and say in one line what happened, what is kept and how to resume."""
+    import shlex
+
+    def on_lost(result, address: str, down_s: float) -> None:
+        from fleet.coordinator import FleetResult
+
+        result = result or FleetResult()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result_json(result, None, None, complete=False,
+                                              head_lost={"address": address, "unreachable_s": round(down_s, 1)}),
+                                  indent=1))
+        print(f"\nfleet: the Ray head at {address} was lost mid-run (unreachable for {down_s:.0f} s): "
+              f"{len(result.episodes)} episodes committed to {store_url} are kept; partial results: {out}; "
+              f"once the head is back, resume (each unit continues its seeds from its shard) with: "
+              f"python scripts/rollout.py {shlex.join(sys.argv[1:])}", file=sys.stderr, flush=True)
+
+    return on_lost
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     from configs.schema import check_or_exit
 
     check_or_exit(cfg)   # every value against its rule, before any work
-    from fleet.worker import PolicyLoadError
+    from fleet.refusals import one_line_refusals
 
-    try:
-        with Fleet(cfg) as fleet:
+    out = Path(cfg.output_dir) / "fleet_result.json"
+    # a refusal (another fleet holds a shard, a checkpoint that cannot be built, a tampered registry): its
+    # one-line cause on stderr, exit 2, the full trace in the run's log file
+    with one_line_refusals("fleet"):
+        with Fleet(cfg, on_head_lost=head_lost_handler(out, str(cfg.store.url))) as fleet:
             result = fleet.run()
             server = fleet.server_stats()
-    except PolicyLoadError as e:
-        cause = getattr(e, "cause", None) or e   # Ray wraps the worker's exception; its cause is ours
-        print(f"fleet: {cause}", file=sys.stderr)
-        raise SystemExit(2) from None
     print(f"\n{len(result.episodes)} episodes, {result.steps} steps in {result.wall_s:.1f} s "
           f"({result.steps / max(result.wall_s, 1e-9):.0f} steps/s); restarts {result.restarts}"
           + (" (interrupted)" if result.interrupted else ""))
@@ -56,15 +90,8 @@ def main(cfg: DictConfig) -> None:
 
     check = ExperienceStore.open(str(cfg.store.url)).verify()
     print(f"\nstore {cfg.store.url}: {check['episodes']} episodes, verify ok={check['ok']}")
-    out = Path(cfg.output_dir) / "fleet_result.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"episodes": result.episodes, "restarts": result.restarts, "failures": result.failures,
-                               "interrupted": result.interrupted, "wall_s": result.wall_s,
-                               "success_by_task": {k: list(v) for k, v in result.success_by("task").items()},
-                               "success_by_unit": {str(k): list(v) for k, v in result.success_by("unit_id").items()},
-                               "policy_server": server, "store_verify_ok": check["ok"],
-                               "terminations": result.terminations, "faulted": result.faulted,
-                               "dropped_units": result.dropped_units}, indent=1))
+    out.write_text(json.dumps(result_json(result, server, check["ok"], complete=True), indent=1))
     print(f"results: {out}")
     print(f"summary: {result.summary()}")
     bad = [why for why, hit in [("no episode was committed", not result.episodes and not result.interrupted),

@@ -31,7 +31,11 @@ passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of sp
 log = logging.getLogger("train")
 
 
+from fleet.refusals import one_line_refusals  # noqa: E402 - after passive_wait (torch not loaded here)
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
+@one_line_refusals("train")   # a refusal (store, registry, policy): one line, exit 2, the trace in the run's log
 def main(cfg: DictConfig) -> None:
     from configs.schema import check_or_exit
 

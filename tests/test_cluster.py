@@ -116,3 +116,49 @@ def test_a_node_whose_ray_start_exits_is_launched_again(tmp_path):
 
     with pytest.raises(ClusterError, match="node 0 \\(head\\) did not start \\(each launch of 2"):
         NeverUp([{"num_cpus": 1}], log_dir=tmp_path / "never", start_attempts=2).start()
+
+
+@pytest.mark.slow
+def test_head_lost_mid_run_is_one_line_with_partial_results(tmp_path):
+    """The Ray head SIGKILLed under a running ``scripts/rollout.py`` (``fleet.ray_address`` set): the driver ends
+    within ``fleet.head_lost_after_s`` with exit 3 and one line (the head, what is kept, the command that resumes)
+    and writes the partial ``fleet_result.json``, whose episodes are all in the store (before: Ray's native
+    ``WrongClusterID`` abort or exit 1 after 60 s, no message, no result file)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "WANDB_MODE": "disabled"}
+    with LocalRayCluster([{"num_cpus": 2}], log_dir=tmp_path / "cluster") as cluster:
+        cmd = [sys.executable, "scripts/rollout.py", "task=mw_quick", "task.tasks=[reach-v3]", "robot=nominal",
+               "task.max_episode_steps=40", "fleet.units=2", "policy=expert", "fleet.episodes_per_unit=200",
+               "fleet.head_lost_after_s=3", f"store.url={tmp_path}/store", f"hydra.run.dir={tmp_path}/run",
+               f"fleet.ray_address={cluster.address}"]
+        proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        n = 0
+        while n < 4 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(1)
+            try:
+                n = len(ExperienceStore.open(str(tmp_path / "store")).episodes())
+            except Exception:  # noqa: BLE001 - not created yet
+                n = 0
+        assert n >= 4 and proc.poll() is None, "the fleet did not start committing"
+        for pid in reversed(cluster.node_pids(0)):       # the head machine lost: no graceful shutdown
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+    assert proc.returncode == 3, err[-3000:]
+    assert took < 40, f"the driver took {took:.0f} s to end after the head was lost"
+    ours = [ln for ln in err.splitlines() if ln.startswith("fleet: the Ray head")]
+    assert len(ours) == 1 and "resume" in ours[0] and "scripts/rollout.py" in ours[0], err[-3000:]
+    res = json.loads((tmp_path / "run" / "fleet_result.json").read_text())
+    assert res["complete"] is False and res["head_lost"]["unreachable_s"] >= 3
+    committed = {e.episode_id for e in ExperienceStore.open(str(tmp_path / "store")).episodes()}
+    assert res["episodes"] and {e["episode_id"] for e in res["episodes"]} <= committed

@@ -196,6 +196,34 @@ def test_fleet_script_exits_nonzero_and_says_why(tmp_path):
                        capture_output=True, text=True, timeout=600, check=False)
     assert p.returncode == 2 and "cannot build the acting policy" in p.stderr, p.stderr[-2000:]
     assert p.stderr.count("cannot build the acting policy") == 1 and time.monotonic() - t0 < 300
+    # behind the policy server too: the served version's features are checked against the unit's env, and the
+    # refusal is one line (before: a shape error deep in the normalizer, ~370 lines of worker tracebacks, exit 1)
+    p = subprocess.run(base + [f"fleet.checkpoint={bad}", f"hydra.run.dir={tmp_path}/out3", "fleet.policy_server=true",
+                               "fleet.server_device=cpu", f"store.url={tmp_path}/store3"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.count("cannot build the acting policy") == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "observation.environment_state" in p.stderr and "rollout.log" in p.stderr
+    assert "Traceback" in (tmp_path / "out3" / "rollout.log").read_text()    # the full trace, in the run's log
+
+
+@pytest.mark.slow
+def test_second_fleet_on_a_held_store_refuses_in_one_line(tmp_path):
+    """Another live process holds unit 0's shard: the fleet script waits ``fleet.shard_wait_s``, then exits 2
+    with one line naming the holder and what to do, the traceback in the run's log file, not on the console
+    (before: ~140 lines of Ray tracebacks around the WriterBusyError)."""
+    held = worker(tmp_path)                           # unit 0's shard, held by this live process
+    cmd = [sys.executable, "scripts/rollout.py", "task=mw_quick", "task.tasks=[reach-v3]", "robot=nominal",
+           "policy=expert", "fleet.units=1", "fleet.episodes_per_unit=1", "task.max_episode_steps=20",
+           "fleet.shard_wait_s=1", f"store.url={tmp_path}/store", f"hydra.run.dir={tmp_path}/out"]
+    env = {**os.environ, "WANDB_MODE": "disabled", "RAY_AUTH_MODE": "disabled"}
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    held.close()
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-3000:]
+    ours = [ln for ln in p.stderr.splitlines() if ln.startswith("fleet: ")]
+    assert len(ours) == 1 and "WriterBusyError" in ours[0] and f"pid {os.getpid()}" in ours[0], p.stderr[-3000:]
+    assert "store.url" in ours[0] and "Traceback" not in p.stderr
+    assert "WriterBusyError" in (tmp_path / "out" / "rollout.log").read_text()
 
 
 def test_second_process_waits_for_the_shard_then_continues_the_seeds(tmp_path, caplog):
@@ -253,3 +281,52 @@ def test_vectorised_evaluation_counts_a_nan_policy_as_failed_trials(tmp_path):
     out = run_plan_vectorised(cfg_for(tmp_path), str(ckpt), plan, tmp_path / "eval", batch_size=2)
     assert [e["termination"] for e in out] == ["non_finite_action"] * 2
     assert not any(e["success"] for e in out) and all(e["episode_id"] is None for e in out)
+
+
+def test_head_watch_calls_once_when_the_head_stops_answering():
+    """fleet.coordinator.HeadWatch: silent while the head's port answers; once it has been closed for
+    ``lost_after_s`` the callback runs once and the exit hook gets HEAD_LOST_EXIT."""
+    import socket
+
+    from fleet.coordinator import HEAD_LOST_EXIT, HeadWatch
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    calls, exits = [], []
+    watch = HeadWatch(f"127.0.0.1:{srv.getsockname()[1]}", calls.append, lost_after_s=0.5, probe_s=0.1,
+                      exit=exits.append).start()
+    time.sleep(1.0)
+    assert calls == [] and exits == [] and watch.reachable()
+    srv.close()
+    deadline = time.monotonic() + 10
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exits == [HEAD_LOST_EXIT] and len(calls) == 1 and calls[0] >= 0.5
+    watch.stop()
+    with pytest.raises(ValueError, match="host:port"):
+        HeadWatch("auto", calls.append)
+
+
+def test_one_line_refusals_unwraps_causes_and_passes_other_errors(capsys):
+    """fleet.refusals.one_line_refusals: a project refusal, even wrapped (``raise ... from``, Ray's ``.cause``),
+    is one line on stderr and exit 2; any other error propagates unchanged."""
+    from experience_dict.store import WriterBusyError
+    from fleet.refusals import REFUSAL_EXIT, one_line_refusals, unwrap
+
+    class Wrapped(RuntimeError):        # Ray's RayTaskError carries the remote exception as ``.cause``
+        def __init__(self, cause):
+            super().__init__("Traceback (most recent call last):\n  ... 40 lines ...")
+            self.cause = cause
+
+    inner = WriterBusyError("writer 'unit-0000' of 's' is held by another live process (pid 1)")
+    assert unwrap(Wrapped(inner)) is inner
+    with pytest.raises(SystemExit) as e:
+        with one_line_refusals("fleet"):
+            raise Wrapped(inner)
+    assert e.value.code == REFUSAL_EXIT
+    err = capsys.readouterr().err
+    assert err.strip() == f"fleet: WriterBusyError: {inner}" and "Traceback" not in err
+    with pytest.raises(KeyError):
+        with one_line_refusals("fleet"):
+            raise KeyError("not a refusal")

@@ -947,3 +947,13 @@ def test_rows_check_accepts_earlier_writers_nan_sketches(tmp_path):
     r._sketches[eid]["reward"] = {**old, "min": np.array([123.0])}
     with pytest.raises(CorruptChunkError, match="disagree with the statistics"):
         r.check_rows(ep, "reward", rows)
+
+
+def test_missing_store_is_named(tmp_path):
+    """Opening a URL that holds no store raises StoreNotFoundError (a StoreError, so the scripts print it in one
+    line, and a FileNotFoundError, as before) naming the URL."""
+    from experience_dict.store import StoreError, StoreNotFoundError
+
+    with pytest.raises(StoreNotFoundError, match="no experience store at") as e:
+        ExperienceStore.open(str(tmp_path / "no_store"))
+    assert isinstance(e.value, StoreError) and isinstance(e.value, FileNotFoundError)

@@ -15,6 +15,7 @@ from experience_dict.store.schema import (
     SchemaVersionError,
     SpecMismatchError,
     StoreError,
+    StoreNotFoundError,
     StoreWriteError,
     WriterBusyError,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "SchemaVersionError",
     "SpecMismatchError",
     "StoreError",
+    "StoreNotFoundError",
     "StoreWriteError",
     "WriterBusyError",
     "configure_storage",

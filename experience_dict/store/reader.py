@@ -26,6 +26,7 @@ from experience_dict.store.schema import (
     SchemaVersionError,
     SpecMismatchError,
     StoreError,
+    StoreNotFoundError,
     _layout,
     _packable,
     _parse_spec,
@@ -118,7 +119,7 @@ class ExperienceStore:
             group = zarr.open_group(self._zstore, mode="r")
             meta = group.attrs.get(_META_ATTR)
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError) as e:
-            raise FileNotFoundError(f"no experience store at {self.url!r} ({type(e).__name__})") from e
+            raise StoreNotFoundError(f"no experience store at {self.url!r} ({type(e).__name__})") from e
         if meta is None:
             raise StoreError(f"{self.url!r} is a Zarr group but not an experience store (no '{_META_ATTR}' attrs)")
         version = meta.get("schema_version")

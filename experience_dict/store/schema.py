@@ -54,6 +54,10 @@ class StoreWriteError(StoreError, OSError):
     the episode stays open (``commit`` again, or ``abort``)."""
 
 
+class StoreNotFoundError(StoreError, FileNotFoundError):
+    """No experience store at the URL (a ``FileNotFoundError`` too, as before)."""
+
+
 class WriterBusyError(StoreError):
     """Another live process holds the writer id (its shard) of this store."""
 
