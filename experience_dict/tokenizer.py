@@ -258,7 +258,10 @@ class ActionTokenizer:
         new = list({t for t in strings if t not in memo})
         if new:
             if len(memo) + len(new) > MEMO_SIZE:
+                # full: start afresh, and then every string of this call is new (clearing only made room for
+                # ``new`` once dropped the entries this call still looks up: a KeyError on mw10, experiment 31)
                 memo.clear()
+                new = list(set(strings))
             memo.update(zip(new, (e.ids for e in self.bpe.encode_batch(new))))
         return [list(memo[t]) for t in strings]
 

@@ -149,3 +149,20 @@ def test_range_report_counts_clipped_groups(tok):
     out = tok.outside_range(groups).any(1)
     assert out.sum() == rep["outside"] and (err[~out] <= tok.tolerance.max() + 1e-6).all()
     assert tok.range_report([])["groups"] == 0
+
+
+def test_encode_when_the_memo_overflows(tok, monkeypatch):
+    """The memo is bounded (MEMO_SIZE): a call whose new strings overflow it clears it and must still encode
+    the strings it had memoised before (a KeyError on mw10 once the memo filled, experiment 31)."""
+    import experience_dict.tokenizer as tk
+
+    eps = smooth_episodes(n=4, seed=5)
+    groups = align_groups(np.stack([e[:32] for e in eps]), np.zeros((4, 32), bool), 4, [0, 1, 2], [3])[0]
+    groups = groups.reshape(-1, 4, 4)
+    half = len(groups) // 2
+    tok._memo.clear()
+    tok.encode(groups[:half])                               # memoised: the first half
+    monkeypatch.setattr(tk, "MEMO_SIZE", len(tok._memo) + 1)
+    got = tok.encode(groups)                                # old strings + new ones overflow the memo
+    assert got == [e.ids for e in tok.bpe.encode_batch(tok._to_string(tok.coefficients(groups)))]
+    assert len(tok._memo) <= len(groups)
