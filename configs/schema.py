@@ -138,7 +138,69 @@ RULES: dict[str, Rule] = {
     "chaos.kills": integer(0), "chaos.units": POS, "chaos.interval_s": number(0, open_lo=True),
     "async_run.learner_rounds": optional(integer(1)), "async_run.min_new_episodes": optional(integer(1)),
     "async_run.wave": POS, "async_run.max_wall_s": number(0, open_lo=True),
+    # what reaches a model: the policy's shape and sampler (policies.aed_diffusion.AEDDiffusionConfig, mlp_chunk)
+    "policy.action_dim": POS, "policy.n_obs_steps": POS, "policy.horizon": POS, "policy.n_action_steps": POS,
+    "policy.dim": POS, "policy.n_layers": POS, "policy.n_heads": POS, "policy.mlp_ratio": number(0, open_lo=True),
+    "policy.dropout": number(0, 1), "policy.action_patch": POS, "policy.condition_layers": optional(integer(0)),
+    "policy.state_hidden": POS, "policy.hidden_dim": POS, "policy.image_pool": POS,
+    "policy.num_train_timesteps": POS, "policy.num_inference_steps": POS,
+    "policy.aed.history_actions": POS, "policy.aed.group_size": POS, "policy.aed.memory_queries": POS,
+    "policy.aed.memory_layers": integer(0), "policy.aed.tokenizer_scale": number(0, open_lo=True),
+    "policy.aed.tokenizer_vocab_size": POS, "policy.mt_loss.weight": number(0),
+    "policy.mt_loss.decoder_layers": POS, "policy.mt_loss.image_feature_dim": POS,
+    "train.ema_max_decay": number(0, 1), "train.ema_power": number(0, open_lo=True),
+    # what reaches a robot (real or simulated): episode length, safety limits, variation, the policy server
+    "task.max_episode_steps": POS, "task.steps_after_success": integer(0),
+    "deploy.run.episodes": POS, "deploy.run.max_steps": POS, "deploy.run.steps_after_success": integer(0),
+    "deploy.run.num_threads": optional(POS), "deploy.run.seed": integer(0), "deploy.run.unit_id": integer(0),
+    "deploy.safety.max_step_deg": number(0, open_lo=True), "deploy.safety.max_step_gripper": number(0, open_lo=True),
+    "deploy.safety.deadline_s": optional(number(0, open_lo=True)), "deploy.safety.max_misses": integer(0),
+    "deploy.safety.hang_s": optional(number(0, open_lo=True)),
+    "robot.variation.action_gain": number(0, 1), "robot.variation.action_latency_max": integer(0),
+    "robot.variation.obs_noise_std": number(0), "robot.variation.mass_scale": number(0, 1),
+    "robot.variation.friction_scale": number(0, 1), "robot.variation.camera_pos_mm": number(0),
+    "robot.variation.camera_rot_deg": number(0), "robot.variation.light": number(0), "robot.variation.color": number(0),
+    "obs.image_size": POS,
+    "fleet.server_max_batch": POS, "fleet.server_max_wait_ms": number(0), "fleet.server_retry_s": number(0),
+    "fleet.expert_noise_std": number(0),
+    "learner.min_new_episodes": integer(0), "learner.max_wait_s": number(0), "learner.poll_s": number(0, open_lo=True),
+    "learner.torch_threads": optional(POS),
+    "fert.frame_stride": POS, "fert.index_stride": POS, "fert.aed_key_scale_m": number(0, open_lo=True),
+    "fert.gate.beta": number(0, open_lo=True), "fert.gate.max_weight": number(0, open_lo=True),
+    "fert.gate.min_gain": number(0), "fert.onset.tolerance": number(0), "fert.priority.window": POS,
+    "fert.priority.floor": number(0, 1),
+    "eval.seed": integer(0), "eval.videos": integer(0), "eval.video_episodes": integer(0),
+    "job.fleet_episodes_per_unit": POS, "job.val_demos_per_task": integer(0), "job.demo_noise_std": number(0),
+    "job.videos": integer(0), "job.video_episodes": integer(0), "job.sweep_episodes_per_unit": POS,
 }
+
+
+def _ints(cfg: Mapping, *keys: str) -> list[int] | None:
+    vals = [_get(cfg, k) for k in keys]
+    if not all(f and isinstance(v, int) and not isinstance(v, bool) for f, v in vals):
+        return None   # a missing or non-integer value: its own rule says so
+    return [v for _, v in vals]
+
+
+def _cross(cfg: Mapping) -> list[str]:
+    """Rules between keys (each key's own rule has passed or is reported already)."""
+    out = []
+    hz = _ints(cfg, "policy.n_action_steps", "policy.horizon")
+    if hz and hz[0] > hz[1]:
+        out.append(f"policy.n_action_steps: expected <= policy.horizon ({hz[1]}), given {hz[0]}")
+    st = _ints(cfg, "policy.num_inference_steps", "policy.num_train_timesteps")
+    if st and st[0] > st[1]:
+        out.append(f"policy.num_inference_steps: expected <= policy.num_train_timesteps ({st[1]}), given {st[0]}")
+    dh = _ints(cfg, "policy.dim", "policy.n_heads")
+    if dh and dh[1] > 0 and dh[0] % dh[1]:
+        out.append(f"policy.dim: expected a multiple of policy.n_heads ({dh[1]}), given {dh[0]}")
+    hg = _ints(cfg, "policy.aed.history_actions", "policy.aed.group_size")
+    if hg and hg[1] > 0 and hg[0] % hg[1]:
+        out.append(f"policy.aed.history_actions: expected a multiple of policy.aed.group_size ({hg[1]}), given {hg[0]}")
+    hp = _ints(cfg, "policy.horizon", "policy.action_patch")
+    if hp and hp[1] > 0 and hp[0] % hp[1]:
+        out.append(f"policy.horizon: expected a multiple of policy.action_patch ({hp[1]}), given {hp[0]}")
+    return out
 
 
 def _get(cfg: Mapping, dotted: str) -> tuple[bool, Any]:
@@ -226,7 +288,7 @@ def problems(cfg: Mapping) -> list[str]:
         why = rule(v)
         if why is not None:
             out.append(f"{key}: expected {why}, given {v!r}")
-    return out
+    return out + _cross(cfg)
 
 
 def check(cfg: Mapping) -> None:
