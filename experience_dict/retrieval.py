@@ -466,6 +466,17 @@ class FailureContext:
     gain: float = float("nan")    # progress the failed episode made over the gate horizon after its onset
 
 
+def commit_order(m) -> tuple[int, int, int, str]:
+    """A deterministic "oldest first" order of episodes: ``(policy_version, the shard's commit counter, unit,
+    episode id)``. Within a policy version the units' n-th commits come before their (n+1)-th, as when the units
+    run side by side. Wall-clock ``start_time`` is not used: across runs of one seed it orders the same
+    episodes differently (units race), which changed the task priority, the failure contexts kept and their
+    order, and so the round's training data (the run-to-run differences of experiment 29)."""
+    eid = str(m.episode_id)
+    tail = eid.rsplit("-", 1)[-1]
+    return int(m.policy_version), int(tail) if tail.isdigit() else 0, int(m.unit_id), eid
+
+
 def failure_contexts(reader, exclude_units: Iterable[int] = (), units: Iterable[int] | None = None,
                      onsets: Mapping[str, int | tuple[int, str]] | None = None,
                      max_per_task: int | None = None, **filters) -> list[FailureContext]:
@@ -476,7 +487,8 @@ def failure_contexts(reader, exclude_units: Iterable[int] = (), units: Iterable[
         exclude_units / units: unit filters (exclude the held-out units here).
         onsets: ``{episode_id: onset or (onset, method)}`` overriding ``meta.failure_onset`` (e.g. the
             return value of :func:`annotate_failures` when the reader snapshot predates the update).
-        max_per_task: keep only the newest (highest ``policy_version``, then ``start_time``) contexts per task.
+        max_per_task: keep only the newest (``commit_order``: highest ``policy_version``, then the latest
+            commits) contexts per task.
         **filters: passed to ``reader.episodes``.
 
     Returns:
@@ -496,7 +508,7 @@ def failure_contexts(reader, exclude_units: Iterable[int] = (), units: Iterable[
             continue
         by_task.setdefault(m.task, []).append(
             (FailureContext(m.episode_id, m.task, int(m.unit_id), int(m.policy_version), int(onset)),
-             (int(m.policy_version), float(getattr(m, "start_time", 0.0) or 0.0))))
+             commit_order(m)))
     out = []
     for task in sorted(by_task):
         ctx = [c for c, _ in sorted(by_task[task], key=lambda ck: ck[1], reverse=True)]
@@ -550,7 +562,7 @@ class TaskPriority:
         """Update from the store's non-demo episodes not seen yet (oldest first); returns how many."""
         new = [m for m in reader.episodes(is_demo=False)
                if m.episode_id not in self.seen and int(m.unit_id) not in self.exclude_units]
-        new.sort(key=lambda m: (float(getattr(m, "start_time", 0.0) or 0.0), m.episode_id))
+        new.sort(key=commit_order)
         for m in new:
             self.seen.add(m.episode_id)
             self.update(m.task, m.success)

@@ -19,7 +19,8 @@ Sampling: ``WindowDataset`` (state [-1, 0], image [-1, 0], action 0..15, action 
 windows through a torch ``DataLoader`` (batch ``batch_size``) with 1 and 2 worker processes, after one
 warm-up batch: workers building whole batches (``BatchSampler``, ``batch_size=None``) or per-window items +
 ``default_collate``; with the decoded-chunk cache (the dataset fits) and with it off (every image chunk
-read and decoded when needed).
+read and decoded when needed). ``rows_check``: the cost of checking every episode's rows against its commit
+record (checked / unchecked windows per second, alternating runs in this process; ``bench_rows_check``).
 """
 
 from __future__ import annotations
@@ -206,11 +207,17 @@ def bench_write_repeated(cfg: dict, root: Path, spec: dict, obs: list[dict], act
             "paired": paired}, url
 
 
-def bench_sampling(url: str, cfg: dict, workers: int, cache_bytes: int, batched: bool) -> dict:
+def bench_sampling(url: str, cfg: dict, workers: int, cache_bytes: int, batched: bool,
+                   check_rows: bool = True) -> dict:
+    """Windows per second of ``WindowDataset`` through a DataLoader; ``check_rows=False`` turns off the rows
+    check against the commit records (``ExperienceStore.check_rows``, the integrity check a reader cannot skip
+    in production) so that its cost can be measured beside it."""
     import torch
 
     torch.set_num_threads(1)
     reader = ExperienceStore.open(url)
+    if not check_rows:
+        reader.check_rows = lambda *a, **k: None   # the instance only (the forked workers inherit it)
     windows = {"observation.state": ("observation.state", [-1, 0]),
                "observation.images.corner": ("observation.images.corner", [-1, 0]),
                "action": ("action", list(range(16))), "history.action": ("action", list(range(-8, 0)))}
@@ -230,7 +237,24 @@ def bench_sampling(url: str, cfg: dict, workers: int, cache_bytes: int, batched:
         n += len(batch["step"])
     dt = time.perf_counter() - t0
     return {"workers": workers, "loader": "batched (BatchSampler, batch_size=None)" if batched else "default_collate",
-            "cache_MB": cache_bytes / 1e6, "windows": n, "windows_per_s": n / dt}
+            "cache_MB": cache_bytes / 1e6, "windows": n, "windows_per_s": n / dt, "rows_checked": check_rows}
+
+
+def bench_rows_check(url: str, cfg: dict, repeats: int = 3) -> list[dict]:
+    """The rows check's cost on sampling: 1 worker, batched, with the chunk cache and without it (every chunk
+    decode then reads its not-yet-checked episodes whole); checked and unchecked runs alternate ``repeats``
+    times in this process, and the medians' ratio is the figure (checked / unchecked, 1.0 = free)."""
+    out = []
+    for cache in (1 << 30, 0):
+        runs: dict[bool, list[float]] = {True: [], False: []}
+        for rep in range(repeats):
+            for chk in ((True, False) if rep % 2 == 0 else (False, True)):
+                runs[chk].append(bench_sampling(url, cfg, 1, cache, True, check_rows=chk)["windows_per_s"])
+        on, off = float(np.median(runs[True])), float(np.median(runs[False]))
+        out.append({"cache_MB": cache / 1e6, "windows_per_s_checked": on, "windows_per_s_unchecked": off,
+                    "checked_over_unchecked": on / off, "runs": {"checked": runs[True], "unchecked": runs[False]}})
+        print(out[-1])
+    return out
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
@@ -251,9 +275,10 @@ def main(cfg: DictConfig) -> None:
             r = bench_sampling(url, bcfg, workers, cache, batched)
             sampling.append(r)
             print(r)
+    rows_check = bench_rows_check(url, bcfg, int(bcfg.get("repeats", 3)))
     result = {"image_source": source, "image_size": bcfg["image_size"], "cpu_count": os.cpu_count(),
               "loadavg_1min_before_after": [load_before[0], os.getloadavg()[0]],
-              "write": write, "sampling": sampling,
+              "write": write, "sampling": sampling, "rows_check": rows_check,
               "targets": {"write_ratio_min": 0.5, "windows_per_s_min_2_workers": 2000}}
     out = Path(bcfg["out"] or Path(cfg.output_dir) / "bench_store.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -264,6 +289,10 @@ def main(cfg: DictConfig) -> None:
           f"[{pw['paired_ratio_ci95'][0]:.2f}, {pw['paired_ratio_ci95'][1]:.2f}] over {pw['episodes']} episodes, "
           f"against numpy.save's fastest decile {pw['ratio_vs_fast_numpy']:.2f}; ratio of totals "
           f"{write['ratio_zarr_over_numpy']:.2f} (runs {[round(x, 2) for x in write['ratio_zarr_over_numpy_runs']]})")
+    for r in rows_check:
+        print(f"sampling with the rows check / without (cache {r['cache_MB']:.0f} MB, 1 worker): "
+              f"{r['checked_over_unchecked']:.2f} ({r['windows_per_s_checked']:.0f} vs "
+              f"{r['windows_per_s_unchecked']:.0f} windows/s)")
     print(f"wrote {out}")
     shutil.rmtree(root, ignore_errors=True)
 

@@ -36,3 +36,18 @@ def test_bench_write_writes_both_sides_and_reads_back(tmp_path):
     img = store.load_episode(eps[1].episode_id, keys=["observation.images.corner"])["observation.images.corner"]
     np.testing.assert_array_equal(img, np.stack([o["observation.images.corner"] for o in obs]))
     assert not list(tmp_path.glob("write*/npy"))  # numpy.save's files are removed after each run
+
+
+def test_bench_rows_check_runs_both_sides_on_a_real_store(tmp_path):
+    """bench_rows_check: checked and unchecked sampling both read real windows of a real store, with the chunk
+    cache and without it, and each run says which side it was."""
+    from scripts.bench_store import bench_rows_check, bench_sampling
+
+    spec, obs, actions = synthetic_frames(steps=40, size=24)
+    scfg = {"chunk_bytes": 1 << 14, "max_chunk_rows": 64, "image_clevel": 1}
+    _, url = bench_write_repeated({"episodes": 3, "repeats": 1}, tmp_path, spec, obs, actions, scfg)
+    cfg = {"windows": 64, "batch_size": 16}
+    rows = bench_rows_check(url, cfg, repeats=1)
+    assert [r["cache_MB"] for r in rows] == [pytest.approx(1073.741824), 0.0]
+    assert all(r["windows_per_s_checked"] > 0 and r["windows_per_s_unchecked"] > 0 for r in rows)
+    assert bench_sampling(url, cfg, 0, 0, True, check_rows=False)["rows_checked"] is False

@@ -403,3 +403,43 @@ def test_index_switches_to_ivf_above_the_threshold_and_keeps_recall(world):
     assert approx.index.size(meta.task) == (n0 if meta.task == "push-v3" else exact.index.size(meta.task)) + meta.length
     with pytest.raises(ValueError, match="approx_above"):
         SuccessIndex(approx.embedder, approx_above=10)
+
+
+class _Episodes:
+    """A reader's ``episodes()`` over given metadata (the store's own filter semantics for the keys used)."""
+
+    def __init__(self, metas):
+        self.metas = metas
+
+    def episodes(self, success=None, is_demo=None, **_):
+        return [m for m in self.metas if (success is None or m.success == success)
+                and (is_demo is None or m.is_demo == is_demo)]
+
+
+def test_task_priority_and_failure_contexts_do_not_follow_the_wall_clock():
+    """Two runs of one seed commit the same episodes, but the units race, so the wall-clock start times order
+    them differently: the task priority and the failure contexts (which are kept, in which order) must be the
+    same (they followed ``start_time`` before, and the round's training data differed between runs)."""
+    from experience_dict.retrieval import TaskPriority, commit_order, failure_contexts
+    from experience_dict.store.schema import EpisodeMeta
+
+    rng = np.random.default_rng(0)
+    metas = []
+    for u in range(4):
+        for k in range(12):
+            ok = bool(rng.random() < 0.4 + 0.1 * u)
+            metas.append(EpisodeMeta(f"unit-{u:04d}-{k:06d}", u, "sawyer", "push-v3", 2, 1000 * u + k, 0.0, 50, ok,
+                                     None if ok else 10, False, f"unit-{u:04d}", 50 * k))
+
+    def run(start_times):
+        ms = [EpisodeMeta(**{**m.__dict__, "start_time": float(t)}) for m, t in zip(metas, start_times)]
+        pr = TaskPriority("learnability", window=10, floor=0.02)
+        pr.observe(_Episodes(ms))
+        ctx = failure_contexts(_Episodes(ms), max_per_task=6)
+        return pr.state_dict()["recent"], [c.episode_id for c in ctx]
+
+    a = run(rng.permutation(len(metas)))
+    b = run(rng.permutation(len(metas)))
+    assert a == b
+    # newest first: the contexts kept are the last commits of the units (the 12th, 11th, ... of each)
+    assert [commit_order(m) for m in metas][:2] == [(2, 0, 0, "unit-0000-000000"), (2, 1, 0, "unit-0000-000001")]
