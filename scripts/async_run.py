@@ -41,9 +41,11 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+from fleet.progress import calm_progress
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
+calm_progress()  # off a terminal, a progress bar redraws every 30 s, not 15 times a second (fleet/progress.py)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 LEARNER_ENV = "FLEETMIND_ASYNC_LEARNER"
 

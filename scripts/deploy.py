@@ -19,9 +19,11 @@ import json
 import logging
 from pathlib import Path
 
+from fleet.progress import calm_progress
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
+calm_progress()  # off a terminal, a progress bar redraws every 30 s, not 15 times a second (fleet/progress.py)
 
 try:  # LeRobot first: it must load triton before sim initialises EGL (see fleet/deploy/so100_sim_robot/__init__.py)
     import lerobot.robots  # noqa: F401

@@ -1,6 +1,7 @@
 """The thread budget (policies/threads.py): the CPUs a process may use, its share, and OpenMP's passive wait."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,3 +34,35 @@ def test_passive_wait_keeps_a_value_the_environment_gives(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     passive_wait()
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_progress_bars_stay_calm_in_a_log_file(tmp_path):
+    """fleet.progress.calm_progress: with stderr to a file, a bar updated for ~1.5 s writes a couple of
+    redraws, not ~15 a second; on a terminal nothing is set; an existing TQDM_MININTERVAL is kept."""
+    import subprocess
+    import sys
+
+    from fleet.progress import calm_progress
+
+    code = ("import time\nfrom fleet.progress import calm_progress\ncalm_progress({iv})\nfrom tqdm import tqdm\n"
+            "for _ in tqdm(range(150)):\n    time.sleep(0.01)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_MININTERVAL"}
+    sizes = {}
+    for iv in (30, 0.01):
+        log = tmp_path / f"log_{iv}.txt"
+        with open(log, "w") as f:
+            subprocess.run([sys.executable, "-c", code.format(iv=iv)], stderr=f, env=env, check=True,
+                           cwd=str(Path(__file__).resolve().parents[1]))
+        sizes[iv] = log.read_bytes().count(b"\r") + 1
+    assert sizes[30] <= 3 < 20 < sizes[0.01], sizes
+
+    class Tty:
+        def isatty(self):
+            return True
+    os.environ.pop("TQDM_MININTERVAL", None)
+    assert calm_progress(stream=Tty()) is False and "TQDM_MININTERVAL" not in os.environ
+    os.environ["TQDM_MININTERVAL"] = "5"
+    try:
+        assert calm_progress(stream=open(os.devnull, "w")) is False and os.environ["TQDM_MININTERVAL"] == "5"
+    finally:
+        del os.environ["TQDM_MININTERVAL"]
