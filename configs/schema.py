@@ -115,6 +115,7 @@ RULES: dict[str, Rule] = {
     "learner.validate_trials_per_task": integer(0), "learner.validate_tolerance": number(0, 1),
     "learner.validate_alpha": number(0, 1), "learner.round_init": one_of("continue", "published"),
     "learner.validate_task_tolerance": optional(number(0, 1)),
+    "learner.validate_task_correction": one_of("none", "holm"),
     "job.fleet_backend": one_of("vector", "ray"), "job.curve_trials_per_task": integer(0), "job.fleet_critic": boolean,
     "job.overlap_offline_arms": boolean,
     "fert.mix.retrieved": number(0), "fert.mix.distill": number(0), "fert.mix.replay": number(0),

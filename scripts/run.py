@@ -273,6 +273,36 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
             "env_steps": steps, "env_steps_per_s": steps / max(t_fleet, 1e-9)}
 
 
+def tasks_lost(tasks: dict, tolerance: float, alpha: float, correction: str = "none") -> list[str]:
+    """The tasks a candidate loses: paired success difference below ``-tolerance`` and the one-sided exact
+    McNemar test (candidate worse, on the task's discordant trials) significant.
+
+    Args:
+        tasks: ``{task: {"diff", "wins", "losses"}}`` (``fleet.report.paired_differences``' per-task cells).
+        tolerance: a fraction in [0, 1]. alpha: the test's level.
+        correction: ``"none"``: each task tested at ``alpha`` (with m tasks and no true loss, some task is
+            "lost" by chance in up to 1 - (1 - alpha)^m of the rounds); ``"holm"``: Holm's step-down over the m
+            tasks (Holm 1979), the family-wise level ``alpha``.
+    Raises:
+        ValueError: an unknown ``correction``.
+    """
+    from scipy.stats import binomtest
+
+    if correction not in ("none", "holm"):
+        raise ValueError(f"learner.validate_task_correction: expected 'none' or 'holm', given {correction!r}")
+    p = {t: float(binomtest(tc["wins"], tc["wins"] + tc["losses"], 0.5, alternative="less").pvalue)
+         if tc["wins"] + tc["losses"] else 1.0 for t, tc in tasks.items()}
+    if correction == "none":
+        significant = {t for t, pv in p.items() if pv < alpha}
+    else:
+        significant, m = set(), len(p)
+        for i, (t, pv) in enumerate(sorted(p.items(), key=lambda kv: (kv[1], kv[0]))):
+            if pv >= alpha / (m - i):
+                break
+            significant.add(t)
+    return [t for t, tc in tasks.items() if tc["diff"] < -tolerance and t in significant]
+
+
 def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
     """The per-version validation gate of the publishing learner (``learner.validate_trials_per_task`` > 0).
 
@@ -297,6 +327,7 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
     alpha = float(c["learner"].get("validate_alpha", 1.0))
 
     task_tol = c["learner"].get("validate_task_tolerance")
+    task_correction = str(c["learner"].get("validate_task_correction") or "none")
 
     def validate(candidates: dict, r: int, policy_alone: bool = False) -> tuple[str | None, dict]:
         from scipy.stats import binomtest
@@ -323,11 +354,11 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
 
         p_worse = p_less(cell["wins"], cell["losses"])
         accept = cell["diff"] >= -tol or p_worse >= alpha
-        # per task: a task that loses more than validate_task_tolerance, with the one-sided test at alpha, rejects
+        # per task: a task that loses more than validate_task_tolerance, with the one-sided test at alpha (Holm's
+        # step-down over the tasks with learner.validate_task_correction: holm), rejects
         lost = []
         if task_tol is not None:
-            lost = [t for t, tc in pd["tasks"].items()
-                    if tc["diff"] < -float(task_tol) and p_less(tc["wins"], tc["losses"]) < alpha]
+            lost = tasks_lost(pd["tasks"], float(task_tol), alpha, task_correction)
             accept = accept and not lost
         others = ", ".join(f"{k} {100 * rate[k]:.1f}%" for k in candidates if k != best)
         print(f"  validation of round {r} on training units {units}{' (policies alone, K = 1)' if policy_alone else ''}: "

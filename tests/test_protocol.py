@@ -333,3 +333,23 @@ def test_shifted_robot_demonstrations_run_on_their_own_near_nominal_units():
         env.close()
     row = next(r for r in unit_table(c, [0, 200, 100]).splitlines() if r.startswith("| 200 |"))
     assert row.split("|")[3].strip() == "0"          # latency column
+
+
+def test_tasks_lost_with_and_without_holm():
+    """The gate's per-task rule on recorded validations: experiment 33's mw10 round 0 (+6.0 points overall, 33/15)
+    lost bin-picking on 0 wins / 4 losses: rejected per task at alpha 0.1 (p = 0.0625), not under Holm over ten
+    tasks; experiment 32's button-press 0 / 5 (p = 0.031 < 0.1 / 3) is lost under both."""
+    from scripts.run import tasks_lost
+
+    mw10 = {"assembly": (3, 2, 1), "basketball": (7, 3, 1), "bin-picking": (-13, 0, 4), "button-press": (10, 7, 4),
+            "door-open": (13, 4, 0), "drawer-close": (0, 0, 0), "hammer": (7, 4, 2), "push": (-7, 1, 3),
+            "reach": (10, 3, 0), "window-open": (30, 9, 0)}
+    cells = {t: {"diff": d / 100, "wins": w, "losses": lo} for t, (d, w, lo) in mw10.items()}
+    assert tasks_lost(cells, 0.1, 0.1) == ["bin-picking"]
+    assert tasks_lost(cells, 0.1, 0.1, "holm") == []
+    three = {"button-press": {"diff": -0.167, "wins": 0, "losses": 5}, "reach": {"diff": 0.1, "wins": 3, "losses": 0},
+             "window-open": {"diff": -0.067, "wins": 2, "losses": 4}}
+    assert tasks_lost(three, 0.1, 0.1) == tasks_lost(three, 0.1, 0.1, "holm") == ["button-press"]
+    assert tasks_lost(three, 0.2, 0.1, "holm") == []            # within the tolerance: not lost
+    with pytest.raises(ValueError, match="validate_task_correction"):
+        tasks_lost(three, 0.1, 0.1, "bonferroni")
