@@ -116,9 +116,10 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
     Arm("fert_onnx", "fert", "none", "the fert arm's weights exported for deployment (scripts/export.py) and run "
         "by the deploy runtime's ONNX graph, batch 1, as on a robot", critic="export"),
     Arm("fert_no_retrieval", "base", "fert", "the same rounds without retrieval: critic distillation + per-task "
-        "replay of the demonstrations and the fleet's successes (filtered BC + retries)",
+        "replay of the demonstrations and the fleet's successes (filtered BC + retries); its weights alone (K = 1)",
         fert={"mix": {"retrieved": 0.0}}, in_loop=True),
-    Arm("fert_no_distill", "base", "fert", "the same rounds without the critic's distillation: retrieval + replay",
+    Arm("fert_no_distill", "base", "fert", "the same rounds without the critic's distillation: retrieval + replay; "
+        "its weights alone (K = 1)",
         fert={"distill": {"enabled": False}}, in_loop=True),
 ]}
 

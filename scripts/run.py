@@ -556,8 +556,16 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
                 curve.append(pt)
                 state.mark("curve", curve)
             print_curve(curve, seed)
+    published_mode = str(c["learner"].get("round_init")) == "published"
     for arm in in_loop:
         ckpt[arm.name] = make_learner(c, arm, sd / f"learner_{arm.name}", ckpt[arm.init], None, seed).final_checkpoint()
+        if published_mode and arm.name != "fert":
+            # an in-loop ablation is credited like fert: its weights alone (K = 1); its last round's checkpoint
+            # carries that learner's success critic, with which it would run K chunks per decision (experiment
+            # 32's table compared those, with their critics, against fert alone)
+            from fleet.arms import checkpoint_with_critic
+
+            ckpt[arm.name] = checkpoint_with_critic(ckpt[arm.name], sd / "cache" / "arms" / f"{arm.name}_alone", None)
     if any(a.name == "fert" for a in in_loop):
         v = reg.latest_version()
         meta = reg.manifest(v).get("metadata") or {}

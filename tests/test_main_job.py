@@ -229,14 +229,20 @@ def test_default_job_compounds_rounds_with_a_learning_curve_and_the_export_arm(t
             "learner.validate_trials_per_task=2", "job.val_demos_per_task=1", "train.save_every=5",
             "train.batch_size=16", "train.wandb.enabled=false", "train.progress=false",
             "policy.dim=32", "policy.n_layers=1", "policy.n_heads=2", "policy.state_hidden=32",
-            "policy.aed.tokenizer_vocab_size=128"]
+            "policy.aed.tokenizer_vocab_size=128",
+            "job.arms=[base,filtered_bc_retries,fert,fert_critic,fert_onnx,fert_no_distill]"]
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "WANDB_MODE": "disabled",
            "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run([sys.executable, "scripts/run.py", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1100, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = json.loads((out / "results.json").read_text())
-    assert set(table["arms"]) == {"base", "filtered_bc_retries", "fert", "fert_critic", "fert_onnx"}
+    assert set(table["arms"]) == {"base", "filtered_bc_retries", "fert", "fert_critic", "fert_onnx", "fert_no_distill"}
+    # an in-loop ablation is credited like fert, its weights alone (K = 1): its learner's critic is not shipped
+    from policies.critic import CRITIC_FILES
+
+    abl = Path(table["meta"]["checkpoints"]["0"]["fert_no_distill"])
+    assert (abl / "model.safetensors").exists() and not any((abl / f).exists() for f in CRITIC_FILES)
     # the learning curve: the base and both published versions, the same 3 held-out trials each, printed as it grew
     curve = table["learning_curve"]["0"]
     assert [p["version"] for p in curve] == [1, 2, 3] and [p["round"] for p in curve] == [-1, 0, 1]
