@@ -191,11 +191,11 @@ def test_fleet_script_exits_nonzero_and_says_why(tmp_path):
     res = json.loads((tmp_path / "out" / "fleet_result.json").read_text())
     assert res["terminations"] == {"non_finite_action": 3} and res["dropped_units"] == [0]
     bad = tiny_aed_checkpoint(tmp_path / "bad", env_dim=6)
-    t0 = time.monotonic()
     p = subprocess.run(base + [f"fleet.checkpoint={bad}", f"hydra.run.dir={tmp_path}/out2"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600, check=False)
     assert p.returncode == 2 and "cannot build the acting policy" in p.stderr, p.stderr[-2000:]
-    assert p.stderr.count("cannot build the acting policy") == 1 and time.monotonic() - t0 < 300
+    # said once, and not retried: no worker was restarted for it (a wall-time bound failed on a loaded machine)
+    assert p.stderr.count("cannot build the acting policy") == 1 and "restarting it" not in p.stderr
     # behind the policy server too: the served version's features are checked against the unit's env, and the
     # refusal is one line (before: a shape error deep in the normalizer, ~370 lines of worker tracebacks, exit 1)
     p = subprocess.run(base + [f"fleet.checkpoint={bad}", f"hydra.run.dir={tmp_path}/out3", "fleet.policy_server=true",
