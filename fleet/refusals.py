@@ -14,8 +14,8 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 REFUSAL_EXIT = 2
 
@@ -83,7 +83,7 @@ def one_line_refusals(prog: str) -> Iterator[None]:
     """
     try:
         yield
-    except Exception as e:  # noqa: BLE001 - filtered below; anything else is re-raised as it was
+    except Exception as e:   # filtered below; anything else is re-raised as it was
         cause = unwrap(e)
         if not isinstance(cause, refusal_types()):
             raise

@@ -561,7 +561,7 @@ class RobotWorker:
     def ready(self) -> dict[str, Any]:
         """``{"pid", "node", "refusal"}`` once the constructor is done: ``refusal`` is the store's refusal of this
         unit (``experience_dict.store.StoreError``, e.g. ``WriterBusyError`` when another live fleet holds the
-        unit's shard past the 30 s wait) or None."""
+        unit's shard past ``fleet.shard_wait_s``) or None."""
         return {"pid": os.getpid(), "node": self.node(), "refusal": self.refusal}
 
     def node(self) -> str:

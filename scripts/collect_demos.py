@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from fleet.progress import calm_progress
+from fleet.refusals import one_line_refusals
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
@@ -55,9 +56,6 @@ def run_episode(env, expert, writer, task: str, unit, seed: int) -> tuple[bool, 
         success = success or bool(info.get("episode_success", info["success"]))
         if terminated or truncated:
             return success, steps
-
-
-from fleet.refusals import one_line_refusals  # noqa: E402 - after passive_wait (torch not loaded here)
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")

@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 
 from fleet.progress import calm_progress
+from fleet.refusals import one_line_refusals
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
@@ -62,9 +63,6 @@ def sim_robot_defaults(fields: dict, input_shapes: dict, meta: dict) -> dict:
         if len(tasks) == 1:
             fields["task"] = tasks[0]
     return fields
-
-
-from fleet.refusals import one_line_refusals  # noqa: E402 - after passive_wait (torch not loaded here)
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")

@@ -27,6 +27,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from fleet.progress import calm_progress
+from fleet.refusals import one_line_refusals
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
@@ -65,9 +66,6 @@ def resolve_arms(ecfg: dict) -> dict[str, str]:
                              f"{' in it or in its pretrained_model/' if p.is_dir() else '; it does not exist'})")
         out[arm] = str(p.resolve())
     return out
-
-
-from fleet.refusals import one_line_refusals  # noqa: E402 - after passive_wait (torch not loaded here)
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")

@@ -18,6 +18,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fleet.progress import calm_progress
+from fleet.refusals import one_line_refusals
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
@@ -69,9 +70,6 @@ def onnx_steps(given, ckpt: Path) -> list[int]:
     cfg = json.loads((ckpt / "config.json").read_text())
     has_graph = hasattr(policy_class(policy_type(ckpt)), "chunk_graph")
     return [int(cfg["num_inference_steps"])] if has_graph and "num_inference_steps" in cfg else []
-
-
-from fleet.refusals import one_line_refusals  # noqa: E402 - after passive_wait (torch not loaded here)
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")

@@ -78,10 +78,9 @@ def main(cfg: DictConfig) -> None:
     out = Path(cfg.output_dir) / "fleet_result.json"
     # a refusal (another fleet holds a shard, a checkpoint that cannot be built, a tampered registry): its
     # one-line cause on stderr, exit 2, the full trace in the run's log file
-    with one_line_refusals("fleet"):
-        with Fleet(cfg, on_head_lost=head_lost_handler(out, str(cfg.store.url))) as fleet:
-            result = fleet.run()
-            server = fleet.server_stats()
+    with one_line_refusals("fleet"), Fleet(cfg, on_head_lost=head_lost_handler(out, str(cfg.store.url))) as fleet:
+        result = fleet.run()
+        server = fleet.server_stats()
     print(f"\n{len(result.episodes)} episodes, {result.steps} steps in {result.wall_s:.1f} s "
           f"({result.steps / max(result.wall_s, 1e-9):.0f} steps/s); restarts {result.restarts}"
           + (" (interrupted)" if result.interrupted else ""))

@@ -45,6 +45,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from fleet.progress import calm_progress
+from fleet.refusals import one_line_refusals
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
@@ -273,6 +274,14 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
             "env_steps": steps, "env_steps_per_s": steps / max(t_fleet, 1e-9)}
 
 
+def p_worse(wins: int, losses: int) -> float:
+    """One-sided exact McNemar p-value that the candidate is worse, from its discordant trials (``wins``: only the
+    candidate succeeded; ``losses``: only the current version did); 1.0 with none."""
+    from scipy.stats import binomtest
+
+    return float(binomtest(wins, wins + losses, 0.5, alternative="less").pvalue) if wins + losses else 1.0
+
+
 def tasks_lost(tasks: dict, tolerance: float, alpha: float, correction: str = "none") -> list[str]:
     """The tasks a candidate loses: paired success difference below ``-tolerance`` and the one-sided exact
     McNemar test (candidate worse, on the task's discordant trials) significant.
@@ -286,12 +295,9 @@ def tasks_lost(tasks: dict, tolerance: float, alpha: float, correction: str = "n
     Raises:
         ValueError: an unknown ``correction``.
     """
-    from scipy.stats import binomtest
-
     if correction not in ("none", "holm"):
         raise ValueError(f"learner.validate_task_correction: expected 'none' or 'holm', given {correction!r}")
-    p = {t: float(binomtest(tc["wins"], tc["wins"] + tc["losses"], 0.5, alternative="less").pvalue)
-         if tc["wins"] + tc["losses"] else 1.0 for t, tc in tasks.items()}
+    p = {t: p_worse(tc["wins"], tc["losses"]) for t, tc in tasks.items()}
     if correction == "none":
         significant = {t for t, pv in p.items() if pv < alpha}
     else:
@@ -330,8 +336,6 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
     task_correction = str(c["learner"].get("validate_task_correction") or "none")
 
     def validate(candidates: dict, r: int, policy_alone: bool = False) -> tuple[str | None, dict]:
-        from scipy.stats import binomtest
-
         from fleet.arms import checkpoint_with_critic
 
         if not candidates or "current" in candidates:
@@ -349,11 +353,8 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
         pd = paired_differences(res, [(best, "current")])["pairs"][0]
         cell = pd["average"]
 
-        def p_less(w: int, lo: int) -> float:
-            return float(binomtest(w, w + lo, 0.5, alternative="less").pvalue) if w + lo else 1.0
-
-        p_worse = p_less(cell["wins"], cell["losses"])
-        accept = cell["diff"] >= -tol or p_worse >= alpha
+        p_overall = p_worse(cell["wins"], cell["losses"])
+        accept = cell["diff"] >= -tol or p_overall >= alpha
         # per task: a task that loses more than validate_task_tolerance, with the one-sided test at alpha (Holm's
         # step-down over the tasks with learner.validate_task_correction: holm), rejects
         lost = []
@@ -363,13 +364,13 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
         others = ", ".join(f"{k} {100 * rate[k]:.1f}%" for k in candidates if k != best)
         print(f"  validation of round {r} on training units {units}{' (policies alone, K = 1)' if policy_alone else ''}: "
               f"{best} {100 * rate[best]:.1f}% vs v{v} {100 * rate['current']:.1f}% (paired {100 * cell['diff']:+.1f} pts, "
-              f"{cell['wins']}/{cell['losses']}, one-sided p={p_worse:.2g}{'; ' + others if others else ''}"
+              f"{cell['wins']}/{cell['losses']}, one-sided p={p_overall:.2g}{'; ' + others if others else ''}"
               f"{'; tasks lost: ' + ', '.join(lost) if lost else ''}) -> "
               f"{'publish ' + best if accept else 'REJECTED'}", flush=True)
         return (best if accept else None), {
             "current_version": v, "candidate": rate[best], "current": rate["current"], "chosen": best,
             "rates": {k: rate[k] for k in candidates}, "diff": cell["diff"], "wins": cell["wins"],
-            "losses": cell["losses"], "p_worse": p_worse, "accepted": accept, "policy_alone": policy_alone,
+            "losses": cell["losses"], "p_worse": p_overall, "accepted": accept, "policy_alone": policy_alone,
             "tasks": {t: {k: tc[k] for k in ("diff", "wins", "losses")} for t, tc in pd["tasks"].items()},
             "tasks_lost": lost}
 
@@ -733,9 +734,6 @@ def unit_table(c: dict, units: list[int]) -> str:
         rows.append(f"| {u} | {', '.join(f'{g:.2f}' for g in d.action_gain)} | {d.action_latency} | "
                     f"{d.friction_scale:.2f} | {d.mass_scale:.2f} | {1000 * d.obs_noise_std:.2f} |")
     return "\n".join(rows)
-
-
-from fleet.refusals import one_line_refusals  # noqa: E402 - after passive_wait (torch not loaded here)
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")

@@ -25,15 +25,13 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from fleet.progress import calm_progress
+from fleet.refusals import one_line_refusals
 from policies.threads import passive_wait
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
 calm_progress()  # off a terminal, a progress bar redraws every 30 s, not 15 times a second (fleet/progress.py)
 
 log = logging.getLogger("train")
-
-
-from fleet.refusals import one_line_refusals  # noqa: E402 - after passive_wait (torch not loaded here)
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
