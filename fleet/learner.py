@@ -291,7 +291,22 @@ class FertLearner:
     def round_init_checkpoint(self) -> str:
         """The weights the next round starts from (``learner.round_init: published``): a publishing learner's current
         registry version (what the fleet acts with; fetched into ``<work_dir>/init``), else this learner's own
-        last round's output, else its initial checkpoint."""
+        last round's output, else its initial checkpoint. With ``learner.after_reject: candidate``, after a round
+        the gate rejected: that round's own weights (its lineage goes on; the fleet keeps the published version).
+
+        Raises:
+            ValueError: an unknown ``learner.after_reject``."""
+        hist = [h for h in self.state.get("history") or [] if h.get("checkpoint")]
+        after = str(self.lcfg.get("after_reject") or "published")
+        if after not in ("published", "candidate"):
+            raise ValueError(f"learner.after_reject: expected 'published' or 'candidate', given {after!r}")
+        if after == "candidate" and hist and hist[-1].get("round") in (self.state.get("rejected") or []):
+            return str(hist[-1]["checkpoint"])
+        return self.current_checkpoint()
+
+    def current_checkpoint(self) -> str:
+        """The weights the fleet acts with: a publishing learner's newest registry version (fetched into
+        ``<work_dir>/init``), else this learner's own last round's output, else its initial checkpoint."""
         if self.publish_versions:
             from fleet.registry import CheckpointRegistry
 
@@ -319,14 +334,21 @@ class FertLearner:
         policy = load_policy(init)
         tok_range = self.tokenizer_range(policy)
         round_seed = 1000 * int(self.lcfg.get("seed") or 0) + r
+        rdir = self.work_dir / "rounds" / f"round_{r:03d}"
+        # the critic is fitted in a process of its own while this one samples the policy's candidate chunks for
+        # the distillation (neither needs the other; one thread each, so the 2-core machine's second core works)
         t = time.perf_counter()
-        critic, crit_rec, candidates_k = self.fit_critic_model(policy, round_seed)
-        times["critic_s"] = time.perf_counter() - t
+        finish_critic = self.start_critic_fit(policy, round_seed, rdir / "critic_fit")
+        sampled = None
+        if self._distill_on():
+            sampled = self.distill_candidates(policy.eval(), round_seed)
+            times["candidates_s"] = time.perf_counter() - t
+        critic, crit_rec, candidates_k = finish_critic()
+        times["critic_s"] = time.perf_counter() - t   # the fit, and the candidates' sampling beside it
         t = time.perf_counter()
-        dataset, mix = self.round_dataset(retrieval, policy.eval(), critic, candidates_k, round_seed)
+        dataset, mix = self.round_dataset(retrieval, policy.eval(), critic, candidates_k, round_seed, sampled=sampled)
         times["distill_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        rdir = self.work_dir / "rounds" / f"round_{r:03d}"
         out = train_policy(self._train_cfg(round_seed, int(self.lcfg["updates_per_version"])), rdir / "train",
                            policy=policy.train(), dataset=dataset, device=str(self.lcfg["device"]))
         times["train_s"] = time.perf_counter() - t
@@ -349,7 +371,8 @@ class FertLearner:
                 self.state.setdefault("rejected", []).append(r)
                 chosen = "critic_only" if critic is not None else None
                 if chosen:
-                    candidates["critic_only"] = checkpoint_with_critic(init, rdir / "critic_only", ckpt)
+                    candidates["critic_only"] = checkpoint_with_critic(self.current_checkpoint(), rdir / "critic_only",
+                                                                       ckpt)
         version = self._publish_once(candidates[chosen], r, out) if chosen else None
         rec = {"validation": validation, "round": r, "version": version, "init": init,
                "published_candidate": chosen if version is not None else None, "step": int(out["step"]),
@@ -359,7 +382,32 @@ class FertLearner:
                "critic": crit_rec, "checkpoint": str(ckpt), "tokenizer_range": tok_range}
         return self._finish_round(r, n_eps, rec, retrieval)
 
-    def round_dataset(self, retrieval, policy, critic, candidates: int, seed: int):
+    def _distill_on(self) -> bool:
+        """Whether a round trains on critic targets: ``fert.distill.enabled``, a critic with K >= 2 candidates and
+        a positive ``fert.mix.distill`` share."""
+        fc = dict(self.cfg["fert"])
+        ccfg = dict(fc.get("critic") or {})
+        dcfg = {"enabled": True, **dict(fc.get("distill") or {})}
+        share = {"distill": 0.5, **dict(fc.get("mix") or {})}["distill"]
+        return bool(dcfg["enabled"] and ccfg.get("enabled", False) and int(ccfg.get("candidates", 8)) > 1
+                    and float(share) > 0)
+
+    def distill_candidates(self, policy, seed: int) -> list[dict]:
+        """The critic targets' first half (``policies.distill.sample_candidates``): ``policy`` (eval mode, the
+        round's starting weights) samples ``fert.critic.candidates`` chunks at ``fert.distill.states_per_task``
+        states per task of :meth:`critic_episodes` (``policies.distill.balanced_anchors``), for
+        :meth:`round_dataset` to rank with the round's critic."""
+        from experience_dict.sampler import WindowDataset
+        from policies.distill import balanced_anchors, sample_candidates
+
+        fc = dict(self.cfg["fert"])
+        dcfg = {"states_per_task": 1024, "batch_size": 128, **dict(fc.get("distill") or {})}
+        windows = WindowDataset(self._reader, self.critic_episodes(), windows=policy.window_spec())
+        anchors = balanced_anchors(windows, int(dcfg["states_per_task"]), seed)
+        return sample_candidates(policy, windows, anchors, int((fc.get("critic") or {}).get("candidates", 8)),
+                                 critic_state_keys(policy), seed, int(dcfg["batch_size"]))
+
+    def round_dataset(self, retrieval, policy, critic, candidates: int, seed: int, sampled: list | None = None):
         """The training windows of an iterative round: a ``experience_dict.sampler.MixtureDataset`` of
         ``learner.updates_per_version x learner.batch_size`` slots with shares ``fert.mix``:
 
@@ -372,11 +420,13 @@ class FertLearner:
         * ``replay``: per-task balanced replay, each task an equal share, over its demonstrations and its
           successful training-unit episodes (the fleet's and the retries').
 
+        ``sampled``: :meth:`distill_candidates`' output, already drawn (only ranked here); None: drawn here.
+
         Returns ``(dataset, record)``; record: ``{"slots": {part: slots}, "distill": critic_targets' record}``.
         """
         from experience_dict.retrieval import FertDataset
         from experience_dict.sampler import MixtureDataset, WindowDataset
-        from policies.distill import balanced_anchors, critic_targets
+        from policies.distill import choose_targets
 
         fc = dict(self.cfg["fert"])
         shares = {"retrieved": 0.25, "distill": 0.5, "replay": 0.25, **dict(fc.get("mix") or {})}
@@ -391,11 +441,9 @@ class FertLearner:
                           shares["retrieved"]))
         rec: dict = {}
         if dcfg["enabled"] and critic is not None and shares["distill"] > 0 and candidates > 1:
-            eps = self.critic_episodes()
-            windows = WindowDataset(self._reader, eps, windows=spec)
-            anchors = balanced_anchors(windows, int(dcfg["states_per_task"]), seed)
-            targets, rec["distill"] = critic_targets(policy, critic, windows, anchors, candidates, seed,
-                                                     int(dcfg["batch_size"]))
+            if sampled is None:
+                sampled = self.distill_candidates(policy, seed)
+            targets, rec["distill"] = choose_targets(critic, sampled)
             parts.append(("distill", targets, shares["distill"]))
         ok = self.replay_episodes(mode="successes")
         tasks = sorted({m.task for m in ok})
@@ -418,6 +466,52 @@ class FertLearner:
         return [m for m in self._reader.episodes() if int(m.unit_id) not in self.heldout
                 and not getattr(m, "quarantined", False) and (retries or not retry_of(m))]
 
+    def start_critic_fit(self, policy, seed: int, out_dir: Path) -> Callable[[], tuple]:
+        """Start :meth:`fit_critic_model`'s fit and return a function that waits for it and returns its
+        ``(critic, record, candidates)``. On the CPU with ``fert.critic.fit_process`` (default), the fit runs in a
+        spawned process with ``learner.torch_threads`` threads (the critic handed back through
+        ``<out_dir>/critic.safetensors``), so this process can sample the distillation's candidates meanwhile;
+        otherwise the returned function fits here. Either way the critic is the same: :func:`fit_critic` seeds
+        itself and the thread count is the same.
+
+        Raises (from the returned function):
+            RuntimeError: the fitting process failed (its error chained)."""
+        ccfg = dict(self.cfg["fert"].get("critic") or {})
+        from fleet.policies import resolve_device
+
+        device = resolve_device(str(self.lcfg["device"]))
+        if not ccfg.get("enabled", False) or not ccfg.get("fit_process", True) or str(device) != "cpu":
+            return lambda: self.fit_critic_model(policy, seed)
+        import concurrent.futures
+        import multiprocessing
+
+        from policies.critic import load_critic
+
+        keys = critic_state_keys(policy)
+        args = (self.store_url, [m.episode_id for m in self.critic_episodes()], keys, int(policy.config.action_dim),
+                int(policy.config.n_action_steps), int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
+                {k: v for k, v in ccfg.items() if k not in ("enabled", "candidates", "fit_process")}, int(seed),
+                int(self.lcfg.get("torch_threads") or 1), str(out_dir), int(ccfg.get("candidates", 8)))
+        ex = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        fut = ex.submit(fit_critic_process, *args)
+        t0 = time.perf_counter()
+
+        def finish() -> tuple:
+            try:
+                rec = fut.result()
+            except Exception as e:
+                raise RuntimeError(f"learner {self.run_id}: fitting the success critic in its process failed: "
+                                   f"{type(e).__name__}: {e}") from e
+            finally:
+                ex.shutdown()
+            critic, k = load_critic(out_dir)
+            rec["wait_s"] = time.perf_counter() - t0
+            log.info("learner %s: success critic on %d episodes (%d steps), validation BCE %s, %.0f s (own process)",
+                     self.run_id, rec["episodes"], rec["steps"], rec["val_loss"], rec["fit_s"])
+            return critic, rec, k
+
+        return finish
+
     def fit_critic_model(self, policy, seed: int):
         """With ``fert.critic.enabled``: a success critic (``policies.critic.fit_critic``) fitted on
         :meth:`critic_episodes` for ``policy``'s state keys and chunk; returns ``(critic, record with "fit_s",
@@ -428,12 +522,12 @@ class FertLearner:
         from fleet.policies import resolve_device
         from policies.critic import fit_critic
 
-        keys = [k for k, shape in policy.config.input_shapes.items() if len(shape) == 1]   # state vectors, no images
+        keys = critic_state_keys(policy)
         t0 = time.perf_counter()
         critic, rec = fit_critic(self._reader, self.critic_episodes(), keys, int(policy.config.action_dim),
                                  int(policy.config.n_action_steps),
                                  int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
-                                 {k: v for k, v in ccfg.items() if k not in ("enabled", "candidates")}, seed=seed,
+                                 {k: v for k, v in ccfg.items() if k not in ("enabled", "candidates", "fit_process")}, seed=seed,
                                  device=resolve_device(str(self.lcfg["device"])))
         critic = critic.cpu()
         rec["fit_s"] = time.perf_counter() - t0
@@ -532,3 +626,34 @@ class FertLearner:
         import ray
 
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+def critic_state_keys(policy) -> list[str]:
+    """The observation keys a success critic scores for ``policy``: its state vectors (1-D input shapes), no
+    images."""
+    return [k for k, shape in policy.config.input_shapes.items() if len(shape) == 1]
+
+
+def fit_critic_process(store_url: str, episode_ids: list[str], state_keys: list[str], action_dim: int,
+                       chunk_steps: int, steps_after_success: int, cfg: dict, seed: int, threads: int,
+                       out_dir: str, candidates: int) -> dict:
+    """:meth:`FertLearner.start_critic_fit`'s process: ``policies.critic.fit_critic`` on the episodes
+    ``episode_ids`` of the store at ``store_url`` with ``threads`` torch threads on the CPU; the critic is saved
+    to ``out_dir`` (``policies.critic.save_critic``). Returns the fit's record with ``fit_s``.
+
+    Raises:
+        KeyError: an episode id the store does not hold (the store was replaced under the learner)."""
+    import torch
+
+    from experience_dict.store import ExperienceStore
+    from policies.critic import fit_critic, save_critic
+
+    torch.set_num_threads(int(threads))
+    t0 = time.perf_counter()
+    reader = ExperienceStore.open(store_url)
+    by_id = {m.episode_id: m for m in reader.episodes()}
+    critic, rec = fit_critic(reader, [by_id[i] for i in episode_ids], state_keys, action_dim, chunk_steps,
+                             steps_after_success, cfg, seed=seed, device="cpu")
+    save_critic(critic, out_dir, candidates)
+    rec["fit_s"] = time.perf_counter() - t0
+    return rec

@@ -280,24 +280,45 @@ class CriticGuidedSampler:
 
     Args:
         policy: a policy with ``predict_action_chunk(batch, noise=, noise_scale=)`` and ``config.horizon``,
-            ``config.action_dim``. critic: a :class:`SuccessCritic`. candidates: K >= 1 (1: the policy alone).
+            ``config.action_dim``. critic: a :class:`SuccessCritic`, or None for a sampler that only draws the
+            candidates (:meth:`candidate_chunks`; the critic's fit and the candidates' sampling then run side by
+            side, ``policies.distill``). candidates: K >= 1 (1: the policy alone).
         inner: the chunk function to call (default ``policy.predict_action_chunk``; e.g. an ONNX runtime's).
+        state_keys: the state vectors the critic scores (default: the critic's own ``state_keys``).
+
+    Raises:
+        ValueError: ``candidates < 1``, or neither a critic nor ``state_keys``.
     """
 
-    def __init__(self, policy, critic: SuccessCritic, candidates: int, inner=None):
+    def __init__(self, policy, critic: SuccessCritic | None, candidates: int, inner=None,
+                 state_keys: Sequence[str] | None = None):
         if int(candidates) < 1:
             raise ValueError(f"CriticGuidedSampler: candidates must be >= 1, given {candidates}")
+        if critic is None and state_keys is None:
+            raise ValueError("CriticGuidedSampler: give a critic or the state_keys its candidates are scored on")
         self.policy, self.critic, self.candidates = policy, critic, int(candidates)
-        self.inner = inner or policy.predict_action_chunk
+        self.state_keys = list(state_keys if state_keys is not None else critic.state_keys)
+        self.inner = inner or (policy.predict_action_chunk if policy is not None else None)
         self.picked_own = 0      # decisions where candidate 0 (the policy's own sample) won
         self.decisions = 0
         self.last_scores: torch.Tensor | None = None
 
     def __call__(self, batch: dict, noise: torch.Tensor | None = None, generator: torch.Generator | None = None,
                  noise_scale: float | torch.Tensor = 1.0, **kw) -> torch.Tensor:
+        return self.choose(*self.candidate_chunks(batch, noise, generator, noise_scale, **kw))
+
+    def candidate_chunks(self, batch: dict, noise: torch.Tensor | None = None,
+                         generator: torch.Generator | None = None, noise_scale: float | torch.Tensor = 1.0,
+                         **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The policy's K candidate chunks for each row, without the critic: ``(chunks (B, K, horizon, A),
+        state (B, D), previous state (B, D))``, the states being the last two frames of ``state_keys`` in the
+        observation window (the previous is the last when the window has one frame).
+
+        Raises:
+            ValueError: the window lacks one of ``state_keys``."""
         K = self.candidates
         H, A = int(self.policy.config.horizon), int(self.policy.config.action_dim)
-        keys = self.critic.state_keys
+        keys = self.state_keys
         missing = [k for k in keys if k not in batch]
         if missing:
             raise ValueError(f"CriticGuidedSampler: the observation window lacks {missing} (critic state keys {keys})")
@@ -317,15 +338,26 @@ class CriticGuidedSampler:
         rep = {k: (v.repeat_interleave(K, 0) if torch.is_tensor(v) else np.repeat(np.asarray(v), K, axis=0))
                for k, v in batch.items()}
         chunks = self.inner(rep, noise=nz, noise_scale=scale, **kw)             # (B*K, H, A)
-        dev = self.critic.mean.device
         cur, prev = st[:, -1], st[:, -2] if st.shape[1] > 1 else st[:, -1]
+        return chunks.reshape(B, K, H, A), cur, prev
+
+    def choose(self, chunks: torch.Tensor, cur: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """The candidate the critic ranks highest per row, (B, horizon, A), of ``chunks`` (B, K, horizon, A) at
+        states ``cur`` / ``prev`` (B, D); the scores (B, K) are kept in ``last_scores``.
+
+        Raises:
+            RuntimeError: the sampler has no critic (built with ``state_keys`` only)."""
+        if self.critic is None:
+            raise RuntimeError("CriticGuidedSampler.choose: this sampler was built without a critic")
+        B, K = chunks.shape[:2]
+        dev = self.critic.mean.device
         q = self.critic.success_probability(cur.repeat_interleave(K, 0).to(dev), prev.repeat_interleave(K, 0).to(dev),
-                                            chunks.to(dev)).reshape(B, K)
+                                            chunks.flatten(0, 1).to(dev)).reshape(B, K)
         pick = q.argmax(1).to(chunks.device)
         self.last_scores = q.detach().cpu()        # (B, K) of this call (policies.distill reads them)
         self.picked_own += int((pick == 0).sum())
         self.decisions += B
-        return chunks.reshape(B, K, H, A)[torch.arange(B, device=chunks.device), pick]
+        return chunks[torch.arange(B, device=chunks.device), pick]
 
 
 def install_critic(policy, directory: str | Path, device: str = "cpu") -> bool:

@@ -97,6 +97,20 @@ def critic_targets(policy, critic, windows, indices: Sequence[int], candidates: 
     Raises:
         ValueError: ``candidates < 2`` or no indices.
     """
+    sampled = sample_candidates(policy, windows, indices, candidates, critic.state_keys, seed, batch_size)
+    return choose_targets(critic, sampled)
+
+
+def sample_candidates(policy, windows, indices: Sequence[int], candidates: int, state_keys: Sequence[str],
+                      seed: int = 0, batch_size: int = 128) -> list[dict]:
+    """:func:`critic_targets`' first half, which needs no critic: the policy's ``candidates`` chunks at each window
+    (the same noise as :func:`critic_targets`), so that a learner can sample them while its critic is still being
+    fitted. Returns one ``{"batch", "chunks" (B, K, horizon, A), "state" (B, D), "prev_state" (B, D)}`` per batch
+    of ``batch_size`` windows, for :func:`choose_targets`.
+
+    Raises:
+        ValueError: ``candidates < 2``, no indices, or a window without one of ``state_keys``.
+    """
     from policies.critic import CriticGuidedSampler
 
     if int(candidates) < 2:
@@ -107,17 +121,42 @@ def critic_targets(policy, critic, windows, indices: Sequence[int], candidates: 
     cfg = policy.config
     H, A = int(cfg.horizon), int(cfg.action_dim)
     names = set(policy.inference_window_spec())
-    sampler = CriticGuidedSampler(policy, critic, int(candidates))
-    parts: dict[str, list[torch.Tensor]] = {}
-    tasks: list[str] = []
-    q_chosen, q_own = [], []
+    sampler = CriticGuidedSampler(policy, None, int(candidates), state_keys=state_keys)
+    out = []
     for b, i0 in enumerate(range(0, len(indices), int(batch_size))):
         batch = windows.fetch(indices[i0:i0 + int(batch_size)])
         B = len(batch["task"])
         inf = {k: v for k, v in batch.items() if k in names or (k.endswith("_is_pad") and k[:-7] in names)}
         g = torch.Generator().manual_seed(int(np.random.SeedSequence([int(seed), b]).generate_state(1)[0]))
-        chunk = sampler(inf, noise=torch.randn(B, H, A, generator=g))
-        q = sampler.last_scores                        # (B, K)
+        with torch.no_grad():
+            chunks, cur, prev = sampler.candidate_chunks(inf, noise=torch.randn(B, H, A, generator=g))
+        out.append({"batch": batch, "chunks": chunks, "state": cur, "prev_state": prev})
+    return out
+
+
+def choose_targets(critic, sampled: list[dict]) -> tuple[ChunkTargets, dict]:
+    """:func:`critic_targets`' second half: in each of :func:`sample_candidates`' batches the chunk ``critic``
+    ranks best becomes the window's ``action`` target (the MT loss's future frames flagged as padding). Returns
+    ``(ChunkTargets, record)`` as :func:`critic_targets`.
+
+    Raises:
+        ValueError: nothing sampled."""
+    from policies.critic import CriticGuidedSampler
+
+    if not sampled:
+        raise ValueError("choose_targets: no sampled windows")
+    K = int(sampled[0]["chunks"].shape[1])
+    H = int(sampled[0]["chunks"].shape[2])
+    chooser = CriticGuidedSampler(None, critic, K)
+    parts: dict[str, list[torch.Tensor]] = {}
+    tasks: list[str] = []
+    q_chosen, q_own = [], []
+    for part in sampled:
+        batch = dict(part["batch"])
+        B = len(batch["task"])
+        with torch.no_grad():
+            chunk = chooser.choose(part["chunks"], part["state"], part["prev_state"])
+        q = chooser.last_scores                        # (B, K)
         q_chosen.append(q.max(1).values)
         q_own.append(q[:, 0])
         batch["action"] = chunk.float().cpu()
@@ -131,8 +170,8 @@ def critic_targets(policy, critic, windows, indices: Sequence[int], candidates: 
                 parts.setdefault(k, []).append(v)
     data = ChunkTargets({k: torch.cat(v) for k, v in parts.items()}, tasks)
     qc, qo = torch.cat(q_chosen), torch.cat(q_own)
-    rec = {"states": len(data), "candidates": int(candidates), "q_chosen": float(qc.mean()), "q_own": float(qo.mean()),
-           "q_gap": float((qc - qo).mean()), "picked_own": sampler.picked_own / max(sampler.decisions, 1),
+    rec = {"states": len(data), "candidates": K, "q_chosen": float(qc.mean()), "q_own": float(qo.mean()),
+           "q_gap": float((qc - qo).mean()), "picked_own": chooser.picked_own / max(chooser.decisions, 1),
            "per_task": data.task_counts()}
     return data, rec
 

@@ -157,8 +157,9 @@ def run(cfg) -> dict:
     from omegaconf import OmegaConf
 
     from experience_dict.store import ExperienceStore
+    from fleet.curve import learning_curve, print_curve
     from fleet.registry import CheckpointRegistry
-    from scripts.run import learning_curve, print_curve, seed_config, staleness_summary
+    from scripts.run import seed_config, staleness_summary
     from sim import unit_lists
 
     a = OmegaConf.to_container(cfg.async_run, resolve=True)
@@ -238,7 +239,7 @@ def run(cfg) -> dict:
         raise RuntimeError(f"the asynchronous learner exited with {proc.returncode}: see {out / 'learner.log'}")
     src_state = json.loads((src / "job_state.json").read_text())
     have = [p for p in src_state.get("curve") or [] if int(p["version"]) == 1]   # v1 is the same base
-    curve = have + learning_curve(c, out, reg, base, heldout, True, have=have)
+    curve = have + learning_curve(c, out, reg, heldout, True, have=have)
     for p in curve:
         p.update({k: published.get(int(p["version"]), {}).get(k) for k in ("t_s", "fleet_episodes")})
     print_curve(curve, seed)

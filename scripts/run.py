@@ -315,8 +315,9 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
     Before a FERT round is published, the version the fleet runs now and the round's candidates (``finetuned``:
     the fine-tuned weights with the new critic; with ``learner.validate_critic_only``, ``critic_only``: the
     current weights with the new critic) play the same fixed plan of training-unit trials (seed stream
-    ``7000 + seed``, ``fleet.evaluation.evaluation_plan``; committed to ``<seed dir>/validation/round_<r>/eval_store``,
-    never to the training store). The candidate with the most successes is chosen (ties: the first, ``finetuned``),
+    ``7000 + seed``, ``fleet.evaluation.evaluation_plan``; committed to ``<seed dir>/validation/eval_store``,
+    never to the training store; arms ``round_<r>_current`` / ``round_<r>_<candidate>``, a checkpoint that played
+    the plan in an earlier round is not run again). The candidate with the most successes is chosen (ties: the first, ``finetuned``),
     and it is published unless it is worse than the current version: its paired success difference is below
     ``-learner.validate_tolerance`` *and* the one-sided exact McNemar test (candidate worse) has
     p < ``learner.validate_alpha``. A difference of two trials out of 30 is noise; without the test the gate
@@ -346,8 +347,12 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
         if policy_alone:   # the weights alone (K = 1): the current version without its critic
             current = checkpoint_with_critic(current, sd / "cache" / "validation" / f"v{v:06d}_alone", None)
         cv = {**c, "eval": {**c["eval"], "seed": 7000 + int(c["seed"])}}
-        res = evaluate_arms(cv, {"current": str(current), **{k: str(p) for k, p in candidates.items()}},
-                            sd / "validation" / f"round_{r}", n, units=units, progress=progress)
+        # one directory for every round: the plan is the same each round, so the current version, which played it
+        # last round as the candidate (or as the current version, when that round was rejected), is not run again
+        # (evaluate_arms reuses a checkpoint's episodes on a plan by fingerprint)
+        named = {f"round_{r}_current": str(current), **{f"round_{r}_{k}": str(p) for k, p in candidates.items()}}
+        res = evaluate_arms(cv, named, sd / "validation", n, units=units, progress=progress)
+        res = {k[len(f"round_{r}_"):]: eps for k, eps in res.items()}
         rate = {k: sum(bool(e["success"]) for e in eps) / max(len(eps), 1) for k, eps in res.items()}
         best = max(candidates, key=lambda k: (rate[k], -list(candidates).index(k)))
         pd = paired_differences(res, [(best, "current")])["pairs"][0]
@@ -497,6 +502,95 @@ def stage_sweep_snapshot(c: dict, sd: Path, state: JobState, reader) -> None:
     state.mark("demo_snapshot", str(snap))
 
 
+def _fleet_round_and_learners(c: dict, sd: Path, seed: int, state: JobState, stages: Stages, in_loop: list,
+                              ckpt: dict, fleet_units: list[int], heldout: list[int], reg, progress: bool,
+                              after_last_fleet, r: int, rounds: int, bg) -> None:
+    """Round ``r`` of :func:`stage_fleet_rounds` (skipped when ``job_state.json`` has it): the fleet and its
+    retries, each in-loop learner's round, the round's record, and the learning curve's new points (evaluated in
+    the background while the next round works, except after the last round)."""
+    from fleet.arms import make_learner
+
+    stages.start(f"seed {seed}: fleet round {r + 1}/{rounds} (units {fleet_units}) + learners "
+                 f"{[a.name for a in in_loop]}")
+    if state.done(f"round_{r}"):
+        return
+    t_round = time.perf_counter()
+    rec = fleet_round(c, r, fleet_units, heldout, progress)
+    if r == rounds - 1 and after_last_fleet is not None:
+        after_last_fleet()
+    rec["learners"] = {}
+    for arm in in_loop:
+        publishing = arm.name == "fert"
+        lrn = make_learner(c, arm, sd / f"learner_{arm.name}", ckpt[arm.init],
+                           c["fleet"]["registry_url"] if publishing else None, seed, offline=True,
+                           validator=make_validator(c, fleet_units, sd, progress) if publishing else None)
+        if lrn.state["round"] > r:
+            continue
+        out = lrn.run_round()
+        print(f"  {arm.name} round {r}: {out['contexts']} failure contexts, {out['retrieved']} retrieved "
+              f"segments ({out.get('own_retry_entries', 0)} from the failures' own retries), "
+              f"{out['dataset']} training windows, loss {out['loss']}, "
+              + (f"published v{out['version']} ({out.get('published_candidate')})" if out["version"]
+                 else "not published"), flush=True)
+        if out.get("critic"):
+            cr = out["critic"]
+            print(f"  {arm.name} round {r}: success critic on {cr['episodes']} episodes ({cr['steps']} steps, "
+                  f"{100 * cr['positive_share']:.0f}% on the way to a success), validation BCE "
+                  f"{cr['val_loss'] if cr['val_loss'] is None else round(cr['val_loss'], 3)} (predicting the mean: "
+                  f"{cr.get('val_loss_constant') if cr.get('val_loss_constant') is None else round(cr['val_loss_constant'], 3)}), "
+                  f"{cr['fit_s']:.0f} s", flush=True)
+        if out.get("mix"):
+            dist = out["mix"].get("distill")
+            print(f"  {arm.name} round {r}: training windows {out['mix']['slots']}"
+                  + (f"; critic targets at {dist['states']} states: best of {dist['candidates']} chunks scores "
+                     f"{dist['q_chosen']:.3f} vs the policy's own sample {dist['q_own']:.3f} (own kept at "
+                     f"{100 * dist['picked_own']:.0f}% of states)" if dist else "")
+                  + f"; times {({k: round(v) for k, v in (out.get('times') or {}).items()})}", flush=True)
+        rec["learners"][arm.name] = {k: out.get(k) for k in ("contexts", "retrieved", "dataset", "loss", "version",
+                                                             "validation", "own_retry_entries", "critic",
+                                                             "published_candidate", "mix", "times")}
+        if publishing and c["learner"].get("failure_replay", True):
+            rec["learners"][arm.name]["failure_replay"] = replay_round_failures(
+                c, lrn.final_checkpoint(), rec, sd / "failure_replay" / f"round_{r}", heldout)
+    rec["round_s"] = time.perf_counter() - t_round   # the fleet, its retries and every learner, up to publishing
+    split = {**rec["times"], **((rec["learners"].get("fert") or {}).get("times") or {})}
+    print(f"  round {r} wall time {rec['round_s']:.0f} s: " + ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in split.items()),
+          flush=True)
+    state.mark(f"round_{r}", rec)
+    record_curve(c, sd, seed, state, in_loop, heldout, reg, progress, bg, background=r < rounds - 1)
+
+
+def record_curve(c: dict, sd: Path, seed: int, state: JobState, in_loop: list, heldout: list[int], reg,
+                 progress: bool, bg, background: bool) -> None:
+    """Record (``state["curve"]``) and print the learning curve's new points (``fleet.curve``): first those of the
+    background call ``bg`` (a ``fleet.curve.BackgroundCurve``) started after the previous round, then, with
+    ``background`` and ``job.background_curve``, start a background call for the versions published since;
+    otherwise evaluate them here. Nothing without ``job.curve_trials_per_task`` or a ``fert`` arm in the loop.
+
+    Raises:
+        RuntimeError: the background evaluation failed (re-running the job evaluates its versions again)."""
+    from fleet.curve import learning_curve, print_curve
+
+    if int(c["job"].get("curve_trials_per_task") or 0) <= 0 or not any(a.name == "fert" for a in in_loop):
+        return
+    curve = state.get("curve") if state.done("curve") else []
+
+    def add(points: list[dict]) -> None:
+        seen = {int(p["version"]) for p in curve}
+        points = [p for p in points if int(p["version"]) not in seen]
+        if points:
+            curve.extend(points)
+            state.mark("curve", curve)
+            print_curve(curve, seed)
+
+    add(bg.collect())
+    if background and c["job"].get("background_curve", True):
+        if set(reg.versions()) - {int(p["version"]) for p in curve}:
+            bg.start(c, sd, c["fleet"]["registry_url"], heldout, curve)
+    else:
+        add(learning_curve(c, sd, reg, heldout, progress, have=curve))
+
+
 def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: Stages, in_loop: list, ckpt: dict,
                        fleet_units: list[int], heldout: list[int], reg, progress: bool,
                        after_last_fleet=None) -> None:
@@ -506,57 +600,14 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
     last round's fleet episodes and retries are committed, before that round's learners (not on a resumed job
     whose last round is done)."""
     from fleet.arms import make_learner
+    from fleet.curve import BackgroundCurve
 
     rounds = int(c["fert"]["rounds"])
-    for r in range(rounds):
-        stages.start(f"seed {seed}: fleet round {r + 1}/{rounds} (units {fleet_units}) + learners "
-                     f"{[a.name for a in in_loop]}")
-        if state.done(f"round_{r}"):
-            continue
-        rec = fleet_round(c, r, fleet_units, heldout, progress)
-        if r == rounds - 1 and after_last_fleet is not None:
-            after_last_fleet()
-        rec["learners"] = {}
-        for arm in in_loop:
-            publishing = arm.name == "fert"
-            lrn = make_learner(c, arm, sd / f"learner_{arm.name}", ckpt[arm.init],
-                               c["fleet"]["registry_url"] if publishing else None, seed, offline=True,
-                               validator=make_validator(c, fleet_units, sd, progress) if publishing else None)
-            if lrn.state["round"] > r:
-                continue
-            out = lrn.run_round()
-            print(f"  {arm.name} round {r}: {out['contexts']} failure contexts, {out['retrieved']} retrieved "
-                  f"segments ({out.get('own_retry_entries', 0)} from the failures' own retries), "
-                  f"{out['dataset']} training windows, loss {out['loss']}, "
-                  + (f"published v{out['version']} ({out.get('published_candidate')})" if out["version"]
-                     else "not published"), flush=True)
-            if out.get("critic"):
-                cr = out["critic"]
-                print(f"  {arm.name} round {r}: success critic on {cr['episodes']} episodes ({cr['steps']} steps, "
-                      f"{100 * cr['positive_share']:.0f}% on the way to a success), validation BCE "
-                      f"{cr['val_loss'] if cr['val_loss'] is None else round(cr['val_loss'], 3)} (predicting the mean: "
-                      f"{cr.get('val_loss_constant') if cr.get('val_loss_constant') is None else round(cr['val_loss_constant'], 3)}), "
-                      f"{cr['fit_s']:.0f} s", flush=True)
-            if out.get("mix"):
-                dist = out["mix"].get("distill")
-                print(f"  {arm.name} round {r}: training windows {out['mix']['slots']}"
-                      + (f"; critic targets at {dist['states']} states: best of {dist['candidates']} chunks scores "
-                         f"{dist['q_chosen']:.3f} vs the policy's own sample {dist['q_own']:.3f} (own kept at "
-                         f"{100 * dist['picked_own']:.0f}% of states)" if dist else "")
-                      + f"; times {({k: round(v) for k, v in (out.get('times') or {}).items()})}", flush=True)
-            rec["learners"][arm.name] = {k: out.get(k) for k in ("contexts", "retrieved", "dataset", "loss", "version",
-                                                                 "validation", "own_retry_entries", "critic",
-                                                                 "published_candidate", "mix", "times")}
-            if publishing and c["learner"].get("failure_replay", True):
-                rec["learners"][arm.name]["failure_replay"] = replay_round_failures(
-                    c, lrn.final_checkpoint(), rec, sd / "failure_replay" / f"round_{r}", heldout)
-        state.mark(f"round_{r}", rec)
-        if int(c["job"].get("curve_trials_per_task") or 0) > 0 and any(a.name == "fert" for a in in_loop):
-            curve = state.get("curve") if state.done("curve") else []
-            for pt in learning_curve(c, sd, reg, ckpt["base"], heldout, progress, have=curve):
-                curve.append(pt)
-                state.mark("curve", curve)
-            print_curve(curve, seed)
+    with BackgroundCurve() as bg:
+        for r in range(rounds):
+            _fleet_round_and_learners(c, sd, seed, state, stages, in_loop, ckpt, fleet_units, heldout, reg, progress,
+                                      after_last_fleet, r, rounds, bg)
+        record_curve(c, sd, seed, state, in_loop, heldout, reg, progress, bg, background=False)
     published_mode = str(c["learner"].get("round_init")) == "published"
     for arm in in_loop:
         ckpt[arm.name] = make_learner(c, arm, sd / f"learner_{arm.name}", ckpt[arm.init], None, seed).final_checkpoint()
@@ -584,60 +635,6 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
             from fleet.arms import checkpoint_with_critic
 
             ckpt["fert"] = checkpoint_with_critic(ckpt["fert"], sd / "cache" / "arms" / f"v{v:06d}_alone", None)
-
-
-def learning_curve(c: dict, sd: Path, reg, base_ckpt: str, heldout: list[int], progress: bool,
-                   have: list | None = None) -> list[dict]:
-    """The learning curve's new points: every published version not yet in ``have`` (and the base, v1, first)
-    on the held-out plan (``eval.seed``), ``job.curve_trials_per_task`` trials per task, the weights alone
-    (K = 1) and with the version's success critic when it has one. The episodes go to ``<sd>/episodes`` like the
-    final arms' (``curve_v<N>``, ``curve_v<N>_critic``), so an arm with the same checkpoint reuses them.
-
-    Returns ``[{"round", "version", "heldout", "heldout_critic", "per_task", "per_task_critic", "successes",
-    "trials", "successes_critic"}]`` (rates in [0, 1]; ``round`` -1 is the base; ``heldout_critic`` None
-    without a critic)."""
-    from fleet.arms import checkpoint_with_critic
-    from fleet.evaluation import evaluate_arms
-    from fleet.protocol import success_by_task
-    from policies.critic import CRITIC_FILES
-
-    have = have or []
-    seen = {int(p["version"]) for p in have}
-    n = int(c["job"]["curve_trials_per_task"])
-    out = []
-    for v in reg.versions():
-        if v in seen:
-            continue
-        md = reg.manifest(v).get("metadata") or {}
-        d = reg.fetch(v, sd / "cache" / "curve" / f"v{v:06d}")
-        arms = {f"curve_v{v}": checkpoint_with_critic(d, sd / "cache" / "curve" / f"v{v:06d}_alone", None)}
-        critic = all((Path(d) / f).is_file() for f in CRITIC_FILES)
-        if critic:
-            arms[f"curve_v{v}_critic"] = str(d)
-        res = evaluate_arms(c, arms, sd, n, units=heldout, progress=progress)
-        pt = {"round": int(md.get("round", -1)), "version": int(v), "kind": md.get("kind")}
-        for suffix, name in (("", f"curve_v{v}"), ("_critic", f"curve_v{v}_critic")):
-            eps = res.get(name)
-            k = sum(bool(e["success"]) for e in eps) if eps else None
-            pt[f"heldout{suffix}"] = k / len(eps) if eps else None
-            pt[f"successes{suffix}"] = k
-            pt[f"per_task{suffix}"] = success_by_task(eps) if eps else None
-        pt["trials"] = len(res[f"curve_v{v}"])
-        out.append(pt)
-    return out
-
-
-def print_curve(curve: list[dict], seed: int) -> None:
-    """Print the learning curve so far: one line per published version."""
-    def pct(x):
-        return "  -  " if x is None else f"{100 * x:5.1f}"
-
-    lines = [f"learning curve (seed {seed}; held-out units, the same trials for every version):",
-             "  round  version  policy alone (K=1)  with its critic  per task (K=1)"]
-    for p in curve:
-        tasks = ", ".join(f"{t} {k}/{n}" for t, (k, n) in sorted((p.get("per_task") or {}).items()))
-        lines.append(f"  {p['round']:>5}  v{p['version']:<7} {pct(p['heldout']):>18}  {pct(p['heldout_critic']):>15}  {tasks}")
-    print("\n".join(lines), flush=True)
 
 
 def replay_round_failures(c: dict, checkpoint: str, rec: dict, out: Path, heldout: list[int]) -> dict:

@@ -125,6 +125,32 @@ def test_iterative_rounds_start_from_the_published_version_and_distil_the_critic
     assert lrn.final_checkpoint() == h1["checkpoint"]
 
 
+def test_critic_fitted_in_its_own_process_gives_the_same_round(setup, tmp_path):  # noqa: F811 (the fixture)
+    # fert.critic.fit_process: the critic is fitted in a spawned process while the learner samples the distillation's
+    # candidates; the critic, the critic targets and the round's weights are those of the in-process round
+    from policies.critic import CRITIC_WEIGHTS
+
+    out = {}
+    for mode in (True, False):
+        reg_url = str(tmp_path / f"registry_{mode}")
+        CheckpointRegistry(reg_url).publish(setup["base"], metadata={"run_id": "base", "round": -1})
+        cfg = learner_cfg(3)
+        cfg["task"] = TASK_CFG
+        cfg["learner"] |= {"round_init": "published"}
+        cfg["fert"] |= {"critic": {"enabled": True, "updates": 8, "members": 2, "hidden": 16, "candidates": 3,
+                                   "fit_process": mode},
+                        "distill": {"enabled": True, "states_per_task": 12, "batch_size": 5},
+                        "mix": {"retrieved": 0.25, "distill": 0.5, "replay": 0.25}}
+        lrn = FertLearner(cfg, setup["store"], reg_url, str(tmp_path / f"work_{mode}"), setup["base"], run_id="fert",
+                          validator=_validator([]))
+        out[mode] = lrn.run_round()
+    proc, here = out[True], out[False]
+    assert "candidates_s" in proc["times"] and "wait_s" in proc["critic"] and "wait_s" not in here["critic"]
+    assert proc["critic"]["val_loss"] == here["critic"]["val_loss"] and proc["mix"]["distill"] == here["mix"]["distill"]
+    for f in ("model.safetensors", CRITIC_WEIGHTS):
+        assert (Path(proc["checkpoint"]) / f).read_bytes() == (Path(here["checkpoint"]) / f).read_bytes()
+
+
 def test_a_rejected_round_publishes_the_current_weights_with_the_new_critic(setup, tmp_path):  # noqa: F811 (the fixture)
     reg_url = str(tmp_path / "registry")
     CheckpointRegistry(reg_url).publish(setup["base"], metadata={"run_id": "base", "round": -1})
@@ -142,6 +168,31 @@ def test_a_rejected_round_publishes_the_current_weights_with_the_new_critic(setu
     assert (v2 / "model.safetensors").read_bytes() == (base / "model.safetensors").read_bytes()
     assert all((v2 / f).is_file() for f in CRITIC_FILES)
     assert lrn.state["rejected"] == [0]
+
+
+def test_after_a_rejection_the_lineage_goes_on_from_the_rejected_weights(setup, tmp_path):  # noqa: F811 (the fixture)
+    # learner.after_reject: candidate: round 1 starts from round 0's rejected weights, while the fleet keeps the
+    # base's weights (published with round 0's critic) and round 1 is gated against them
+    reg_url = str(tmp_path / "registry")
+    CheckpointRegistry(reg_url).publish(setup["base"], metadata={"run_id": "base", "round": -1})
+    cfg = learner_cfg(2)
+    cfg["task"] = TASK_CFG
+    cfg["learner"] |= {"round_init": "published", "after_reject": "candidate"}
+    cfg["fert"] |= {"critic": {"enabled": True, "updates": 5, "members": 2, "hidden": 16, "candidates": 2},
+                    "distill": {"enabled": False}}
+    verdicts = iter([None, "finetuned"])
+    lrn = FertLearner(cfg, setup["store"], reg_url, str(tmp_path / "work"), setup["base"], run_id="fert",
+                      validator=lambda c, r, policy_alone=False: (next(verdicts), {}))
+    h0, h1 = lrn.run_round(), lrn.run_round()
+    base = (Path(setup["base"]) / "model.safetensors").read_bytes()
+    v2 = Path(CheckpointRegistry(reg_url).fetch(2, tmp_path / "v2"))
+    assert h0["published_candidate"] == "critic_only" and (v2 / "model.safetensors").read_bytes() == base
+    assert h1["init"] == h0["checkpoint"] and h1["version"] == 3
+    v3 = Path(CheckpointRegistry(reg_url).fetch(3, tmp_path / "v3"))
+    assert (v3 / "model.safetensors").read_bytes() == (Path(h1["checkpoint"]) / "model.safetensors").read_bytes()
+    cfg["learner"]["after_reject"] = "newest"
+    with pytest.raises(ValueError, match="learner.after_reject"):
+        FertLearner(cfg, setup["store"], reg_url, str(tmp_path / "w2"), setup["base"], run_id="x").round_init_checkpoint()
 
 
 def test_the_export_acts_alone_through_its_onnx_graph_like_the_checkpoint(setup, tmp_path):  # noqa: F811 (the fixture)

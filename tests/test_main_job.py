@@ -248,7 +248,14 @@ def test_default_job_compounds_rounds_with_a_learning_curve_and_the_export_arm(t
     assert [p["version"] for p in curve] == [1, 2, 3] and [p["round"] for p in curve] == [-1, 0, 1]
     assert all(p["trials"] == 3 and 0.0 <= p["heldout"] <= 1.0 for p in curve)
     assert curve[0]["heldout_critic"] is None and all(p["heldout_critic"] is not None for p in curve[1:])
+    # round 0's versions were evaluated in the background while round 1 worked (collected, then v3 here)
     assert proc.stdout.count("learning curve (seed 0") == 2
+    # the gate's plan is the same every round: round 1's current version (round 0's accepted candidate) is not
+    # played again
+    vdir = out / "seed_0" / "validation" / "episodes"
+    reused = json.loads((vdir / "round_1_current.json").read_text())
+    assert reused[0]["same_checkpoint_as"] == "round_0_finetuned"
+    assert not (out / "seed_0" / "validation" / "round_0").exists()
     # the final arms reuse the curve's episodes: fert is the newest version alone, fert_critic with its critic
     eps = {a: json.loads((out / "seed_0" / "episodes" / f"{a}.json").read_text()) for a in table["arms"]}
     assert eps["fert"][0]["same_checkpoint_as"] == "curve_v3" and eps["fert_critic"][0]["same_checkpoint_as"] == "curve_v3_critic"
@@ -268,7 +275,8 @@ def test_default_job_compounds_rounds_with_a_learning_curve_and_the_export_arm(t
         assert rnd["backend"] == "vector" and rnd["version"] == r + 1 and set(rnd["times"]) == {"fleet_s", "retries_s"}
         assert lr["validation"]["policy_alone"] is True and lr["version"] == r + 2
         assert lr["mix"]["distill"]["states"] == 16 and "replay:reach-v3" in lr["mix"]["slots"]
-        assert {"critic_s", "distill_s", "train_s", "validation_s"} <= set(lr["times"])
+        assert {"critic_s", "candidates_s", "distill_s", "train_s", "validation_s"} <= set(lr["times"])
+        assert rnd["round_s"] >= rnd["wall_s"] + lr["times"]["train_s"] and f"round {r} wall time" in proc.stdout
     assert (out / "arms.png").stat().st_size > 1000
     # the same learning run asynchronously (scripts/async_run.py): from this seed's demos and base, the learner in its
     # own process beside a fleet that never waits; every version on the same held-out trials, with staleness

@@ -353,3 +353,21 @@ def test_tasks_lost_with_and_without_holm():
     assert tasks_lost(three, 0.2, 0.1, "holm") == []            # within the tolerance: not lost
     with pytest.raises(ValueError, match="validate_task_correction"):
         tasks_lost(three, 0.1, 0.1, "bonferroni")
+
+
+def test_background_curve_reports_a_failed_call_and_is_reusable(tmp_path):
+    # the learning curve's background process (fleet.curve.BackgroundCurve): an error in the spawned process comes
+    # back as one RuntimeError naming it, and the object takes the next call
+    from fleet.curve import BackgroundCurve
+
+    with BackgroundCurve() as bg:
+        assert bg.collect() == [] and not bg.pending
+        bg.start({"eval": {}}, tmp_path, str(tmp_path / "registry"), [100], [])   # no "job" group: KeyError there
+        assert bg.pending
+        with pytest.raises(RuntimeError, match="background evaluation failed: KeyError: 'job'"):
+            bg.collect()
+        assert not bg.pending
+        bg.start({"eval": {}}, tmp_path, str(tmp_path / "registry"), [100], [])
+        with pytest.raises(RuntimeError, match="not collected yet"):
+            bg.start({"eval": {}}, tmp_path, str(tmp_path / "registry"), [100], [])
+    assert not bg.pending   # leaving the block stopped the pending call
