@@ -44,7 +44,7 @@ base_critic               base         the base's weights with FERT's success cr
 chunks sampled from the policy at every decision. The two critic arms reuse checkpoints (no training):
 ``critic="drop"`` copies its ``init`` checkpoint without the critic's files, ``critic="fert"`` copies its ``init``
 checkpoint and adds the ``fert`` arm's critic. With ``learner.validate_critic_only`` the publishing learner's gate
-chooses between two candidates per round (``scripts/run.py: make_validator``): the fine-tuned weights with the
+chooses between two candidates per round (``fleet.gate.make_validator``): the fine-tuned weights with the
 new critic, and the current version's weights with the new critic; ``fert`` is what it published,
 ``fert_finetuned`` the fine-tuned candidate either way (``init`` ``"fert_finetuned"``).
 

@@ -53,7 +53,7 @@ LEARNER_ENV = "FLEETMIND_ASYNC_LEARNER"
 def learner_process(spec_path: str) -> None:
     """The learner's own process: the synchronous job's fert learner, rounds until done or the stop file."""
     from fleet.arms import get_arms, make_learner
-    from scripts.run import make_validator
+    from fleet.gate import make_validator
 
     spec = json.loads(Path(spec_path).read_text())
     c, sd, stop = spec["cfg"], Path(spec["sd"]), Path(spec["stop_file"])

@@ -339,7 +339,7 @@ def test_tasks_lost_with_and_without_holm():
     """The gate's per-task rule on recorded validations: experiment 33's mw10 round 0 (+6.0 points overall, 33/15)
     lost bin-picking on 0 wins / 4 losses: rejected per task at alpha 0.1 (p = 0.0625), not under Holm over ten
     tasks; experiment 32's button-press 0 / 5 (p = 0.031 < 0.1 / 3) is lost under both."""
-    from scripts.run import tasks_lost
+    from fleet.gate import tasks_lost
 
     mw10 = {"assembly": (3, 2, 1), "basketball": (7, 3, 1), "bin-picking": (-13, 0, 4), "button-press": (10, 7, 4),
             "door-open": (13, 4, 0), "drawer-close": (0, 0, 0), "hammer": (7, 4, 2), "push": (-7, 1, 3),
