@@ -298,7 +298,6 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
         ValueError: ``batch_size < 1``. (A non-finite action or observation, or diverging physics, ends that
         trial as a failure with its ``termination``, as on a fleet worker.)
     """
-    import inspect
     import time
 
     import torch
@@ -313,7 +312,7 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     model, version, graph_batch = load_acting_policy(checkpoint, with_critic)
     if graph_batch is not None:   # an export's ONNX graph runs at the batch size it was exported for
         batch_size = graph_batch
-    takes_generators = "generators" in inspect.signature(model.select_action).parameters
+    takes_generators = bool(model.denoising)   # policies.base.Policy: a denoising policy takes per-row generators
     max_steps = int(cfg["task"]["max_episode_steps"])
     pool = env_pool(cfg)
     max_envs = (cfg.get("eval") or {}).get("max_envs")   # bound on this process's pooled envs (_wave_envs); null:

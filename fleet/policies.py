@@ -19,7 +19,6 @@ steps by the policy's own ``select_action`` queue (local inference) or by ``Chun
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections import deque
 from pathlib import Path
@@ -131,7 +130,7 @@ class TorchPolicy:
     def __init__(self, model, version: int):
         self.model, self.version = model, version
         self.noise_scale = 1.0
-        self._takes_noise_scale = "noise_scale" in inspect.signature(model.select_action).parameters
+        self._takes_noise_scale = bool(model.denoising)   # policies.base.Policy's declared sampling keywords
 
     def reset(self) -> None:
         self.model.reset()

@@ -24,11 +24,18 @@ class Policy(Protocol):
             ``input_shapes`` (``{observation feature: per-frame shape}``). A diffusion policy's config also has
             ``num_inference_steps`` / ``num_train_timesteps`` (denoising steps; the runtime may change the first).
         tokenizer: the AED action tokenizer run in the DataLoader's collate, or None.
+        denoising: the policy samples its chunks from noise (a diffusion policy), and its sampling takes the
+            keywords ``predict_action_chunk(batch, noise=None, generator=None, num_inference_steps=None,
+            noise_scale=1.0)`` and ``select_action(obs, generator=None, generators=None, noise_scale=1.0)``
+            (``generators``: one per batch row, so a row's noise does not depend on the others; ``noise_scale``:
+            the temperature of the initial noise). False: they take only the batch / the observation. The fleet,
+            the evaluation and the runtime read this declaration instead of inspecting signatures.
     """
 
     name: str
     config: Any
     tokenizer: Any
+    denoising: bool
 
     @classmethod
     def build(cls, cfg: dict, reader, episodes) -> Policy:

@@ -105,14 +105,12 @@ class PolicyRuntime:
     def __init__(self, policy: torch.nn.Module, meta: dict[str, Any], num_inference_steps: int | None = None,
                  compile: bool = False, backend: str = "torch", folder: str | Path | None = None,
                  num_threads: int | None = None):
-        import inspect
-
         self.policy, self.meta = policy, meta
         self.config = policy.config
-        self.denoises = hasattr(self.config, "num_inference_steps")
-        # what the policy's sampling accepts (a regressor takes no noise, generator or step count)
-        self._chunk_kw = set(inspect.signature(policy.predict_action_chunk).parameters) - {"batch"}
-        self._select_kw = set(inspect.signature(policy.select_action).parameters) - {"obs"}
+        self.denoises = bool(policy.denoising)
+        # what the policy's sampling accepts (policies.base.Policy.denoising; a regressor takes none of them)
+        self._chunk_kw = {"noise", "generator", "num_inference_steps"} if self.denoises else set()
+        self._select_kw = {"generator"} if self.denoises else set()
         if num_inference_steps is not None and not self.denoises:
             raise ValueError(f"num_inference_steps={num_inference_steps}: policy type {policy.name!r} has no "
                              "denoising steps")

@@ -465,6 +465,7 @@ class AEDDiffusionPolicy(nn.Module):
     """
 
     name = "aed_diffusion"
+    denoising = True   # samples chunks from noise: takes the sampling keywords of policies.base.Policy
 
     def __init__(self, config: AEDDiffusionConfig, stats: dict, tokenizer: ActionTokenizer | None = None):
         super().__init__()

@@ -66,6 +66,7 @@ class MLPChunkPolicy(nn.Module):
     """
 
     name = "mlp_chunk"
+    denoising = False  # a regressor: no noise, generator or denoising steps (policies.base.Policy)
 
     def __init__(self, config: MLPChunkConfig, stats: dict[str, dict[str, list[float]]] | None = None):
         super().__init__()
