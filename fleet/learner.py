@@ -485,13 +485,16 @@ class FertLearner:
         import concurrent.futures
         import multiprocessing
 
+        import torch
+
         from policies.critic import load_critic
 
         keys = critic_state_keys(policy)
         args = (self.store_url, [m.episode_id for m in self.critic_episodes()], keys, int(policy.config.action_dim),
                 int(policy.config.n_action_steps), int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
                 {k: v for k, v in ccfg.items() if k not in ("enabled", "candidates", "fit_process")}, int(seed),
-                int(self.lcfg.get("torch_threads") or 1), str(out_dir), int(ccfg.get("candidates", 8)))
+                int(self.lcfg.get("torch_threads") or torch.get_num_threads()), str(out_dir),
+                int(ccfg.get("candidates", 8)))
         ex = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         fut = ex.submit(fit_critic_process, *args)
         t0 = time.perf_counter()
