@@ -60,6 +60,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fleet.learner import FertLearner
+from fleet.registry import checkpoint_with_critic
+
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
@@ -180,8 +183,6 @@ def make_learner(cfg: dict, arm: Arm, work_dir: Path, init_ckpt: str, registry_u
     """The ``FertLearner`` that trains a ``data="fert"`` arm (publishing to ``registry_url`` unless None).
     ``offline``: the round runs on the store as it is (no waiting for new fleet episodes: the protocol's fleet
     round has finished when its learners run)."""
-    from fleet.learner import FertLearner
-
     c = fert_config(cfg, arm)
     learner = {**c["learner"], "seed": int(seed)}
     if offline:   # learner.torch_threads as configured: 2 threads trained ~2x slower than 1 here (experiment 26)
@@ -275,39 +276,6 @@ def train_offline_arms_process(cfg: dict, jobs: list, heldout: list[int], seed: 
         out[arm.name] = (train_offline_arm(cfg, arm, reader, init, Path(out_dir), heldout, seed),
                          time.perf_counter() - t0)
     return out
-
-
-def checkpoint_with_critic(src: str | Path, out_dir: str | Path, critic_from: str | Path | None = None) -> str:
-    """Copy the ``pretrained_model`` directory ``src`` to ``out_dir`` without its success critic, and with
-    ``critic_from``'s critic files when given (the weights of one checkpoint, the critic of another). The registry
-    manifest is not copied (the file set changed; the copy loads as an unversioned policy). Written to a
-    temporary sibling and renamed, so ``out_dir`` never holds half a checkpoint. Returns ``str(out_dir)``.
-
-    Raises:
-        ValueError: ``critic_from`` has no complete success critic (``fert.critic.enabled`` false?).
-    """
-    import shutil
-
-    from fleet.registry import MANIFEST
-    from policies.critic import CRITIC_FILES
-
-    src = Path(src)
-    if critic_from is not None and not all((Path(critic_from) / f).is_file() for f in CRITIC_FILES):
-        raise ValueError(f"checkpoint {str(critic_from)!r} has no success critic ({CRITIC_FILES}; "
-                         "fert.critic.enabled is false?)")
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.is_file() and f.name not in (*CRITIC_FILES, MANIFEST):
-            shutil.copy2(f, tmp / f.name)
-    if critic_from is not None:
-        for f in CRITIC_FILES:
-            shutil.copy2(Path(critic_from) / f, tmp / f)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return str(out)
 
 
 def num_inference_steps(checkpoint: str | Path) -> int:

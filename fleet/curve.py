@@ -34,9 +34,9 @@ def learning_curve(c: dict, sd: Path, reg, heldout: list[int], progress: bool,
     Returns ``[{"round", "version", "kind", "heldout", "heldout_critic", "per_task", "per_task_critic",
     "successes", "trials", "successes_critic"}]`` (rates in [0, 1]; ``round`` -1 is the base; ``heldout_critic``
     None without a critic)."""
-    from fleet.arms import checkpoint_with_critic
     from fleet.evaluation import evaluate_arms
     from fleet.protocol import success_by_task
+    from fleet.registry import checkpoint_with_critic
     from policies.critic import CRITIC_FILES
 
     sd = Path(sd)

@@ -76,7 +76,7 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
     task_correction = str(c["learner"].get("validate_task_correction") or "none")
 
     def validate(candidates: dict, r: int, policy_alone: bool = False) -> tuple[str | None, dict]:
-        from fleet.arms import checkpoint_with_critic
+        from fleet.registry import checkpoint_with_critic
 
         if not candidates or "current" in candidates:
             raise ValueError(f"validation: expected named candidates other than 'current', given {list(candidates)}")

@@ -320,7 +320,7 @@ class FertLearner:
     def _run_iterative_round(self, r: int, n_eps: int) -> dict:
         """One round of the ``published`` mode (see :meth:`run_round`)."""
         from experience_dict.audit import write_retrieval_audit
-        from fleet.arms import checkpoint_with_critic
+        from fleet.registry import checkpoint_with_critic
         from policies.aed_diffusion.training import train_policy
         from policies.critic import save_critic
         from policies.factory import deployed_checkpoint, load_policy
@@ -555,8 +555,7 @@ class FertLearner:
         fitted on the fleet's successes and failures can help the current weights without the fine-tuning (on one
         seed of experiment 19 the fine-tuned weights lost 4 points on held-out units while the base with the same
         critic gained 5; docs/RESULTS.md); the validation gate decides which one the fleet gets."""
-        from fleet.arms import checkpoint_with_critic
-        from fleet.registry import CheckpointRegistry
+        from fleet.registry import CheckpointRegistry, checkpoint_with_critic
 
         reg = CheckpointRegistry(self.registry_url)
         v = reg.latest_version()

@@ -301,3 +301,35 @@ class CheckpointRegistry:
         else:
             self.fs.pipe_file(f"{vdir}/{MANIFEST}", data)   # one PUT: an object is visible whole or not at all
         return version
+
+
+def checkpoint_with_critic(src: str | Path, out_dir: str | Path, critic_from: str | Path | None = None) -> str:
+    """Copy the ``pretrained_model`` directory ``src`` to ``out_dir`` without its success critic, and with
+    ``critic_from``'s critic files when given (the weights of one checkpoint, the critic of another). The registry
+    manifest is not copied (the file set changed; the copy loads as an unversioned policy). Written to a
+    temporary sibling and renamed, so ``out_dir`` never holds half a checkpoint. Returns ``str(out_dir)``.
+
+    Raises:
+        ValueError: ``critic_from`` has no complete success critic (``fert.critic.enabled`` false?).
+    """
+    import shutil
+
+    from policies.critic import CRITIC_FILES
+
+    src = Path(src)
+    if critic_from is not None and not all((Path(critic_from) / f).is_file() for f in CRITIC_FILES):
+        raise ValueError(f"checkpoint {str(critic_from)!r} has no success critic ({CRITIC_FILES}; "
+                         "fert.critic.enabled is false?)")
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in (*CRITIC_FILES, MANIFEST):
+            shutil.copy2(f, tmp / f.name)
+    if critic_from is not None:
+        for f in CRITIC_FILES:
+            shutil.copy2(Path(critic_from) / f, tmp / f)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return str(out)

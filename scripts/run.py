@@ -508,7 +508,7 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
             # an in-loop ablation is credited like fert: its weights alone (K = 1); its last round's checkpoint
             # carries that learner's success critic, with which it would run K chunks per decision (experiment
             # 32's table compared those, with their critics, against fert alone)
-            from fleet.arms import checkpoint_with_critic
+            from fleet.registry import checkpoint_with_critic
 
             ckpt[arm.name] = checkpoint_with_critic(ckpt[arm.name], sd / "cache" / "arms" / f"{arm.name}_alone", None)
     if any(a.name == "fert" for a in in_loop):
@@ -525,7 +525,7 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
         # fert arm is its weights alone (K = 1), what a robot running the ONNX export executes
         ckpt["fert_version"] = ckpt["fert"]
         if str(c["learner"].get("round_init")) == "published":
-            from fleet.arms import checkpoint_with_critic
+            from fleet.registry import checkpoint_with_critic
 
             ckpt["fert"] = checkpoint_with_critic(ckpt["fert"], sd / "cache" / "arms" / f"v{v:06d}_alone", None)
 
