@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from experience_dict.sampler import WindowDataset
 from experience_dict.store import ExperienceStore
 from policies.aed_diffusion import AEDDiffusionConfig, AEDDiffusionPolicy
-from policies.aed_diffusion.modeling_aed_diffusion import Denoiser, denoiser_mask
-from policies.aed_diffusion.training import build_policy, last_checkpoint, train_policy
+from policies.aed_diffusion.modeling_aed_diffusion import Denoiser, build_policy, denoiser_mask
+from policies.aed_diffusion.training import last_checkpoint, train_policy
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]

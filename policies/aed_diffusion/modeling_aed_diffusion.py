@@ -833,13 +833,11 @@ class AEDDiffusionPolicy(nn.Module):
     def build(cls, cfg: dict, reader, episodes) -> AEDDiffusionPolicy:
         """A fresh policy for the Hydra ``policy`` node ``cfg`` (configs/policy/aed_diffusion*.yaml): input
         shapes from the store, the action tokenizer (AED on) and normalisation statistics fitted on
-        ``episodes`` (``policies.aed_diffusion.training.config_from_hydra`` and ``build_policy``).
+        ``episodes`` (:func:`config_from_hydra` and :func:`build_policy`).
 
         Raises:
             ValueError: a bad config value or an input key the store lacks.
         """
-        from policies.aed_diffusion.training import build_policy, config_from_hydra
-
         return build_policy(config_from_hydra(cfg, reader), reader, episodes)
 
     def save_pretrained(self, directory: str | Path) -> Path:
@@ -908,3 +906,50 @@ class AEDDiffusionPolicy(nn.Module):
         """Learned parameters (the frozen MT-target extractor excluded)."""
         frozen = {id(p) for p in self.mt_features.parameters()} if hasattr(self, "mt_features") else set()
         return sum(p.numel() for p in self.parameters() if id(p) not in frozen)
+
+
+# building a fresh policy from its Hydra config and a store (the training script, policies.factory and
+# AEDDiffusionPolicy.build call these)
+
+def input_shapes_from_store(reader, keys: list[str] | None = None) -> dict[str, list[int]]:
+    """Per-frame shapes of the store's observation keys (``reader.features``); ``keys`` selects (and orders).
+
+    Raises:
+        ValueError: a requested key the store does not hold.
+    """
+    feats = {k: list(v["shape"]) for k, v in reader.features.items() if k.startswith("observation.")}
+    if keys is None:
+        return feats
+    missing = [k for k in keys if k not in feats]
+    if missing:
+        raise ValueError(f"store {getattr(reader, 'url', '')} lacks observation keys {missing} (has {sorted(feats)})")
+    return {k: feats[k] for k in keys}
+
+
+def config_from_hydra(pcfg: dict, reader) -> AEDDiffusionConfig:
+    """Hydra ``policy`` node (configs/policy/aed_diffusion*.yaml) + the store's feature shapes ->
+    ``AEDDiffusionConfig``. ``input_keys`` null: every non-image ``observation.*`` key of the store (image keys
+    too with ``images: true``).
+
+    Raises:
+        ValueError: an input key the store lacks, or a bad config value (from ``AEDDiffusionConfig``).
+    """
+    pcfg = dict(pcfg)
+    keys, images = pcfg.pop("input_keys", None), pcfg.pop("images", False)
+    if keys is None:
+        keys = [k for k, v in reader.features.items() if k.startswith("observation.")
+                and (images or len(v["shape"]) != 3)]
+    return AEDDiffusionConfig.from_dict({**pcfg, "input_shapes": input_shapes_from_store(reader, list(keys))})
+
+
+def build_policy(policy_cfg: AEDDiffusionConfig, reader, episodes) -> AEDDiffusionPolicy:
+    """Fit the action tokenizer on ``episodes``' actions (AED on), take stats over ``episodes`` and build
+    a fresh policy."""
+    stats = reader.stats(policy_cfg.state_keys + ["action"], episodes=episodes)
+    tok = None
+    if policy_cfg.aed.enabled:
+        acts = [reader.load_episode(e.episode_id, keys=["action"])["action"] for e in episodes]
+        tok = ActionTokenizer.fit(acts, r=policy_cfg.aed.group_size, relative_dims=policy_cfg.relative_action_dims,
+                                  absolute_dims=policy_cfg.absolute_action_dims, scale=policy_cfg.aed.tokenizer_scale,
+                                  vocab_size=policy_cfg.aed.tokenizer_vocab_size)
+    return AEDDiffusionPolicy(policy_cfg, stats, tok)

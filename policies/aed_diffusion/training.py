@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from experience_dict.tokenizer import ActionTokenizer
 from policies.aed_diffusion.configuration_aed_diffusion import AEDDiffusionConfig
-from policies.aed_diffusion.modeling_aed_diffusion import AEDDiffusionPolicy
+from policies.aed_diffusion.modeling_aed_diffusion import AEDDiffusionPolicy, build_policy
 
 log = logging.getLogger(__name__)
 
@@ -172,50 +172,6 @@ def resolve_device(device: str | None) -> torch.device:
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def input_shapes_from_store(reader, keys: list[str] | None = None) -> dict[str, list[int]]:
-    """Per-frame shapes of the store's observation keys (``reader.features``); ``keys`` selects (and orders).
-
-    Raises:
-        ValueError: a requested key the store does not hold.
-    """
-    feats = {k: list(v["shape"]) for k, v in reader.features.items() if k.startswith("observation.")}
-    if keys is None:
-        return feats
-    missing = [k for k in keys if k not in feats]
-    if missing:
-        raise ValueError(f"store {getattr(reader, 'url', '')} lacks observation keys {missing} (has {sorted(feats)})")
-    return {k: feats[k] for k in keys}
-
-
-def config_from_hydra(pcfg: dict, reader) -> AEDDiffusionConfig:
-    """Hydra ``policy`` node (configs/policy/aed_diffusion*.yaml) + the store's feature shapes ->
-    ``AEDDiffusionConfig``. ``input_keys`` null: every non-image ``observation.*`` key of the store (image keys
-    too with ``images: true``).
-
-    Raises:
-        ValueError: an input key the store lacks, or a bad config value (from ``AEDDiffusionConfig``).
-    """
-    pcfg = dict(pcfg)
-    keys, images = pcfg.pop("input_keys", None), pcfg.pop("images", False)
-    if keys is None:
-        keys = [k for k, v in reader.features.items() if k.startswith("observation.")
-                and (images or len(v["shape"]) != 3)]
-    return AEDDiffusionConfig.from_dict({**pcfg, "input_shapes": input_shapes_from_store(reader, list(keys))})
-
-
-def build_policy(policy_cfg: AEDDiffusionConfig, reader, episodes) -> AEDDiffusionPolicy:
-    """Fit the action tokenizer on ``episodes``' actions (AED on), take stats over ``episodes`` and build
-    a fresh policy."""
-    stats = reader.stats(policy_cfg.state_keys + ["action"], episodes=episodes)
-    tok = None
-    if policy_cfg.aed.enabled:
-        acts = [reader.load_episode(e.episode_id, keys=["action"])["action"] for e in episodes]
-        tok = ActionTokenizer.fit(acts, r=policy_cfg.aed.group_size, relative_dims=policy_cfg.relative_action_dims,
-                                  absolute_dims=policy_cfg.absolute_action_dims, scale=policy_cfg.aed.tokenizer_scale,
-                                  vocab_size=policy_cfg.aed.tokenizer_vocab_size)
-    return AEDDiffusionPolicy(policy_cfg, stats, tok)
 
 
 class StepBatchSampler(torch.utils.data.Sampler):
