@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleet.budget import make_budget
+from fleet.supervisor import RunSupervisor
 from fleet.worker import RobotWorker, writer_id
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])
@@ -522,9 +524,6 @@ class Fleet:
             ValueError: no budget given or configured; a plan trial names a unit this fleet does not run or a
                 task that unit does not run.
         """
-        from fleet.budget import make_budget
-        from fleet.supervisor import RunSupervisor
-
         if not self.actors:
             self.start()
         if policy is not None:

@@ -8,7 +8,6 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import fsspec
 import numpy as np
@@ -42,9 +41,7 @@ from experience_dict.store.storage import (
     _ls_json,
     _zarr_store,
 )
-
-if TYPE_CHECKING:
-    from experience_dict.store.writer import EpisodeWriter
+from experience_dict.store.writer import EpisodeWriter
 
 
 def _columns(rows: np.ndarray, cols: tuple[int, int, bool]) -> np.ndarray:
@@ -722,8 +719,6 @@ class ExperienceStore:
         if self.read_only:
             raise StoreError(f"store {self.url!r} was opened read-only; use ExperienceStore.create_or_open")
         self._check_writable()
-        from experience_dict.store.writer import EpisodeWriter  # the writer module imports this one
-
         return EpisodeWriter(self, writer_id, non_finite=non_finite)
 
     # -- summaries ------------------------------------------------------------------------------
