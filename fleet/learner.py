@@ -430,7 +430,6 @@ class FertLearner:
 
         fc = dict(self.cfg["fert"])
         shares = {"retrieved": 0.25, "distill": 0.5, "replay": 0.25, **dict(fc.get("mix") or {})}
-        dcfg = {"enabled": True, "states_per_task": 1024, "batch_size": 128, **dict(fc.get("distill") or {})}
         spec = policy.window_spec()
         keys = list(spec) + [f"{n}_is_pad" for n in spec]
         parts = []
@@ -440,7 +439,7 @@ class FertLearner:
                                                    segment_steps=int(fc.get("segment_steps", 1))),
                           shares["retrieved"]))
         rec: dict = {}
-        if dcfg["enabled"] and critic is not None and shares["distill"] > 0 and candidates > 1:
+        if critic is not None and candidates > 1 and self._distill_on():   # the same rule the round sampled by
             if sampled is None:
                 sampled = self.distill_candidates(policy, seed)
             targets, rec["distill"] = choose_targets(critic, sampled)
