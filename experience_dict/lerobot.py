@@ -83,6 +83,7 @@ from typing import Any
 
 import numpy as np
 
+from experience_dict.atomic import atomic_write_text
 from experience_dict.store import (
     DEFAULT_PROGRESS_KEYS,
     EpisodeMeta,
@@ -479,9 +480,7 @@ def export_dataset(store_url: str, out_dir: str | Path, repo_id: str | None = No
                                                  if f.name not in ("shard", "start")}}
                          for i, e in enumerate(eps)],
         }
-        tmp = out_dir / (SIDECAR + ".tmp")
-        tmp.write_text(json.dumps(_json_safe(sidecar), indent=1))
-        os.replace(tmp, out_dir / SIDECAR)
+        atomic_write_text(out_dir / SIDECAR, json.dumps(_json_safe(sidecar), indent=1))
     except BaseException:
         try:
             ds.finalize()

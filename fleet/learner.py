@@ -32,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from experience_dict.atomic import atomic_write_text
+
 log = logging.getLogger(__name__)
 
 LEARNER_DEFAULTS: dict[str, Any] = {
@@ -51,9 +53,7 @@ LEARNER_DEFAULTS: dict[str, Any] = {
 
 
 def _atomic_write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, indent=1))
 
 
 class FertLearner:

@@ -44,6 +44,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from experience_dict.atomic import atomic_write_text
 from fleet.gate import make_validator
 from fleet.progress import calm_progress
 from fleet.refusals import one_line_refusals
@@ -81,9 +82,7 @@ class JobState:
 
     def mark(self, stage: str, value) -> None:
         self.data[stage] = value
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, json.dumps(self.data, indent=1, default=str))
 
 
 class Stages:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import uuid
 from typing import Any
 
 import fsspec
 import zarr
 from fsspec.implementations.local import LocalFileSystem
+
+from experience_dict.atomic import atomic_write_bytes
 
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -54,17 +55,14 @@ _MADE_DIRS: set[tuple[Any, str]] = set()
 def _atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so a reader sees either nothing/the old file or the whole new file.
 
-    Local: temp file in the same directory + ``os.replace`` (POSIX rename is atomic). Other filesystems:
-    one ``pipe_file`` call, i.e. a single PUT on object stores (atomic there) or one dict assignment in
-    ``memory://``.
+    Local: :func:`experience_dict.atomic.atomic_write_bytes` (temp file in the same directory +
+    ``os.replace``; POSIX rename is atomic). Other filesystems: one ``pipe_file`` call, i.e. a single PUT on
+    object stores (atomic there) or one dict assignment in ``memory://``.
     """
     parent = path.rsplit("/", 1)[0]
     if _is_local(fs):
         os.makedirs(parent, exist_ok=True)
-        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        atomic_write_bytes(path, data)
     else:
         key = (getattr(fs, "_fs_token", None) or id(fs), parent)   # fsspec token: one per filesystem config
         if key not in _MADE_DIRS:   # object stores have no directories: one call per parent (s3fs: a HEAD)

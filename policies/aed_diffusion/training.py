@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from experience_dict.atomic import atomic_write_text
 from experience_dict.tokenizer import ActionTokenizer
 from policies.aed_diffusion.configuration_aed_diffusion import AEDDiffusionConfig
 from policies.aed_diffusion.modeling_aed_diffusion import AEDDiffusionPolicy, build_policy
@@ -151,9 +152,7 @@ def save_checkpoint(out_dir: Path, step: int, policy: AEDDiffusionPolicy, ema: E
         "scheduler": {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}}))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    last_tmp = ckpt_root / f".last-{os.getpid()}.json"
-    last_tmp.write_text(json.dumps({"step": step, "path": final.name}))
-    os.replace(last_tmp, ckpt_root / "last.json")
+    atomic_write_text(ckpt_root / "last.json", json.dumps({"step": step, "path": final.name}))
     return final / "pretrained_model"
 
 
