@@ -15,10 +15,11 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Protocol, Self
 
 import numpy as np
 import zarr
+from fsspec import AbstractFileSystem
 from zarr.codecs import BloscCodec, Crc32cCodec
 
 from experience_dict.stats import episode_sketch, histogram_sketch
@@ -50,10 +51,28 @@ from experience_dict.store.storage import (
 )
 from experience_dict.store.zarr_compat import sync_chunk_encoder, zarr_sync
 
-if TYPE_CHECKING:
-    from experience_dict.store.reader import ExperienceStore
-
 # ----------------------------------------------------------------------------- writer
+
+
+class WritableStore(Protocol):
+    """What :class:`EpisodeWriter` uses of the store it appends to: its URL, filesystem, Zarr store and paths
+    (``_p``), its metadata and feature spec, and the layout of its arrays (``schema._layout``).
+
+    ``ExperienceStore`` opened for writing (``ExperienceStore.create_or_open(...).writer(...)``) is the one
+    implementation. The writer names this interface, not the reader's class: the reader imports the writer (to
+    open one), so the writer does not import the reader.
+    """
+
+    url: str
+    fs: AbstractFileSystem
+    meta: dict
+    features: dict[str, dict]
+    progress_keys: list[str]
+    _layout: dict[str, dict]
+    _where: dict[str, tuple[str, tuple[int, int, bool] | None]]
+    _zstore: zarr.abc.store.Store
+
+    def _p(self, *parts: str) -> str: ...
 
 
 class _Column:
@@ -150,7 +169,7 @@ class EpisodeWriter:
     _ALIGN = True  # start episodes on image chunk boundaries (False: right after the previous episode)
     _MIN_ROWS = 16384  # capacity of a new array (rows past the commits are never read; shape is metadata)
 
-    def __init__(self, store: ExperienceStore, writer_id: str, non_finite: str = "raise"):
+    def __init__(self, store: WritableStore, writer_id: str, non_finite: str = "raise"):
         if not isinstance(writer_id, str) or not _WRITER_ID_RE.match(writer_id):
             raise ValueError(f"writer_id must match {_WRITER_ID_RE.pattern}, given {writer_id!r}")
         if non_finite not in ("raise", "quarantine"):
