@@ -284,8 +284,8 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
         plan: ``[{"task", "unit_id", "seed"}]`` (:func:`evaluation_plan`, ``fleet.protocol.fleet_plan``), a trial
             optionally with ``"explore"``: a failure retry's ``fleet.worker.Exploration`` dict (held action noise,
             denoising-noise temperature; its tags ``retry_of``, ``attempt``, ``exploration`` are committed with the
-            episode, and the retry draws its denoising noise from ``retry_noise_seed(seed, attempt)``, fresh noise
-            as on a fleet worker). store_url: the store the episodes are committed to.
+            episode, and the retry draws its denoising noise from ``fleet.worker.retry_noise_seed(seed, attempt)``,
+            fresh noise as on a fleet worker). store_url: the store the episodes are committed to.
         batch_size: envs per wave (>= 1). torch_threads: torch threads of this process.
         with_critic: False: a checkpoint's success critic is not installed, its weights act alone (K = 1) while
             its episodes still carry its registry version (the round's fleet with ``job.fleet_critic: false``).
@@ -423,7 +423,7 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
     import torch
 
     from fleet.rollout import step_trial
-    from fleet.worker import Exploration
+    from fleet.worker import Exploration, retry_noise_seed
 
     obs = [env.reset(seed=int(tr["seed"]))[0] for env, tr in zip(envs, wave)]
     explore = [Exploration.from_dict(tr["explore"]) if tr.get("explore") else None for tr in wave]
@@ -463,12 +463,6 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
             if done.all():
                 break
     return steps, success, ret, length, why
-
-
-def retry_noise_seed(seed: int, attempt: int) -> int:
-    """Seed of a failure retry's denoising noise: ``seed * 1009 + attempt + 1`` (a retry draws fresh noise, and
-    each attempt its own; ``fleet.worker.RobotWorker`` seeds torch with the same number)."""
-    return int(seed) * 1009 + int(attempt) + 1
 
 
 def _commit_trial(w, env, tr: dict, steps: list, success: bool, termination: str, version: int,

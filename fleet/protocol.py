@@ -274,7 +274,7 @@ class VectorFleet:
     by unit (each unit's store shard keeps one writer, ``fleet.worker.writer_id``, as on a Ray worker).
 
     Every trial's denoising noise comes from a generator seeded with its reset seed (a retry's from
-    ``fleet.evaluation.retry_noise_seed``), so a trial's episode does not depend on which others share its batch,
+    ``fleet.worker.retry_noise_seed``), so a trial's episode does not depend on which others share its batch,
     and a round is reproducible from its plan (its speed against the Ray fleet: docs/PERFORMANCE.md,
     ``scripts/bench_fleet.py``). It has the interface
     :func:`run_retries` uses: ``run(plan=..., progress=...)`` returning an object with ``episodes``.

@@ -59,6 +59,12 @@ def episode_seed(base_seed: int, unit_id: int, episode_index: int) -> int:
     return int((int(base_seed) * 1_000_000_007 + int(unit_id) * 1_000_000 + int(episode_index)) % (2**31 - 1))
 
 
+def retry_noise_seed(seed: int, attempt: int) -> int:
+    """Seed of a failure retry's denoising noise: ``seed * 1009 + attempt + 1`` (a retry draws fresh noise, and
+    each attempt its own; ``RobotWorker`` seeds torch with it, ``fleet.evaluation`` a retry's generator)."""
+    return int(seed) * 1009 + int(attempt) + 1
+
+
 class Exploration:
     """Failure-guided exploration of one retry episode: temporally correlated action noise and/or a higher
     temperature of the policy's initial denoising noise.
@@ -482,8 +488,6 @@ class RobotWorker:
         ex = Exploration.from_dict(explore) if explore else None
         if ex is not None:
             import torch
-
-            from fleet.evaluation import retry_noise_seed
 
             torch.manual_seed(retry_noise_seed(seed, ex.attempt))  # a retry draws fresh denoising noise too
             if ex.temperature != 1.0:
