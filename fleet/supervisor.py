@@ -10,13 +10,34 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from fleet.budget import Budget
+from fleet.result import FleetResult
 
-if TYPE_CHECKING:
-    from fleet.coordinator import Fleet, FleetResult
+
+class SupervisedFleet(Protocol):
+    """What :class:`RunSupervisor` uses of the fleet it runs: its config (``fcfg``: the ``fleet`` group),
+    units, Ray actors, worker pids and nodes, acting-policy spec, and three of its operations.
+
+    ``fleet.coordinator.Fleet`` is the one implementation (``Fleet.run`` builds a ``RunSupervisor`` on
+    itself). The supervisor names this interface, not the coordinator's class: the coordinator imports the
+    supervisor, so the supervisor does not import the coordinator.
+    """
+
+    fcfg: dict
+    units: list[int]
+    actors: dict[int, Any]
+    pids: dict[int, int]
+    unit_nodes: dict[int, str]
+    policy: dict
+
+    def shutdown(self, wait_s: float = 30.0) -> None: ...
+
+    def _recreate(self, unit: int, result: FleetResult) -> bool: ...
+
+    def _committed_in_store(self, trial: Mapping, since_wall: float, counted: set[str]) -> dict | None: ...
 
 
 class RunSupervisor:
@@ -33,7 +54,7 @@ class RunSupervisor:
 
     NODE_GRACE_S = 60.0   # a node still alive this long after a worker on it died lost only that process
 
-    def __init__(self, fleet: Fleet, budget: Budget, result: FleetResult, progress: bool = True,
+    def __init__(self, fleet: SupervisedFleet, budget: Budget, result: FleetResult, progress: bool = True,
                  should_stop: Callable[[], bool] | None = None, on_episode: Callable[[dict], None] | None = None):
         self.fleet, self.budget, self.result = fleet, budget, result
         self.should_stop, self.on_episode = should_stop, on_episode

@@ -53,7 +53,7 @@ def head_lost_handler(out: Path, store_url: str):
     import shlex
 
     def on_lost(result, address: str, down_s: float) -> None:
-        from fleet.coordinator import FleetResult
+        from fleet.result import FleetResult
 
         result = result or FleetResult()
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -37,11 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("configs", "policies", "fleet", "sim", "experience_dict")
 
-# Cycles that remain, each with why it remains. The list can only shrink: a listed cycle that is gone fails too.
-ALLOWED_CYCLES: dict[frozenset[str], str] = {
-    # the supervisor names the coordinator's Fleet and FleetResult (type-only); the coordinator runs a supervisor
-    frozenset({"fleet.coordinator", "fleet.supervisor"}): "not yet broken",
-}
+# Cycles that remain, each with why it remains (none today). The list can only shrink: a listed cycle that is
+# gone fails the test too.
+ALLOWED_CYCLES: dict[frozenset[str], str] = {}
 
 
 @dataclass(frozen=True)
