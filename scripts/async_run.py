@@ -158,8 +158,9 @@ def run(cfg) -> dict:
 
     from experience_dict.store import ExperienceStore
     from fleet.curve import learning_curve, print_curve
+    from fleet.experiment.rounds import staleness_summary
+    from fleet.experiment.state import seed_config
     from fleet.registry import CheckpointRegistry
-    from scripts.run import seed_config, staleness_summary
     from sim import unit_lists
 
     a = OmegaConf.to_container(cfg.async_run, resolve=True)

@@ -9,8 +9,8 @@ main job trains its base, every variant on the same held-out trials, paired diff
     python scripts/compare_policies.py hydra.run.dir=outputs/cmp   # a fixed run dir: finished stages resume
 
 Per experiment seed ``s`` (``<run dir>/seed_<s>/``, resumable through ``job_state.json``): the main job's
-demonstration stage (``scripts/run.py``: ``job.demos_per_task`` demonstrations, ``job.val_demos_per_task``
-held-out ones for the validation loss), then one base per variant by ``scripts/run.py``'s ``train_base`` (at most
+demonstration stage (``fleet.experiment.bases``: ``job.demos_per_task`` demonstrations, ``job.val_demos_per_task``
+held-out ones for the validation loss), then one base per variant by the main job's ``train_base`` (at most
 ``job.base_steps`` steps, the checkpoint with the lowest validation loss; train seed ``s``) with the variant's
 fields merged into ``policy``; then every variant on the held-out units' plan (``eval.trials_per_task`` trials per
 task, ``eval.seed``; ``fleet.evaluation.evaluate_arms``). Writes ``results.md/json`` (success, Wilson intervals,
@@ -63,7 +63,8 @@ def run_seed(c: dict, sd: Path, seed: int, policies: dict[str, dict], stages) ->
     """Demonstrations, one base per variant and the held-out evaluation for one experiment seed (resumable).
     Returns ``{"results": {variant: [episode results]}, "timing": {variant: {"wall_s", "best_step"}}}``."""
     from fleet.evaluation import evaluate_arms
-    from scripts.run import JobState, stage_base, stage_demos
+    from fleet.experiment.bases import stage_base, stage_demos
+    from fleet.experiment.state import JobState
     from sim import unit_lists
 
     state = JobState(sd / "job_state.json")
@@ -88,8 +89,8 @@ def main(cfg: DictConfig) -> None:
     from configs.schema import check_or_exit
 
     check_or_exit(cfg)
+    from fleet.experiment.state import Stages, plain_config, seed_config
     from fleet.report import paired_over_seeds, success_table, write_paired, write_table
-    from scripts.run import Stages, plain_config, seed_config
 
     out = Path(cfg.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -308,7 +308,8 @@ def test_shifted_robot_demonstrations_run_on_their_own_near_nominal_units():
     0), and the unit table shows them with that variation."""
     from hydra import compose, initialize_config_dir
 
-    from scripts.run import demo_config, unit_table
+    from fleet.experiment.bases import demo_config
+    from fleet.experiment.reports import unit_table
     from sim import make_env, unit_lists
 
     with initialize_config_dir(config_dir=os.path.abspath("configs"), version_base=None):
