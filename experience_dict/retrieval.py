@@ -1038,7 +1038,7 @@ def policy_encoder(policy, pool: str = "mean") -> Encoder:
 
 
 # ----------------------------------------------------------------------------------------- one object
-# keys of configs/fert/default.yaml ("rounds" and "audit" are read by the learner / scripts/run.py)
+# keys of configs/fert/default.yaml ("rounds" and "audit" are read by the learner / fleet/experiment)
 FERT_CONFIG_KEYS = {"key", "aed_key_scale_m", "gate", "retry", "critic", "include_retries", "own_retries_first", "rounds", "replay_all", "segment_steps", "window", "frame_stride", "embed_keys", "encoder", "pool", "index_stride",
                     "include_demos", "top_k", "temperature", "min_similarity", "max_contexts_per_task",
                     "confidence_scale_m", "neighbours", "replay", "replay_ratio", "approx_above", "nprobe", "weighting", "onset", "priority", "audit",

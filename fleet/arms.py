@@ -260,7 +260,7 @@ def train_offline_arm(cfg: dict, arm: Arm, reader, init_ckpt: str, out_dir: Path
 
 def train_offline_arms_process(cfg: dict, jobs: list, heldout: list[int], seed: int) -> dict:
     """:func:`train_offline_arm` for each ``(arm, init checkpoint, out dir)`` of ``jobs``, one after the other,
-    in a process of its own (``scripts/run.py`` runs it beside the last round's learner, in a spawned process:
+    in a process of its own (``fleet.experiment.offline`` runs it beside the last round's learner, in a spawned process:
     it opens its own reader of ``cfg.store``). Returns ``{arm name: (checkpoint, wall_s)}``."""
     import time
 
