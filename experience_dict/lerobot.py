@@ -122,9 +122,21 @@ def _lerobot_dataset_cls():
     try:
         from lerobot.datasets.lerobot_dataset import LeRobotDataset
     except ImportError as e:
-        raise ImportError(f"LeRobotDataset interop needs lerobot 0.4.4, which cannot be imported here ({e}); "
+        raise ImportError(f"LeRobotDataset interop needs lerobot (0.6.1; 0.4.4 also works), which cannot be imported here ({e}); "
                           f"{INSTALL_HINT}") from e
     return LeRobotDataset
+
+
+def _codec_kwargs(dataset_cls, vcodec: str) -> dict:
+    """``LeRobotDataset.create``'s video codec argument: ``vcodec=`` (0.4) or ``rgb_encoder=RGBEncoderConfig``
+    (0.6, ``lerobot.configs.video``; its other defaults, CRF 30 and GOP 2, are 0.4's)."""
+    import inspect
+
+    if "vcodec" in inspect.signature(dataset_cls.create).parameters:
+        return {"vcodec": vcodec}
+    from lerobot.configs.video import RGBEncoderConfig
+
+    return {"rgb_encoder": RGBEncoderConfig(vcodec=vcodec)}
 
 
 # ----------------------------------------------------------------------------- features
@@ -446,7 +458,7 @@ def export_dataset(store_url: str, out_dir: str | Path, repo_id: str | None = No
         out_dir.rmdir()  # empty: LeRobot creates the root itself
     ds = LeRobotDataset.create(repo_id=repo_id, fps=round(fps), features=features, root=out_dir,
                                robot_type=embodiments[0] if len(embodiments) == 1 else None, use_videos=video,
-                               vcodec=vcodec)
+                               **_codec_kwargs(LeRobotDataset, vcodec))
     frames = 0
     try:
         bar = tqdm(eps, desc="export", unit="ep", disable=not progress)
