@@ -343,9 +343,15 @@ def test_clear_errors_for_bad_exports_and_robots(export_dir, tmp_path):
     with pytest.raises(ValueError, match="fields `bogus` are not valid"):
         build_robot_config({"type": "so101_follower", "port": "/dev/null", "bogus": 1})
     real = make_robot_from_config(build_robot_config({"type": "so101_follower", "port": "/dev/null",
-                                                      "calibration_dir": str(tmp_path / "c"), "id": "arm0"}))
+                                                      "calibration_dir": str(tmp_path / "c"), "id": "arm0",
+                                                      "use_degrees": True}))
     with pytest.raises(ValueError, match="observation.environment_state.*'so101_follower' does not provide"):
         Deployer(_runtime(export_dir), real, RunConfig(label="operator"), robot_type="so101_follower")
+    no_deg = make_robot_from_config(build_robot_config({"type": "so101_follower", "port": "/dev/null",
+                                                        "calibration_dir": str(tmp_path / "c"), "id": "arm1",
+                                                        "use_degrees": False}))
+    with pytest.raises(ValueError, match="use_degrees=false.*in degrees"):
+        Deployer(_StateOnly(_runtime(export_dir)), no_deg, RunConfig(label="operator"), robot_type="so101_follower")
     robot = _robot(tmp_path, render_cameras=[])
     with pytest.raises(ValueError, match=r"robot camera 'corner'.*its cameras: \[\]"):
         Deployer(_runtime(export_dir), robot, RunConfig(label="sim"))
