@@ -57,7 +57,8 @@ Video decoding: LeRobot 0.4.4 decodes with torchcodec (needs FFmpeg shared libra
 torchvision's ``VideoReader`` (backend ``pyav``; removed from torchvision >= 0.24, absent in 0.29). Neither works
 beside torch 2.14 here, so each episode's frames are decoded with PyAV (a lerobot dependency that bundles FFmpeg
 with libdav1d for AV1) in one pass from the episode's ``from_timestamp``, matched to the frame timestamps with
-the dataset's ``tolerance_s``, as LeRobot's decoders do. Frames come back as RGB uint8 (FFmpeg's swscale
+the dataset's ``tolerance_s``, as LeRobot's decoders do. (LeRobot 0.6.1 has a PyAV decoder of its own,
+``lerobot.datasets.video_utils.decode_video_frames_pyav``; this one-pass decoder serves both releases.) Frames come back as RGB uint8 (FFmpeg's swscale
 yuv420p -> rgb24); AV1 at LeRobot's default CRF 30 costs about 3 grey levels of mean absolute error.
 
 Import is resumable: episodes already in the writer's shard with the same (repo id, episode index, length) are
@@ -122,8 +123,8 @@ def _lerobot_dataset_cls():
     try:
         from lerobot.datasets.lerobot_dataset import LeRobotDataset
     except ImportError as e:
-        raise ImportError(f"LeRobotDataset interop needs lerobot (0.6.1; 0.4.4 also works), which cannot be imported here ({e}); "
-                          f"{INSTALL_HINT}") from e
+        raise ImportError(f"LeRobotDataset interop needs lerobot (0.6.1, or 0.4.4), which cannot be imported here "
+                          f"({e}); {INSTALL_HINT}") from e
     return LeRobotDataset
 
 

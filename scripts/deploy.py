@@ -10,7 +10,8 @@
 Runs at the export's ``control_hz``; maps LeRobot features to the policy's and the policy's end-effector actions to
 joint targets through the twin's IK (``fleet/deploy/lerobot_bridge.py``); checks every action (``fleet/deploy/safety.py``);
 writes ``deploy_report.json`` (steps, actions sent, safety events, latency per step, success) into the Hydra run
-dir. Needs the LeRobot environment (``make install-lerobot``: ``.venv-lerobot``). See ``fleet/deploy/deployer.py``.
+dir. Needs a LeRobot environment (``make install-lerobot``: ``.venv-lerobot``, LeRobot 0.4.4; or
+``make install-lerobot06``: ``.venv-lerobot06``, LeRobot 0.6.1). See ``fleet/deploy/deployer.py``.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ calm_progress()  # off a terminal, a progress bar redraws every 30 s, not 15 tim
 try:  # LeRobot first: it must load triton before sim initialises EGL (see fleet/deploy/so100_sim_robot/__init__.py)
     import lerobot.robots  # noqa: F401
 except ImportError as e:  # pragma: no cover - the core environment
-    raise SystemExit(f"scripts/deploy.py needs LeRobot ({e}); install it with `make install-lerobot` and run "
-                     "with .venv-lerobot/bin/python") from e
+    raise SystemExit(f"scripts/deploy.py needs LeRobot ({e}); install it with `make install-lerobot` (or, on "
+                     "Python 3.12, `make install-lerobot06`) and run with that venv's python") from e
 
 import hydra
 from omegaconf import DictConfig, OmegaConf

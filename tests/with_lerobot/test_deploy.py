@@ -1,7 +1,8 @@
 """Deployment through LeRobot's Robot API on the SO-100 twin (robot type fleetmind_so100_sim): the same loop as on
 a real arm (fleet/deploy/deployer.py), a real exported policy, real safety limits, a real experience store.
 
-Run with the LeRobot environment: ``.venv-lerobot/bin/python -m pytest -q tests/with_lerobot/test_deploy.py``.
+Run with a LeRobot environment: ``.venv-lerobot/bin/python -m pytest -q tests/with_lerobot/test_deploy.py`` (0.4.4) or
+``.venv-lerobot06/bin/python ...`` (0.6.1).
 """
 
 import json

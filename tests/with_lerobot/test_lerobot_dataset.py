@@ -4,7 +4,8 @@ Real inputs only: the two LeRobot 0.4.4 fixtures in tests/fixtures/lerobot_v3 (M
 and PNG images; their README gives lengths and provenance), a real Zarr store filled with real Meta-World
 episodes (sim.make_env + sim.make_expert, 64x64 camera) and LeRobot's own LeRobotDataset to write and read.
 Expected values come from the fixture README and from reading the parquet files directly with pyarrow/PIL.
-Run in the lerobot virtualenv: ``.venv-lerobot/bin/python -m pytest -q tests/with_lerobot``.
+Run in a lerobot virtualenv: ``.venv-lerobot/bin/python -m pytest -q tests/with_lerobot`` (LeRobot 0.4.4) or
+``.venv-lerobot06/bin/python -m pytest -q tests/with_lerobot`` (0.6.1; ``make test-lerobot06``).
 """
 
 from __future__ import annotations
