@@ -12,8 +12,13 @@ export PYTHONUNBUFFERED := 1
 LEROBOT_VENV ?= .venv-lerobot
 LBIN := $(LEROBOT_VENV)/bin
 LSTAMP := $(LEROBOT_VENV)/.fleetmind-installed
+# LeRobot 0.6.1 needs Python >= 3.12 (and torch < 2.12): its own venv, made with $(PY312)
+PY312 ?= python3.12
+LEROBOT06_VENV ?= .venv-lerobot06
+L6BIN := $(LEROBOT06_VENV)/bin
+L6STAMP := $(LEROBOT06_VENV)/.fleetmind-installed
 
-.PHONY: install install-lerobot run test test-fast test-lerobot sim-check clean
+.PHONY: install install-lerobot install-lerobot06 run test test-fast test-lerobot test-lerobot06 sim-check clean
 
 install: $(STAMP)
 
@@ -39,6 +44,19 @@ $(LSTAMP): pyproject.toml requirements-lerobot.txt
 	$(LBIN)/python -c "import lerobot, diffusers, torchvision; from lerobot.datasets.lerobot_dataset import LeRobotDataset"
 	touch $@
 
+# The LeRobot 0.6.1 environment: resolved as one environment (no --no-deps) with fleetmind's extras, torch 2.11 and
+# torchvision 0.26 first (LeRobot 0.6.1 caps torch < 2.12); docs/DEPENDENCIES.md "LeRobot 0.6.1".
+install-lerobot06: $(L6STAMP)
+
+$(L6STAMP): pyproject.toml
+	test -x $(L6BIN)/python || $(PY312) -m venv $(LEROBOT06_VENV)
+	$(L6BIN)/python -m pip install -q --upgrade pip
+	$(L6BIN)/python -m pip install -q "torch==2.11.*" "torchvision==0.26.*"
+	$(L6BIN)/python -m pip install -q "lerobot[dataset,feetech]==0.6.1" -e ".[fleet,dev]"
+	$(L6BIN)/python -m pip check
+	$(L6BIN)/python -c "import lerobot, torch; from lerobot.datasets.lerobot_dataset import LeRobotDataset"
+	touch $@
+
 run: $(STAMP)
 	$(BIN)/python scripts/run.py $(ARGS)
 
@@ -48,6 +66,9 @@ test: $(STAMP)
 test-lerobot: $(LSTAMP)
 	$(LBIN)/python -m pytest tests/with_lerobot -m lerobot $(ARGS)
 
+test-lerobot06: $(L6STAMP)
+	$(L6BIN)/python -m pytest tests/with_lerobot -m lerobot $(ARGS)
+
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not slow" $(ARGS)
 
@@ -55,4 +76,4 @@ sim-check: $(STAMP)
 	$(BIN)/python scripts/sim_check.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(LEROBOT_VENV) outputs multirun wandb
+	rm -rf $(VENV) $(LEROBOT_VENV) $(LEROBOT06_VENV) outputs multirun wandb
