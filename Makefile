@@ -13,7 +13,9 @@ LEROBOT_VENV ?= .venv-lerobot
 LBIN := $(LEROBOT_VENV)/bin
 LSTAMP := $(LEROBOT_VENV)/.fleetmind-installed
 # LeRobot 0.6.1 needs Python >= 3.12 (and torch < 2.12): its own venv, made with $(PY312)
-PY312 ?= python3.12
+# the first Python 3.12 found: python3.12 on PATH, then pyenv's; override with PY312=/path/to/python3.12
+PY312 ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),\
+           $(shell $(p) -c "import sys; sys.version_info[:2] == (3, 12) and print('$(p)')" 2>/dev/null)))
 LEROBOT06_VENV ?= .venv-lerobot06
 L6BIN := $(LEROBOT06_VENV)/bin
 L6STAMP := $(LEROBOT06_VENV)/.fleetmind-installed
@@ -49,6 +51,7 @@ $(LSTAMP): pyproject.toml requirements-lerobot.txt
 install-lerobot06: $(L6STAMP)
 
 $(L6STAMP): pyproject.toml
+	@test -n "$(PY312)" || { echo "LeRobot 0.6.1 needs Python 3.12, and none was found (python3.12 on PATH or pyenv's): install it or pass PY312=/path/to/python3.12"; exit 1; }
 	test -x $(L6BIN)/python || $(PY312) -m venv $(LEROBOT06_VENV)
 	$(L6BIN)/python -m pip install -q --upgrade pip
 	$(L6BIN)/python -m pip install -q "torch==2.11.*" "torchvision==0.26.*"
