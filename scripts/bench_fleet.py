@@ -110,6 +110,7 @@ def small_policy_checkpoint(path: str) -> str:
              "observation.environment_state": {"min": [-1.0] * 17, "max": [1.0] * 17},
              "action": {"min": [-1.0] * 4, "max": [1.0] * 4}}
     cfg = AEDDiffusionConfig(dim=64, n_layers=2, n_heads=4, state_hidden=64, horizon=16, n_action_steps=8,
+                             action_patch=1, condition_layers=None,  # the denoiser form the benchmark was measured on
                              num_inference_steps=10, aed=AEDConfig(history_actions=8, group_size=4),
                              mt_loss=MTLossConfig(weight=0.0))
     policy = AEDDiffusionPolicy(cfg, stats, tok)

@@ -60,7 +60,7 @@ def tiny_aed_checkpoint(path, seed=0, perturb=0.0, env_dim=17):
              "action": {"min": [-1.0] * 4, "max": [1.0] * 4}}
     cfg = AEDDiffusionConfig(input_shapes={"observation.state": [4], "observation.environment_state": [env_dim]},
                              dim=32, n_layers=1, n_heads=2, state_hidden=32, horizon=8, n_action_steps=4,
-                             num_inference_steps=3, aed=AEDConfig(history_actions=8, group_size=4, memory_queries=2),
+                             action_patch=1, condition_layers=None, num_inference_steps=3, aed=AEDConfig(history_actions=8, group_size=4, memory_queries=2),
                              mt_loss=MTLossConfig(weight=0.0))
     policy = AEDDiffusionPolicy(cfg, stats, tok)
     with torch.no_grad():

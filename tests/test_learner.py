@@ -27,6 +27,7 @@ ROBOT_CFG = {"embodiment": "sawyer", "fleet_seed": 0, "train_units": [0, 1], "he
                            "friction_scale": 0.0, "action_gain": 0.1, "action_latency_max": 0, "obs_noise_std": 0.0}}
 OBS_CFG = {"images": False, "cameras": ["corner"], "image_size": 64}
 TINY = {"dim": 32, "n_layers": 1, "n_heads": 2, "state_hidden": 32, "horizon": 8, "n_action_steps": 4,
+        "action_patch": 1, "condition_layers": None,  # the one-token-a-step denoiser these tests were written on
         "aed": {"history_actions": 8, "group_size": 4, "memory_queries": 2, "tokenizer_vocab_size": 128},
         "mt_loss": {"weight": 0.005}}
 

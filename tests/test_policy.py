@@ -25,6 +25,7 @@ SPEC = {"observation.state": {"shape": [4], "dtype": "float32"},
         "action": {"shape": [4], "dtype": "float32"}, "control_hz": 80.0}
 TINY = {"input_shapes": {"observation.state": [4], "observation.environment_state": [6]}, "dim": 32, "n_layers": 2,
             "n_heads": 2, "state_hidden": 32, "horizon": 8, "n_action_steps": 4,
+            "action_patch": 1, "condition_layers": None,  # the one-token-a-step denoiser these tests were written on
             "aed": {"history_actions": 8, "group_size": 4, "memory_queries": 2, "tokenizer_vocab_size": 256},
             "mt_loss": {"weight": 0.01}}
 
@@ -72,7 +73,33 @@ def test_config_validation():
         AEDDiffusionConfig.from_dict({"dimm": 3})
     with pytest.raises(ValueError, match="action_patch"):
         AEDDiffusionConfig(horizon=16, action_patch=3)
-    assert AEDDiffusionConfig.from_dict({}).action_patch == 1  # checkpoints from before the field: one token a step
+
+
+def test_config_defaults_are_the_policy_yaml():
+    """The dataclass defaults of the denoiser's form are configs/policy/aed_diffusion.yaml's (one source of truth
+    for a config that leaves them out); old checkpoints get their own values from the migration (below)."""
+    from omegaconf import OmegaConf
+
+    yaml = OmegaConf.to_container(OmegaConf.load(REPO / "configs/policy/aed_diffusion.yaml"))
+    default = AEDDiffusionConfig()
+    assert (default.action_patch, default.condition_layers) == (yaml["action_patch"], yaml["condition_layers"]) == (4, 0)
+    assert AEDDiffusionConfig.from_dict({}).action_patch == 4
+
+
+def test_checkpoint_saved_before_action_patch_and_condition_layers_loads_with_their_old_values(store, tmp_path):
+    """A config.json without ``action_patch``/``condition_layers`` (saved before the fields existed) is read
+    with 1 / None, the model it was saved from, not the dataclass defaults (4 / 0)."""
+    from policies.aed_diffusion.configuration_aed_diffusion import migrate_checkpoint_config
+
+    assert migrate_checkpoint_config({"dim": 32}) == {"dim": 32, "action_patch": 1, "condition_layers": None}
+    assert migrate_checkpoint_config({"action_patch": 4, "condition_layers": 0})["action_patch"] == 4  # kept
+    policy = build_policy(tiny_cfg(), store, store.episodes())      # action_patch 1, condition_layers None
+    d = policy.save_pretrained(tmp_path / "old")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["action_patch"], cfg["condition_layers"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    loaded = AEDDiffusionPolicy.from_pretrained(d)                  # (with action_patch 4 the weights would not fit)
+    assert (loaded.config.action_patch, loaded.config.condition_layers) == (1, None)
 
 
 def test_window_spec_and_ablations(store):

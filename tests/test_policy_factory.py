@@ -48,7 +48,7 @@ def test_every_registered_type_implements_the_interface(demos):
     reader = ExperienceStore.open(demos)
     eps = reader.episodes(is_demo=True)
     tiny_aed = {"type": "aed_diffusion", "dim": 32, "n_layers": 1, "n_heads": 2, "state_hidden": 32, "horizon": 8,
-                "n_action_steps": 4, "aed": {"history_actions": 8, "group_size": 4, "memory_queries": 2,
+                "n_action_steps": 4, "action_patch": 1, "condition_layers": None, "aed": {"history_actions": 8, "group_size": 4, "memory_queries": 2,
                                              "tokenizer_vocab_size": 128}}
     for cfg, cls in ((MLP, MLPChunkPolicy), (tiny_aed, AEDDiffusionPolicy)):
         p = make_policy(cfg, reader, eps)

@@ -21,6 +21,7 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"input_shapes": {"observation.state": [4], "observation.environment_state": [17]}, "dim": 32, "n_layers": 2,
         "n_heads": 2, "state_hidden": 32, "horizon": 8, "n_action_steps": 4, "num_inference_steps": 6,
+        "action_patch": 1, "condition_layers": None,  # the one-token-a-step denoiser these tests were written on
         "aed": {"history_actions": 8, "group_size": 4, "memory_queries": 2, "tokenizer_vocab_size": 256},
         "mt_loss": {"weight": 0.01}}
 HEAVY = ("ray", "mujoco", "hydra", "wandb", "metaworld", "zarr", "gymnasium", "sim", "fleet")

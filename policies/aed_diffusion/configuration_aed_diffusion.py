@@ -35,6 +35,22 @@ class MTLossConfig:
     image_feature_dim: int = 64      # width of the frozen random-conv image features used as MT targets
 
 
+# Checkpoint migration: fields added to AEDDiffusionConfig after checkpoints were first saved, with the value that
+# reproduces the model such a checkpoint's config.json describes (the dataclass default at the time it was
+# written). Their dataclass defaults now follow configs/policy/aed_diffusion.yaml, so a config.json lacking them
+# must not fall back on those.
+CHECKPOINT_MIGRATION: dict[str, object] = {
+    "action_patch": 1,         # one denoiser token per action step
+    "condition_layers": None,  # every block updates the observation and prefix tokens
+}
+
+
+def migrate_checkpoint_config(d: dict) -> dict:
+    """A saved ``config.json`` dict with every ``CHECKPOINT_MIGRATION`` field it lacks filled in with the value of
+    the checkpoints saved before that field existed (a copy; the fields it holds are kept)."""
+    return {**CHECKPOINT_MIGRATION, **dict(d)}
+
+
 @dataclass
 class AEDDiffusionConfig:
     """Every hyperparameter of the AED diffusion policy.
@@ -71,12 +87,14 @@ class AEDDiffusionConfig:
     n_heads: int = 4
     mlp_ratio: float = 2.0
     dropout: float = 0.0
-    # consecutive actions per denoiser action token (horizon / action_patch action tokens). 1: one token per action
-    # step, the form of checkpoints written before the field existed
-    action_patch: int = 1
+    # consecutive actions per denoiser action token (horizon / action_patch action tokens; 1: one token per action
+    # step). Default as configs/policy/aed_diffusion.yaml; checkpoints saved before the field existed are read with
+    # 1 (CHECKPOINT_MIGRATION)
+    action_patch: int = 4
     # denoiser blocks that update the observation and prefix tokens (None: all of them); blocks past these attend
-    # to the keys/values of the tokens' state after the last one (0: pure cross-attention to the input tokens)
-    condition_layers: int | None = None
+    # to the keys/values of the tokens' state after the last one (0: pure cross-attention to the input tokens).
+    # Default as configs/policy/aed_diffusion.yaml; checkpoints saved before the field existed are read with None
+    condition_layers: int | None = 0
     state_hidden: int = 96
     image_channels: list[int] = field(default_factory=lambda: [16, 32, 64])
     image_pool: int = 2              # image tokens per frame = image_pool ** 2
@@ -166,7 +184,8 @@ class AEDDiffusionConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> AEDDiffusionConfig:
-        """Build from a dict (e.g. config.json or a Hydra node); unknown keys raise ValueError."""
+        """Build from a dict (a Hydra node, or a checkpoint's config.json after :func:`migrate_checkpoint_config`);
+        a missing key takes the dataclass default, unknown keys raise ValueError."""
         d = dict(d)
         d.pop("type", None)
         known = {f.name for f in fields(cls)}

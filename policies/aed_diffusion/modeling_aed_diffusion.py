@@ -41,7 +41,7 @@ from torch import nn
 
 from experience_dict.aed import ActionExperienceDictionary
 from experience_dict.tokenizer import ActionTokenizer
-from policies.aed_diffusion.configuration_aed_diffusion import AEDDiffusionConfig
+from policies.aed_diffusion.configuration_aed_diffusion import AEDDiffusionConfig, migrate_checkpoint_config
 from policies.aed_diffusion.normalization import Normalizer, normalize_image
 
 CONFIG_NAME, WEIGHTS_NAME, STATS_NAME, TOKENIZER_NAME = "config.json", "model.safetensors", "stats.json", "tokenizer.json"
@@ -855,6 +855,10 @@ class AEDDiffusionPolicy(nn.Module):
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> AEDDiffusionPolicy:
         """Load a checkpoint written by ``save_pretrained`` (no training code needed); returns it in eval mode.
 
+        A ``config.json`` saved before a config field existed is migrated: the field gets the value of those
+        checkpoints (``configuration_aed_diffusion.CHECKPOINT_MIGRATION``: ``action_patch`` 1, ``condition_layers``
+        None), not the dataclass default.
+
         Raises:
             FileNotFoundError: a checkpoint file is missing.
             ValueError: config type is not this policy, or a weight is missing, unexpected or of the wrong
@@ -867,7 +871,7 @@ class AEDDiffusionPolicy(nn.Module):
         cfg_d = json.loads((d / CONFIG_NAME).read_text())
         if cfg_d.get("type", cls.name) != cls.name:
             raise ValueError(f"checkpoint {d}: config type {cfg_d.get('type')!r}, expected {cls.name!r}")
-        config = AEDDiffusionConfig.from_dict(cfg_d)
+        config = AEDDiffusionConfig.from_dict(migrate_checkpoint_config(cfg_d))  # fields it predates: their old values
         tok = ActionTokenizer.load(d / TOKENIZER_NAME) if config.aed.enabled else None
         policy = cls(config, json.loads((d / STATS_NAME).read_text()), tok)
         policy.load_weights(d / WEIGHTS_NAME)
