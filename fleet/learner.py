@@ -38,16 +38,16 @@ log = logging.getLogger(__name__)
 
 LEARNER_DEFAULTS: dict[str, Any] = {
     "updates_per_version": 600,   # optimizer updates between published policy versions (one FERT round)
-    "min_new_episodes": 4,        # fleet episodes committed since the last round before the next round starts
+    "min_new_episodes": 30,       # fleet episodes committed since the last round before the next round starts
     "poll_s": 1.0,                # how often the learner re-reads the store while waiting
-    "max_wait_s": 600.0,          # give up waiting for fleet data after this long (round runs on what exists)
+    "max_wait_s": 300.0,          # give up waiting for fleet data after this long (round runs on what exists)
     "lr": 3.0e-4,                 # fine-tuning learning rate (1e-4 x 400 updates barely moved the base)
     "warmup_steps": 0,
     "batch_size": 64,
     "device": "auto",
     "torch_threads": 1,           # CPU threads for training (the fleet's workers use the other cores)
     "seed": 0,                    # round r trains with seed 1000 * seed + r (data order, noise, timesteps)
-    "validate_critic_only": False,  # the validator also weighs the current version's weights + the new critic
+    "validate_critic_only": True,   # the validator also weighs the current version's weights + the new critic
     "round_init": "continue",     # continue: one long fine-tuning run; published: each round from the current version
 }
 

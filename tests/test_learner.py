@@ -90,6 +90,17 @@ def learner_cfg(updates: int) -> dict:
                         "device": "cpu", "torch_threads": 1}}
 
 
+def test_learner_defaults_are_the_learner_yaml():
+    """A learner key missing from ``cfg.learner`` takes configs/learner/default.yaml's value."""
+    from omegaconf import OmegaConf
+
+    from fleet.learner import LEARNER_DEFAULTS
+
+    yaml = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "configs/learner/default.yaml"))
+    for k in ("min_new_episodes", "max_wait_s", "validate_critic_only"):
+        assert LEARNER_DEFAULTS[k] == yaml[k], k
+
+
 def _rounds_published(registry_url: str, run_id: str) -> list[int]:
     reg = CheckpointRegistry(registry_url)
     return [reg.manifest(v)["metadata"].get("round") for v in reg.versions()
