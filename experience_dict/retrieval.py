@@ -1061,7 +1061,8 @@ class FertData:
 
     Args:
         reader: ``ExperienceStore`` reader.
-        cfg: mapping with the keys of configs/fert/default.yaml (``window`` required; the rest default).
+        cfg: mapping with the keys of configs/fert/default.yaml (``window`` required; a missing key takes the
+            value that file gives it, e.g. ``key: relative``, ``gate.enabled: true``, ``replay_ratio: 0.25``).
         stats: store statistics of ``embed_keys`` for the state embedding (ignored with ``encoder``).
         exclude_units: units whose episodes are never used, neither as contexts nor as retrieved
             experience nor in the task statistics (the held-out units).
@@ -1086,7 +1087,7 @@ class FertData:
         self.reader, self.cfg = reader, cfg
         self.exclude_units = [int(u) for u in exclude_units]
         self.window = int(cfg["window"])
-        key = str(cfg.get("key", "absolute"))
+        key = str(cfg.get("key", "relative"))
         if key == "relative+aed" and aed_key is None:
             raise ValueError("fert.key='relative+aed' needs aed_key=aed_history_encoder(policy) (a policy with AED)")
         if key in ("relative", "relative+aed"):
@@ -1103,7 +1104,7 @@ class FertData:
         unknown_gate = sorted(set(gcfg) - {"enabled", "min_gain", "beta", "max_weight", "tail_steps", "horizon"})
         if unknown_gate:
             raise ValueError(f"fert.gate: unknown keys {unknown_gate}")
-        self.gate = gcfg if gcfg.get("enabled", False) else None
+        self.gate = gcfg if gcfg.get("enabled", True) else None
         self.horizon = int(gcfg.get("horizon") or cfg.get("segment_steps", 16))
         ocfg = cfg.get("onset") or {}
         sig = ocfg.get("signals")
@@ -1135,7 +1136,7 @@ class FertData:
     def retrieve(self) -> Retrieval:
         """Failure contexts of the training units -> top-k successful windows of the same task."""
         contexts = failure_contexts(self.reader, exclude_units=self.exclude_units, onsets=self.onsets,
-                                    max_per_task=self.cfg.get("max_contexts_per_task"))
+                                    max_per_task=self.cfg.get("max_contexts_per_task", 256))
         if self.gate is not None:
             contexts = [self._with_gain(c) for c in contexts]
         queries = embed_contexts(self.reader, self.embedder, contexts)
@@ -1161,10 +1162,10 @@ class FertData:
                 seed: int = 0) -> FertDataset:
         """The round's :class:`FertDataset` (``replay_ratio`` and ``weighting`` from the config)."""
         return FertDataset(self.reader, retrieval, replay_episodes, windows,
-                           replay_ratio=float(self.cfg.get("replay_ratio", 0.5)),
+                           replay_ratio=float(self.cfg.get("replay_ratio", 0.25)),
                            weighting=str(self.cfg.get("weighting", "loss")), seed=seed,
                            replay_all=bool(self.cfg.get("replay_all", True)),
-                           segment_steps=int(self.cfg.get("segment_steps", 1)))
+                           segment_steps=int(self.cfg.get("segment_steps", 16)))
 
     def state_dict(self) -> dict:
         """JSON-able learner-checkpoint state: the task statistics. (Onsets live in the store; the index is

@@ -84,7 +84,10 @@ def setup(tmp_path_factory):
 
 def learner_cfg(updates: int) -> dict:
     return {"robot": ROBOT_CFG,
-            "fert": {"window": 4, "top_k": 4, "replay_ratio": 0.5, "max_contexts_per_task": 16, "audit": True},
+            # the retrieval these tests were written on, stated: absolute key, no progress gate, one step per
+            # retrieved entry (a missing fert key takes configs/fert/default.yaml's: relative, gate on, 16 steps)
+            "fert": {"window": 4, "top_k": 4, "replay_ratio": 0.5, "max_contexts_per_task": 16, "audit": True,
+                     "key": "absolute", "gate": {"enabled": False}, "segment_steps": 1},
             "train": {"batch_size": 16, "wandb": {"enabled": False}, "log_every": 5},
             "learner": {"updates_per_version": updates, "min_new_episodes": 0, "max_wait_s": 0, "batch_size": 16,
                         "device": "cpu", "torch_threads": 1}}

@@ -336,6 +336,20 @@ def test_policy_encoder_embeddings(world):
         FertData(reader, {"window": 4, "topk": 3})
 
 
+def test_fert_data_defaults_are_the_fert_yaml(monkeypatch):
+    """A key missing from ``cfg`` takes configs/fert/default.yaml's value (the config every run composes)."""
+    from experience_dict import retrieval
+
+    yaml = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "configs/fert/default.yaml"))
+    fert = FertData(None, {"window": 4})
+    assert yaml["key"] == "relative" and isinstance(fert.embedder, retrieval.RelativeEmbedder)
+    assert yaml["gate"]["enabled"] is True and fert.gate is not None
+    seen = {}
+    monkeypatch.setattr(retrieval, "FertDataset", lambda *a, **kw: seen.update(kw))
+    fert.dataset(None, [], {})
+    assert (seen["replay_ratio"], seen["segment_steps"]) == (yaml["replay_ratio"], yaml["segment_steps"]) == (0.25, 16)
+
+
 def test_context_confidence_moves_far_contexts_mass_to_replay(world):
     """``fert.confidence_scale_m``: a context's weight shrinks with its neighbours' mean key distance as
     exp(-d^2 / 2 sigma^2), unnormalised; the retrieved windows' loss weights shrink by the lost mass."""
