@@ -166,7 +166,8 @@ def bench_pair(cfgs: dict[str, AEDDiffusionConfig], dev, bc: dict, extra: dict |
             log_skip[name] = f"not run: {e}"
     if bc["compile"] and dev.type == "cuda":  # CUDA graphs for the per-step action-token pass
         for st in setups.values():
-            st.policy.denoiser.denoise = torch.compile(st.policy.denoiser.denoise, mode="reduce-overhead")
+            if isinstance(st, Setup):
+                st.policy.denoiser.denoise = torch.compile(st.policy.denoiser.denoise, mode="reduce-overhead")
     jobs = {"train": lambda st: st.train_step()}
 
     for nb in (1, 32):
@@ -228,7 +229,8 @@ class LeRobotSetup:
             cfg = DiffusionConfig(input_features=feats,
                                   output_features={"action": PolicyFeature(FeatureType.ACTION, (4,))},
                                   horizon=16, n_obs_steps=2, n_action_steps=8, down_dims=tuple(dims),
-                                  crop_shape=None, num_inference_steps=10, noise_scheduler_type="DDIM")
+                                  crop_shape=None, num_inference_steps=10, noise_scheduler_type="DDIM",
+                                  pretrained_backbone_weights=None)  # from scratch, as ours; never a download
             torch.manual_seed(0)
             return DiffusionPolicy(cfg)
 
@@ -256,10 +258,14 @@ class LeRobotSetup:
                 ib["observation.images"] = torch.stack([ib["observation.images.corner"]], dim=-4)
             self.infer[nb] = ib
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=1e-4, fused=True)
+        self.amp_bf16 = bool(bc["amp_bf16"])
+        if bc["compile"]:  # the same treatment as ours: torch.compile of the denoiser (its U-Net)
+            self.policy.diffusion.unet.compile()
 
     def train_step(self):
         self.policy.train()
-        loss, _ = self.policy.forward(dict(self.batch))
+        with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.amp_bf16):
+            loss, _ = self.policy.forward(dict(self.batch))
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 10.0)
