@@ -20,6 +20,7 @@ Writes ``<output_dir>/bench_policy.json``.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -162,8 +163,8 @@ def bench_pair(cfgs: dict[str, AEDDiffusionConfig], dev, bc: dict, extra: dict |
     for name, make in (extra or {}).items():  # e.g. LeRobot's DiffusionPolicy, sized to match the first policy
         try:
             setups[name] = make(next(iter(setups.values())).res["parameters"])
-        except ImportError as e:
-            log_skip[name] = f"not run: {e}"
+        except Exception as e:  # a baseline that cannot be built (not installed, an API change) is reported, not fatal
+            log_skip[name] = f"not run: {type(e).__name__}: {e}"
     if bc["compile"] and dev.type == "cuda":  # CUDA graphs for the per-step action-token pass
         for st in setups.values():
             if isinstance(st, Setup):
@@ -215,7 +216,8 @@ class LeRobotSetup:
 
     def __init__(self, dev, bc: dict, image_size: int | None, match_params: int):
         for mod in ("transformers", "peft"):  # lerobot 0.4.4 does not use them (docs/DEPENDENCIES.md)
-            sys.modules.setdefault(mod, None)
+            if importlib.util.find_spec(mod) is None:  # block only a missing one; an installed one imports
+                sys.modules.setdefault(mod, None)
         from lerobot.configs.types import FeatureType, PolicyFeature
         from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig
         from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
