@@ -9,63 +9,25 @@ the whole tree, tests sometimes part of it).
 from __future__ import annotations
 
 import functools
-import math
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from configs import typed
+from configs.rules import (
+    POS,
+    ConfigError,
+    Rule,
+    boolean,
+    int_list,
+    integer,
+    number,
+    one_of,
+    optional,
+)
 from policies.factory import POLICY_TYPES
-
-
-class ConfigError(ValueError):
-    """One or more config values break their rule; the message lists each as ``key: expected ..., given ...``."""
-
-
-Rule = Callable[[Any], str | None]   # value -> None (fine) or what was expected
-
-
-def integer(lo: int | None = None) -> Rule:
-    def rule(v):
-        if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
-            return "an integer" + (f" >= {lo}" if lo is not None else "")
-        return None
-    return rule
-
-
-def number(lo: float | None = None, hi: float | None = None, open_lo: bool = False) -> Rule:
-    def rule(v):
-        ok = not isinstance(v, bool) and isinstance(v, int | float) and not math.isnan(v)
-        if ok and lo is not None:
-            ok = v > lo if open_lo else v >= lo
-        if ok and hi is not None:
-            ok = v <= hi
-        if ok:
-            return None
-        rng = (f" > {lo}" if open_lo else f" >= {lo}") if lo is not None else ""
-        return "a number" + rng + (f" and <= {hi}" if hi is not None else "")
-    return rule
-
-
-def one_of(*choices: str) -> Rule:
-    return lambda v: None if v in choices else f"one of {list(choices)}"
-
-
-def boolean(v) -> str | None:
-    return None if isinstance(v, bool) else "true or false"
-
-
-def optional(rule: Rule) -> Rule:
-    return lambda v: None if v is None else (None if rule(v) is None else f"null or {rule(v)}")
-
-
-def int_list(lo: int = 0) -> Rule:
-    def rule(v):
-        if isinstance(v, list | tuple) and v and all(integer(lo)(x) is None for x in v):
-            return None
-        return f"a non-empty list of integers >= {lo}"
-    return rule
 
 
 def store_url(v) -> str | None:
@@ -88,7 +50,6 @@ def store_url(v) -> str | None:
     return None
 
 
-POS = integer(1)
 RULES: dict[str, Rule] = {
     "seed": integer(0),
     "device": one_of("auto", "cpu", "cuda"),
@@ -109,13 +70,6 @@ RULES: dict[str, Rule] = {
     "job.base_steps": POS, "job.base_select": one_of("val_loss", "success"), "job.base_select_trials_per_task": POS, "job.demos_per_task": POS, "job.seeds": int_list(0),
     "eval.trials_per_task": POS, "eval.batch_size": POS, "eval.processes": POS, "eval.max_envs": optional(POS),
     "eval.backend": one_of("vector", "ray"),
-    "learner.updates_per_version": POS, "learner.batch_size": POS, "learner.lr": number(0, open_lo=True),
-    "learner.warmup_steps": integer(0), "learner.wise_alpha": optional(number(0, 1)),
-    "learner.failure_replay": boolean, "learner.validate_critic_only": boolean,
-    "learner.validate_trials_per_task": integer(0), "learner.validate_tolerance": number(0, 1),
-    "learner.validate_alpha": number(0, 1), "learner.round_init": one_of("continue", "published"),
-    "learner.validate_task_tolerance": optional(number(0, 1)),
-    "learner.validate_task_correction": one_of("none", "holm"), "learner.after_reject": one_of("published", "candidate"),
     "job.fleet_backend": one_of("vector", "ray"), "job.curve_trials_per_task": integer(0), "job.fleet_critic": boolean,
     "job.overlap_offline_arms": boolean, "job.background_curve": boolean,
     "fert.mix.retrieved": number(0), "fert.mix.distill": number(0), "fert.mix.replay": number(0),
@@ -165,8 +119,6 @@ RULES: dict[str, Rule] = {
     "obs.image_size": POS,
     "fleet.server_max_batch": POS, "fleet.server_max_wait_ms": number(0), "fleet.server_retry_s": number(0),
     "fleet.expert_noise_std": number(0),
-    "learner.min_new_episodes": integer(0), "learner.max_wait_s": number(0), "learner.poll_s": number(0, open_lo=True),
-    "learner.torch_threads": optional(POS),
     "fert.frame_stride": POS, "fert.index_stride": POS, "fert.aed_key_scale_m": number(0, open_lo=True),
     "fert.gate.beta": number(0, open_lo=True), "fert.gate.max_weight": number(0, open_lo=True),
     "fert.gate.min_gain": number(0), "fert.onset.tolerance": number(0), "fert.priority.window": POS,
@@ -253,7 +205,7 @@ def declared_keys(config_dir: Path = CONFIG_DIR) -> tuple[frozenset[str], frozen
             keys.setdefault(prefix, "<group>")   # the group itself (not a user mapping)
         _flat_keys(yaml.safe_load(text) or {}, prefix, keys)
     open_keys = frozenset(k for k, v in keys.items() if v is None or v == {})
-    return frozenset(keys), open_keys
+    return frozenset(keys) | frozenset(typed.declared_keys()), open_keys
 
 
 def unknown_keys(cfg: Mapping, declared: tuple[frozenset[str], frozenset[str]] | None = None) -> list[str]:
@@ -290,7 +242,7 @@ def problems(cfg: Mapping) -> list[str]:
         why = rule(v)
         if why is not None:
             out.append(f"{key}: expected {why}, given {v!r}")
-    return out + _cross(cfg)
+    return out + typed.problems(cfg) + _cross(cfg)
 
 
 def check(cfg: Mapping) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fleet.learner_config import LearnerConfig
+
 
 def p_worse(wins: int, losses: int) -> float:
     """One-sided exact McNemar p-value that the candidate is worse, from its discordant trials (``wins``: only the
@@ -66,14 +68,12 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
     from fleet.registry import CheckpointRegistry
     from fleet.report import paired_differences
 
-    n = int(c["learner"].get("validate_trials_per_task") or 0)
+    lc = LearnerConfig.from_dict(c["learner"])
+    n = lc.validate_trials_per_task
     if n <= 0:
         return None
-    tol = float(c["learner"].get("validate_tolerance", 0.0))
-    alpha = float(c["learner"].get("validate_alpha", 1.0))
-
-    task_tol = c["learner"].get("validate_task_tolerance")
-    task_correction = str(c["learner"].get("validate_task_correction") or "none")
+    tol, alpha = float(lc.validate_tolerance), float(lc.validate_alpha)
+    task_tol, task_correction = lc.validate_task_tolerance, lc.validate_task_correction
 
     def validate(candidates: dict, r: int, policy_alone: bool = False) -> tuple[str | None, dict]:
         from fleet.registry import checkpoint_with_critic

@@ -33,23 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from experience_dict.atomic import atomic_write_text
+from fleet.learner_config import LearnerConfig
 
 log = logging.getLogger(__name__)
 
-LEARNER_DEFAULTS: dict[str, Any] = {
-    "updates_per_version": 600,   # optimizer updates between published policy versions (one FERT round)
-    "min_new_episodes": 30,       # fleet episodes committed since the last round before the next round starts
-    "poll_s": 1.0,                # how often the learner re-reads the store while waiting
-    "max_wait_s": 300.0,          # give up waiting for fleet data after this long (round runs on what exists)
-    "lr": 3.0e-4,                 # fine-tuning learning rate (1e-4 x 400 updates barely moved the base)
-    "warmup_steps": 0,
-    "batch_size": 64,
-    "device": "auto",
-    "torch_threads": 1,           # CPU threads for training (the fleet's workers use the other cores)
-    "seed": 0,                    # round r trains with seed 1000 * seed + r (data order, noise, timesteps)
-    "validate_critic_only": True,   # the validator also weighs the current version's weights + the new critic
-    "round_init": "continue",     # continue: one long fine-tuning run; published: each round from the current version
-}
 
 
 def _atomic_write_json(path: Path, obj: Any) -> None:
@@ -60,8 +47,8 @@ class FertLearner:
     """Failure-guided experience retrieval fine-tuning, run continuously beside the fleet.
 
     Args:
-        cfg: plain dict with ``fert`` (configs/fert), ``train`` (configs/train), ``learner`` (keys of
-            ``LEARNER_DEFAULTS``) and ``robot`` (for the held-out units, never used for training).
+        cfg: plain dict with ``fert`` (configs/fert), ``train`` (configs/train), ``learner`` (fields of
+            :class:`fleet.learner_config.LearnerConfig`) and ``robot`` (for the held-out units, never used for training).
         store_url: the fleet's experience store.
         registry_url: where versions are published.
         work_dir: the learner's own directory (training checkpoints, state, audits).
@@ -82,7 +69,7 @@ class FertLearner:
                  run_id: str = "fert", publish: bool = True, validator: Callable | None = None):
         os.environ.setdefault("WANDB_MODE", "offline")
         self.cfg = cfg
-        self.lcfg = {**LEARNER_DEFAULTS, **dict(cfg.get("learner") or {})}
+        self.lcfg = LearnerConfig.from_dict(cfg.get("learner"))
         self.store_url, self.registry_url = store_url, registry_url
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -91,10 +78,10 @@ class FertLearner:
         self.publish_versions = publish and registry_url is not None
         self.validator = validator
         self.heldout = [int(u) for u in cfg["robot"]["heldout_units"]]
-        if self.lcfg.get("torch_threads"):
+        if self.lcfg.torch_threads:
             import torch
 
-            torch.set_num_threads(int(self.lcfg["torch_threads"]))
+            torch.set_num_threads(int(self.lcfg.torch_threads))
         self.state_path = self.work_dir / "learner_state.json"
         self.state = self._load_state()
         self._fert = None
@@ -196,11 +183,11 @@ class FertLearner:
         return len([m for m in self._reader.episodes(is_demo=False) if int(m.unit_id) not in self.heldout])
 
     def _wait_for_data(self, should_stop: Callable[[], bool] | None) -> int:
-        need = self.state["episodes_seen"] + int(self.lcfg["min_new_episodes"])
-        deadline = time.monotonic() + float(self.lcfg["max_wait_s"])
+        need = self.state["episodes_seen"] + int(self.lcfg.min_new_episodes)
+        deadline = time.monotonic() + float(self.lcfg.max_wait_s)
         n = self._n_fleet_episodes()
         while n < need and time.monotonic() < deadline and not (should_stop and should_stop()):
-            time.sleep(float(self.lcfg["poll_s"]))
+            time.sleep(float(self.lcfg.poll_s))
             n = self._n_fleet_episodes()
         return n
 
@@ -230,10 +217,10 @@ class FertLearner:
         policy = load_policy(self.init_checkpoint).train()
         tok_range = self.tokenizer_range(policy)
         demos = self.replay_episodes()
-        round_seed = 1000 * int(self.lcfg.get("seed") or 0) + r
+        round_seed = 1000 * self.lcfg.seed + r
         dataset = self._fert.dataset(retrieval, demos, policy.window_spec(), seed=round_seed)
-        out = train_policy(self._train_cfg(round_seed, (r + 1) * int(self.lcfg["updates_per_version"])),
-                           self.work_dir / "train", policy=policy, dataset=dataset, device=str(self.lcfg["device"]))
+        out = train_policy(self._train_cfg(round_seed, (r + 1) * int(self.lcfg.updates_per_version)),
+                           self.work_dir / "train", policy=policy, dataset=dataset, device=str(self.lcfg.device))
         ckpt = self.deployed_checkpoint(out["checkpoint"], r)
         critic = self.fit_critic(ckpt, policy, round_seed)
         audit = None
@@ -242,7 +229,7 @@ class FertLearner:
                                           tokenizer_range=tok_range)
         validation, chosen, candidates = None, "finetuned", {"finetuned": ckpt}
         if self.validator is not None and self.publish_versions:
-            if critic is not None and self.lcfg.get("validate_critic_only"):
+            if critic is not None and self.lcfg.validate_critic_only:
                 candidates["critic_only"] = self.critic_only_candidate(ckpt, r)
             chosen, validation = self.validator(candidates, r)
             if chosen is None:
@@ -263,17 +250,17 @@ class FertLearner:
 
         Raises:
             ValueError: an unknown ``learner.round_init``."""
-        mode = str(self.lcfg.get("round_init") or "continue")
+        mode = self.lcfg.round_init
         if mode not in ("continue", "published"):
             raise ValueError(f"learner.round_init: expected 'continue' or 'published', given {mode!r}")
         return mode == "published"
 
     def _train_cfg(self, seed: int, steps: int) -> dict:
         return {**dict(self.cfg.get("train") or {}), "seed": seed, "steps": int(steps), "resume": True,
-                "lr": float(self.lcfg["lr"]), "warmup_steps": int(self.lcfg["warmup_steps"]),
-                "batch_size": int(self.lcfg["batch_size"]), "save_every": int(self.lcfg["updates_per_version"]),
+                "lr": float(self.lcfg.lr), "warmup_steps": int(self.lcfg.warmup_steps),
+                "batch_size": int(self.lcfg.batch_size), "save_every": int(self.lcfg.updates_per_version),
                 # the learner's own thread count (learner.torch_threads), not the base training's train.num_threads
-                **({"num_threads": int(self.lcfg["torch_threads"])} if self.lcfg.get("torch_threads") else {}),
+                **({"num_threads": int(self.lcfg.torch_threads)} if self.lcfg.torch_threads else {}),
                 "progress": False, "wandb": {**dict((self.cfg.get("train") or {}).get("wandb") or {}),
                                              "name": f"learner-{self.run_id}"}}
 
@@ -297,7 +284,7 @@ class FertLearner:
         Raises:
             ValueError: an unknown ``learner.after_reject``."""
         hist = [h for h in self.state.get("history") or [] if h.get("checkpoint")]
-        after = str(self.lcfg.get("after_reject") or "published")
+        after = self.lcfg.after_reject
         if after not in ("published", "candidate"):
             raise ValueError(f"learner.after_reject: expected 'published' or 'candidate', given {after!r}")
         if after == "candidate" and hist and hist[-1].get("round") in (self.state.get("rejected") or []):
@@ -333,7 +320,7 @@ class FertLearner:
         init = self.round_init_checkpoint()
         policy = load_policy(init)
         tok_range = self.tokenizer_range(policy)
-        round_seed = 1000 * int(self.lcfg.get("seed") or 0) + r
+        round_seed = 1000 * self.lcfg.seed + r
         rdir = self.work_dir / "rounds" / f"round_{r:03d}"
         # the critic is fitted in a process of its own while this one samples the policy's candidate chunks for
         # the distillation (neither needs the other; one thread each, so the 2-core machine's second core works)
@@ -349,10 +336,10 @@ class FertLearner:
         dataset, mix = self.round_dataset(retrieval, policy.eval(), critic, candidates_k, round_seed, sampled=sampled)
         times["distill_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        out = train_policy(self._train_cfg(round_seed, int(self.lcfg["updates_per_version"])), rdir / "train",
-                           policy=policy.train(), dataset=dataset, device=str(self.lcfg["device"]))
+        out = train_policy(self._train_cfg(round_seed, int(self.lcfg.updates_per_version)), rdir / "train",
+                           policy=policy.train(), dataset=dataset, device=str(self.lcfg.device))
         times["train_s"] = time.perf_counter() - t
-        ckpt = deployed_checkpoint(self.lcfg.get("wise_alpha"), init, out["checkpoint"], rdir / "wise")
+        ckpt = deployed_checkpoint(self.lcfg.wise_alpha, init, out["checkpoint"], rdir / "wise")
         ckpt = checkpoint_with_critic(ckpt, rdir / "policy", None)   # the round's weights, without any critic
         if critic is not None:
             save_critic(critic, ckpt, candidates_k)
@@ -449,7 +436,7 @@ class FertLearner:
         for task in tasks:
             parts.append((f"replay:{task}", WindowDataset(self._reader, [m for m in ok if m.task == task], windows=spec),
                           shares["replay"] / len(tasks)))
-        size = int(self.lcfg["updates_per_version"]) * int(self.lcfg["batch_size"])
+        size = int(self.lcfg.updates_per_version) * int(self.lcfg.batch_size)
         ds = MixtureDataset(parts, keys, size, seed)
         rec["slots"] = ds.slots
         log.info("learner %s: round data %s", self.run_id, ds.slots)
@@ -478,7 +465,7 @@ class FertLearner:
         ccfg = dict(self.cfg["fert"].get("critic") or {})
         from fleet.policies import resolve_device
 
-        device = resolve_device(str(self.lcfg["device"]))
+        device = resolve_device(str(self.lcfg.device))
         if not ccfg.get("enabled", False) or not ccfg.get("fit_process", True) or str(device) != "cpu":
             return lambda: self.fit_critic_model(policy, seed)
         import concurrent.futures
@@ -492,7 +479,7 @@ class FertLearner:
         args = (self.store_url, [m.episode_id for m in self.critic_episodes()], keys, int(policy.config.action_dim),
                 int(policy.config.n_action_steps), int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
                 {k: v for k, v in ccfg.items() if k not in ("enabled", "candidates", "fit_process")}, int(seed),
-                int(self.lcfg.get("torch_threads") or torch.get_num_threads()), str(out_dir),
+                int(self.lcfg.torch_threads or torch.get_num_threads()), str(out_dir),
                 int(ccfg.get("candidates", 8)))
         ex = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         fut = ex.submit(fit_critic_process, *args)
@@ -530,7 +517,7 @@ class FertLearner:
                                  int(policy.config.n_action_steps),
                                  int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
                                  {k: v for k, v in ccfg.items() if k not in ("enabled", "candidates", "fit_process")}, seed=seed,
-                                 device=resolve_device(str(self.lcfg["device"])))
+                                 device=resolve_device(str(self.lcfg.device)))
         critic = critic.cpu()
         rec["fit_s"] = time.perf_counter() - t0
         log.info("learner %s: success critic on %d episodes (%d steps), validation BCE %s, %.0f s", self.run_id,
@@ -567,7 +554,7 @@ class FertLearner:
         (``policies.factory.interpolate_checkpoint``, WiSE-FT) in ``<work_dir>/wise/round_<r>``."""
         from policies.factory import deployed_checkpoint
 
-        return deployed_checkpoint(self.lcfg.get("wise_alpha"), self.init_checkpoint, trained, self._wise_dir(r))
+        return deployed_checkpoint(self.lcfg.wise_alpha, self.init_checkpoint, trained, self._wise_dir(r))
 
     def _wise_dir(self, r: int) -> Path:
         return self.work_dir / "wise" / f"round_{r:03d}"
@@ -612,7 +599,7 @@ class FertLearner:
         last = last_checkpoint(self.work_dir / "train")
         if last is None:
             return None
-        if self.lcfg.get("wise_alpha") is None:
+        if self.lcfg.wise_alpha is None:
             return str(last / "pretrained_model")
         r = max(int(self.state["round"]) - 1, 0)   # the round that wrote it, interpolated then (or now)
         wise = self._wise_dir(r)

@@ -334,6 +334,7 @@ def plot_curves(curve: list[dict], sync: list[dict], path: Path) -> None:
 def main() -> None:
     import hydra
 
+    import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
     from fleet.refusals import one_line_refusals
 
     @hydra.main(version_base=None, config_path="../configs", config_name="config")

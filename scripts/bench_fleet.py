@@ -50,6 +50,7 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
 from fleet.coordinator import _plain, ensure_ray
 from fleet.worker import RobotWorker
 

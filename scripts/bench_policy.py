@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
 from experience_dict.tokenizer import ActionTokenizer
 from policies.aed_diffusion import AEDDiffusionConfig, AEDDiffusionPolicy
 
@@ -163,7 +164,7 @@ def bench_pair(cfgs: dict[str, AEDDiffusionConfig], dev, bc: dict, extra: dict |
     for name, make in (extra or {}).items():  # e.g. LeRobot's DiffusionPolicy, sized to match the first policy
         try:
             setups[name] = make(next(iter(setups.values())).res["parameters"])
-        except Exception as e:  # a baseline that cannot be built (not installed, an API change) is reported, not fatal
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot be built is reported, not fatal
             log_skip[name] = f"not run: {type(e).__name__}: {e}"
     if bc["compile"] and dev.type == "cuda":  # CUDA graphs for the per-step action-token pass
         for st in setups.values():

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
+
 REPO = Path(__file__).resolve().parents[1]
 
 from policies.aed_diffusion import AEDDiffusionPolicy

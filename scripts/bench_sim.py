@@ -26,6 +26,7 @@ import numpy as np
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
 import sim
 from scripts.sim_check import sim_settings
 from sim.units import as_dict

@@ -36,6 +36,7 @@ import numpy as np
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
 from experience_dict.sampler import WindowDataset
 from experience_dict.store import DEFAULT_PROGRESS_KEYS, ExperienceStore
 

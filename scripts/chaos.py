@@ -281,6 +281,8 @@ def _alive(ray, actor) -> bool:
 def main() -> None:
     import hydra
 
+    import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
+
     @hydra.main(version_base=None, config_path="../configs", config_name="config")
     def _main(cfg) -> None:
         from configs.schema import check_or_exit

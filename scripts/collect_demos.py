@@ -28,6 +28,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
 from fleet.progress import calm_progress
 from fleet.refusals import one_line_refusals
 from policies.threads import passive_wait

@@ -36,6 +36,7 @@ except ImportError as e:  # pragma: no cover - the core environment
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
 from fleet.deploy.deployer import (
     Deployer,
     RunConfig,

@@ -17,6 +17,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
 from fleet.progress import calm_progress
 from fleet.refusals import one_line_refusals
 from policies.threads import passive_wait

@@ -19,6 +19,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
 import sim
 from sim.units import as_dict
 

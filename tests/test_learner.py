@@ -89,19 +89,46 @@ def learner_cfg(updates: int) -> dict:
             "fert": {"window": 4, "top_k": 4, "replay_ratio": 0.5, "max_contexts_per_task": 16, "audit": True,
                      "key": "absolute", "gate": {"enabled": False}, "segment_steps": 1},
             "train": {"batch_size": 16, "wandb": {"enabled": False}, "log_every": 5},
+            # the learner mode these tests were written on, stated (LearnerConfig's default is published)
             "learner": {"updates_per_version": updates, "min_new_episodes": 0, "max_wait_s": 0, "batch_size": 16,
-                        "device": "cpu", "torch_threads": 1}}
+                        "device": "cpu", "torch_threads": 1, "round_init": "continue"}}
 
 
-def test_learner_defaults_are_the_learner_yaml():
-    """A learner key missing from ``cfg.learner`` takes configs/learner/default.yaml's value."""
+def test_learner_config_is_the_one_source_of_its_defaults(tmp_path):
+    """The composed config's ``learner`` is LearnerConfig's defaults (no YAML holds them); an unknown key and a
+    wrong type are refused while composing, naming the key; a value out of range by the config check, and a
+    caller's partial dict takes the dataclass's defaults."""
+    import dataclasses
+
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
     from omegaconf import OmegaConf
 
-    from fleet.learner import LEARNER_DEFAULTS
+    from configs.schema import ConfigError, check
+    from fleet.learner_config import LearnerConfig
 
-    yaml = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "configs/learner/default.yaml"))
-    for k in ("min_new_episodes", "max_wait_s", "validate_critic_only"):
-        assert LEARNER_DEFAULTS[k] == yaml[k], k
+    assert not (Path(__file__).parents[1] / "configs/learner").exists()
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "configs"), version_base=None):
+        cfg = compose("config")
+        assert OmegaConf.to_container(cfg.learner) == LearnerConfig().to_dict()
+        assert OmegaConf.to_object(cfg.learner) == LearnerConfig()
+        with pytest.raises(ConfigCompositionException, match="updates_per_versoin"):
+            compose("config", overrides=["learner.updates_per_versoin=5"])
+        with pytest.raises(ConfigCompositionException, match="lr"):
+            compose("config", overrides=["learner.lr=fast"])
+        bad = compose("config", overrides=["learner.updates_per_version=0", "learner.round_init=sometimes",
+                                           f"store.url={tmp_path}/s"])
+    with pytest.raises(ConfigError) as e:
+        check(bad)
+    assert "learner.updates_per_version: expected an integer >= 1, given 0" in str(e.value)
+    assert "learner.round_init: expected one of ['published', 'continue'], given 'sometimes'" in str(e.value)
+    part = LearnerConfig.from_dict({"updates_per_version": 7})
+    assert part.updates_per_version == 7 and part.round_init == "published" and part.max_wait_s == 300.0
+    with pytest.raises(ConfigError, match="unknown keys \\['lr_typo'\\]"):
+        LearnerConfig.from_dict({"lr_typo": 1.0})
+    src = (Path(__file__).parents[1] / "fleet/learner_config.py").read_text()
+    for f in dataclasses.fields(LearnerConfig):  # every field has its docstring line after it
+        assert f'    {f.name}: ' in src and src.split(f'    {f.name}: ', 1)[1].split("\n", 2)[1].lstrip().startswith('"""'), f.name
 
 
 def _rounds_published(registry_url: str, run_id: str) -> list[int]:

@@ -14,6 +14,7 @@ from fleet.coordinator import Fleet
 from fleet.curve import BackgroundCurve, learning_curve, print_curve
 from fleet.experiment.state import JobState, Stages
 from fleet.gate import make_validator
+from fleet.learner_config import LearnerConfig
 from fleet.protocol import VectorFleet, failure_replay, fleet_plan, run_retries, success_by_task
 from fleet.registry import CheckpointRegistry, checkpoint_with_critic
 
@@ -127,7 +128,7 @@ def _fleet_round_and_learners(c: dict, sd: Path, seed: int, state: JobState, sta
         rec["learners"][arm.name] = {k: out.get(k) for k in ("contexts", "retrieved", "dataset", "loss", "version",
                                                              "validation", "own_retry_entries", "critic",
                                                              "published_candidate", "mix", "times")}
-        if publishing and c["learner"].get("failure_replay", True):
+        if publishing and LearnerConfig.from_dict(c["learner"]).failure_replay:
             rec["learners"][arm.name]["failure_replay"] = replay_round_failures(
                 c, lrn.final_checkpoint(), rec, sd / "failure_replay" / f"round_{r}", heldout)
     rec["round_s"] = time.perf_counter() - t_round   # the fleet, its retries and every learner, up to publishing
@@ -181,7 +182,7 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
             _fleet_round_and_learners(c, sd, seed, state, stages, in_loop, ckpt, fleet_units, heldout, reg, progress,
                                       after_last_fleet, r, rounds, bg)
         record_curve(c, sd, seed, state, in_loop, heldout, reg, progress, bg, background=False)
-    published_mode = str(c["learner"].get("round_init")) == "published"
+    published_mode = LearnerConfig.from_dict(c["learner"]).round_init == "published"
     for arm in in_loop:
         ckpt[arm.name] = make_learner(c, arm, sd / f"learner_{arm.name}", ckpt[arm.init], None, seed).final_checkpoint()
         if published_mode and arm.name != "fert":
@@ -202,7 +203,7 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
         # fert_critic: that version as published (with its success critic); with learner.round_init: published the
         # fert arm is its weights alone (K = 1), what a robot running the ONNX export executes
         ckpt["fert_version"] = ckpt["fert"]
-        if str(c["learner"].get("round_init")) == "published":
+        if LearnerConfig.from_dict(c["learner"]).round_init == "published":
             ckpt["fert"] = checkpoint_with_critic(ckpt["fert"], sd / "cache" / "arms" / f"v{v:06d}_alone", None)
 
 

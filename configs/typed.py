@@ -1,0 +1,60 @@
+"""The typed config groups: dataclasses registered in Hydra's ConfigStore, each the one place its defaults live.
+
+A typed group has no YAML file of defaults: ``configs/config.yaml``'s defaults list names ``<group>: default``,
+and Hydra finds that option here, in its ConfigStore. Presets (task suites, ``robot=shifted``, experiments) stay
+YAML and override fields of it. Hydra types the composed node, so an unknown key or a wrong type is refused while
+composing, naming the key; :func:`problems` adds each dataclass's range checks to ``configs.schema.check``.
+
+Importing this module registers the groups (:func:`register`); every entry point that composes the config
+imports it first (``import configs.typed`` in each Hydra script, ``tests/conftest.py``).
+
+Migrated so far: ``learner`` (:class:`fleet.learner_config.LearnerConfig`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from configs.rules import ConfigError
+from fleet.learner_config import LearnerConfig
+
+TYPED_GROUPS: dict[str, type] = {"learner": LearnerConfig}
+
+
+def register() -> None:
+    """Store every typed group's dataclass as ``<group>/default`` in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for group, cls in TYPED_GROUPS.items():
+        cs.store(group=group, name="default", node=cls)
+
+
+def declared_keys() -> dict[str, Any]:
+    """``{dotted key: default}`` of every typed group's fields (``learner.lr``, ...), and the groups themselves."""
+    out: dict[str, Any] = {}
+    for group, cls in TYPED_GROUPS.items():
+        out[group] = "<group>"
+        for f in dataclasses.fields(cls):
+            out[f"{group}.{f.name}"] = None if f.default is dataclasses.MISSING else f.default
+    return out
+
+
+def problems(cfg: Mapping) -> list[str]:
+    """Every typed group of ``cfg`` (a plain dict) that is present, built into its dataclass: the lines of each
+    field out of range (and of unknown keys, for configs not composed by Hydra)."""
+    out: list[str] = []
+    for group, cls in TYPED_GROUPS.items():
+        node = cfg.get(group)
+        if not isinstance(node, Mapping):
+            continue
+        try:
+            cls.from_dict(node)
+        except ConfigError as e:
+            out += [line.strip() for line in str(e).splitlines()[1:]] or [str(e)]
+    return out
+
+
+register()
