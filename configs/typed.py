@@ -8,7 +8,8 @@ composing, naming the key; :func:`problems` adds each dataclass's range checks t
 Importing this module registers the groups (:func:`register`); every entry point that composes the config
 imports it first (``import configs.typed`` in each Hydra script, ``tests/conftest.py``).
 
-Migrated so far: ``learner`` (:class:`fleet.learner_config.LearnerConfig`).
+Migrated so far: ``learner`` (:class:`fleet.learner_config.LearnerConfig`); new groups are typed from the start:
+``steer`` (:class:`policies.noise_actor.SteerConfig`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any
 
 from configs.rules import ConfigError
 from fleet.learner_config import LearnerConfig
+from policies.noise_actor import SteerConfig
 
-TYPED_GROUPS: dict[str, type] = {"learner": LearnerConfig}
+TYPED_GROUPS: dict[str, type] = {"learner": LearnerConfig, "steer": SteerConfig}
 
 
 def register() -> None:

@@ -77,12 +77,14 @@ def load_checkpoint(path: str | Path, device: str = "cpu", with_critic: bool = T
     is ``UNVERSIONED`` (0). A success critic saved beside the weights (``critic.safetensors``, FERT's
     ``fert.critic``) is installed: the policy then executes, of ``candidates`` sampled chunks, the one the critic
     ranks highest (``policies.critic.CriticGuidedSampler``). ``with_critic=False`` leaves it out: the weights act
-    alone (K = 1), with the version still read from the manifest.
+    alone (K = 1), with the version still read from the manifest. A noise actor saved beside the weights
+    (``noise_actor.safetensors``, ``policies.noise_actor``: DSRL's noise steering) is part of the policy alone: every
+    chunk starts from its noise (under a critic, the first candidate's).
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``path``.
         KeyError: unknown policy type.
-        ValueError: a critic whose files are incomplete or do not fit (``policies.critic.load_critic``).
+        ValueError: a critic or noise actor whose files are incomplete or do not fit.
         fleet.registry.ChecksumMismatchError: a file differs from the manifest.
     """
     from fleet.registry import MANIFEST, verify_checkpoint_dir
@@ -98,10 +100,12 @@ def load_checkpoint(path: str | Path, device: str = "cpu", with_critic: bool = T
     if (path / MANIFEST).is_file():
         version = int(verify_checkpoint_dir(path)["version"])
     from policies.critic import install_critic
+    from policies.noise_actor import install_noise_actor
 
     model = load_policy(path, device)
     if with_critic:
         install_critic(model, path, device)
+    install_noise_actor(model, path, device)   # chunks start from its noise (candidate 0's, under a critic)
     return model, version
 
 
