@@ -17,9 +17,10 @@ from typing import Any
 
 from policies.runtime import EXPORT_FORMAT, EXPORT_META, MODEL_CARD, sha256_file
 
-# the policy's files, and the success critic FERT ships beside them (policies/critic.py), copied when present
+# the policy's files, and the success critic FERT ships beside them (policies/critic.py) and a noise actor
+# (policies/noise_actor.py), copied when present
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "stats.json", "tokenizer.json", "critic.safetensors",
-                    "critic.json")
+                    "critic.json", "noise_actor.safetensors", "noise_actor.json")
 ACTION_NAMES = ["dx", "dy", "dz", "gripper"]  # docs/INTERFACES.md action spec (4-d end-effector actions)
 
 

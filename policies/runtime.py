@@ -144,11 +144,15 @@ class PolicyRuntime:
         self.backend = backend
         if backend != "torch":  # select_action's chunks too (AEDDiffusionPolicy.chunk_sampler)
             policy.chunk_sampler = self._chunk
-        self.critic = False
+        self.critic = self.noise_actor = False
         if self.folder is not None:   # a success critic exported beside the weights chooses select_action's chunks
             from policies.critic import install_critic
 
             self.critic = install_critic(policy, self.folder, str(getattr(policy, "device", "cpu")))
+            from policies.noise_actor import install_noise_actor
+
+            # a noise actor exported beside them starts every chunk (the ONNX graph's too: its noise input)
+            self.noise_actor = install_noise_actor(policy, self.folder, str(getattr(policy, "device", "cpu")))
         self.reset()
 
     def _sampler(self, key: tuple[int, int]):

@@ -68,6 +68,17 @@ def test_actor_climbs_the_critic_and_steers_a_loaded_checkpoint(setup, tmp_path)
     plain_model, _ = load_checkpoint(setup["base"])
     assert plain_model.chunk_sampler is None
 
+    # the export (ONNX chunk graph) carries the actor: the runtime a robot uses starts its graph from the actor's noise
+    from policies.export import export_checkpoint
+    from policies.runtime import PolicyRuntime
+
+    exp = export_checkpoint(ckpt, tmp_path / "export", onnx_steps=[policy.config.num_inference_steps],
+                            onnx_batch_size=6)
+    rt = PolicyRuntime.load(exp)
+    assert rt.noise_actor and rt.uses_onnx(batch_size=6)
+    with torch.no_grad():
+        torch.testing.assert_close(rt.policy.chunk_sampler(inf, noise=torch.randn(6, H, A)), steered, atol=2e-3, rtol=0)
+
     # bad input: a half-written actor, and config values out of range, are refused by name
     (ckpt / "noise_actor.json").unlink()
     with pytest.raises(ValueError, match="needs both"):
