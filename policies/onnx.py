@@ -78,7 +78,7 @@ def export_onnx(policy: torch.nn.Module, path: str | Path, num_inference_steps: 
         raise ValueError(f"onnx batch_size: expected >= 1, given {B}")
     try:
         import onnx
-        import onnxscript  # noqa: F401 - torch.onnx.export needs it
+        import onnxscript
     except ImportError as e:
         raise ImportError(f"exporting ONNX needs onnx and onnxscript ({e}); pip install 'fleetmind[fleet]'") from e
     t0 = time.perf_counter()
