@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from experience_dict.atomic import atomic_write_text
-from fleet.learner_config import LearnerConfig
+from fleet.learner_config import ROUND_INIT, LearnerConfig
 
 log = logging.getLogger(__name__)
 
@@ -246,14 +246,15 @@ class FertLearner:
 
     @property
     def iterative(self) -> bool:
-        """``learner.round_init == "published"``: every round starts from the current version (see run_round).
+        """``learner.round_init`` is ``published`` or ``base``: every round is a round of its own (critic, distillation,
+        gate; see run_round) starting from the current version or from the loop's initial weights.
 
         Raises:
             ValueError: an unknown ``learner.round_init``."""
         mode = self.lcfg.round_init
-        if mode not in ("continue", "published"):
-            raise ValueError(f"learner.round_init: expected 'continue' or 'published', given {mode!r}")
-        return mode == "published"
+        if mode not in ROUND_INIT:
+            raise ValueError(f"learner.round_init: expected one of {list(ROUND_INIT)}, given {mode!r}")
+        return mode != "continue"
 
     def _train_cfg(self, seed: int, steps: int) -> dict:
         return {**dict(self.cfg.get("train") or {}), "seed": seed, "steps": int(steps), "resume": True,
@@ -276,13 +277,16 @@ class FertLearner:
         return rec
 
     def round_init_checkpoint(self) -> str:
-        """The weights the next round starts from (``learner.round_init: published``): a publishing learner's current
+        """The weights the next round starts from. ``learner.round_init: base``: the learner's initial checkpoint
+        (the base), every round. ``published``: a publishing learner's current
         registry version (what the fleet acts with; fetched into ``<work_dir>/init``), else this learner's own
         last round's output, else its initial checkpoint. With ``learner.after_reject: candidate``, after a round
         the gate rejected: that round's own weights (its lineage goes on; the fleet keeps the published version).
 
         Raises:
             ValueError: an unknown ``learner.after_reject``."""
+        if self.lcfg.round_init == "base":   # every round from the loop's initial weights, on the whole store
+            return self.init_checkpoint
         hist = [h for h in self.state.get("history") or [] if h.get("checkpoint")]
         after = self.lcfg.after_reject
         if after not in ("published", "candidate"):

@@ -17,7 +17,7 @@ from typing import Any
 
 from configs.rules import POS, ConfigError, boolean, integer, number, one_of, optional
 
-ROUND_INIT = ("published", "continue")
+ROUND_INIT = ("published", "base", "continue")
 AFTER_REJECT = ("published", "candidate")
 TASK_CORRECTION = ("none", "holm")
 
@@ -60,8 +60,9 @@ class LearnerConfig:
     round_init: str = "published"
     """published: every round starts from the version the fleet runs now, fits the success critic first and distils
     its choices into the weights (``fert.distill``, PA-RL, Mark et al. 2024), and the gate compares the policies
-    alone (K = 1); continue: one long fine-tuning run over the rounds with the critic fitted after it (experiments
-    1-25, docs/RESULTS.md)."""
+    alone (K = 1); base: the same round, but every round starts from the loop's initial weights (the base) and
+    trains on the whole store (no version inherits a predecessor's drift; docs/RESULTS.md, experiments 37 and 40);
+    continue: one long fine-tuning run over the rounds with the critic fitted after it (experiments 1-25)."""
     after_reject: str = "published"
     """published mode, the round after a rejected one starts from: published: the version the fleet runs (the
     rejection resets the lineage) | candidate: the rejected round's own weights (training compounds; the gate still

@@ -214,3 +214,23 @@ def test_the_export_acts_alone_through_its_onnx_graph_like_the_checkpoint(setup,
         np.testing.assert_allclose(rb.load_episode(eb["episode_id"], keys=["action"])["action"],
                                    ra.load_episode(ea["episode_id"], keys=["action"])["action"], atol=2e-3)
     assert json.loads((exp / "export.json").read_text())["onnx"][0]["batch_size"] == 1
+
+
+def test_round_init_base_starts_every_round_from_the_initial_weights(setup, tmp_path):  # noqa: F811 (the fixture)
+    # learner.round_init: base: every round (critic, gate, publishing as in published mode) starts from the loop's
+    # initial weights on the whole store, not from the version the previous round published
+    reg_url = str(tmp_path / "registry")
+    CheckpointRegistry(reg_url).publish(setup["base"], metadata={"run_id": "base", "round": -1})
+    cfg = learner_cfg(2)
+    cfg["task"] = TASK_CFG
+    cfg["learner"] |= {"round_init": "base"}
+    cfg["fert"] |= {"critic": {"enabled": True, "updates": 5, "members": 2, "hidden": 16, "candidates": 2},
+                    "distill": {"enabled": False}}
+    lrn = FertLearner(cfg, setup["store"], reg_url, str(tmp_path / "work"), setup["base"], run_id="fert",
+                      validator=lambda c, r, policy_alone=False: ("finetuned", {"accepted": True}))
+    assert lrn.iterative
+    h0, h1 = lrn.run_round(), lrn.run_round()
+    assert h0["init"] == h1["init"] == setup["base"] and (h0["version"], h1["version"]) == (2, 3)
+    v3 = Path(CheckpointRegistry(reg_url).fetch(3, tmp_path / "v3"))
+    assert (v3 / "model.safetensors").read_bytes() == (Path(h1["checkpoint"]) / "model.safetensors").read_bytes()
+    assert all((v3 / f).is_file() for f in CRITIC_FILES)

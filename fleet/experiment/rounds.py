@@ -182,7 +182,7 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
             _fleet_round_and_learners(c, sd, seed, state, stages, in_loop, ckpt, fleet_units, heldout, reg, progress,
                                       after_last_fleet, r, rounds, bg)
         record_curve(c, sd, seed, state, in_loop, heldout, reg, progress, bg, background=False)
-    published_mode = LearnerConfig.from_dict(c["learner"]).round_init == "published"
+    published_mode = LearnerConfig.from_dict(c["learner"]).round_init != "continue"   # the weights alone (K = 1)
     for arm in in_loop:
         ckpt[arm.name] = make_learner(c, arm, sd / f"learner_{arm.name}", ckpt[arm.init], None, seed).final_checkpoint()
         if published_mode and arm.name != "fert":
@@ -203,7 +203,7 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
         # fert_critic: that version as published (with its success critic); with learner.round_init: published the
         # fert arm is its weights alone (K = 1), what a robot running the ONNX export executes
         ckpt["fert_version"] = ckpt["fert"]
-        if LearnerConfig.from_dict(c["learner"]).round_init == "published":
+        if LearnerConfig.from_dict(c["learner"]).round_init != "continue":
             ckpt["fert"] = checkpoint_with_critic(ckpt["fert"], sd / "cache" / "arms" / f"v{v:06d}_alone", None)
 
 
