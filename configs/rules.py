@@ -76,3 +76,47 @@ def check_fields(obj: Any, rules: Mapping[str, Rule], prefix: str) -> list[str]:
         if why is not None:
             out.append(f"{prefix}.{name}: expected {why}, given {v!r}")
     return out
+
+
+class TypedConfig:
+    """The checks every typed config dataclass shares (``configs.typed``): a subclass is a ``@dataclass`` with
+    the class attributes ``_group`` (its Hydra group, the prefix of its messages) and ``_rules`` (``{field:
+    Rule}``). Building one runs the rules; :meth:`from_dict` also refuses unknown keys.
+
+    Raises:
+        ConfigError: on construction, every field out of its range (``<group>.<field>: expected ..., given ...``).
+    """
+
+    _group: str = "config"
+    _rules: Mapping[str, Rule] = {}
+
+    def __post_init__(self) -> None:
+        bad = self.problems()
+        if bad:
+            raise ConfigError(f"invalid {self._group} config:\n  " + "\n  ".join(bad))
+
+    def problems(self, prefix: str | None = None) -> list[str]:
+        """Every field out of its range, one line each: ``<prefix or group>.<field>: expected ..., given ...``."""
+        return check_fields(self, self._rules, prefix or self._group)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None):
+        """``d`` (a plain mapping, e.g. the composed config's group as a dict, or part of it) -> the config; a key
+        ``d`` leaves out takes the field's default. Raises :class:`ConfigError` naming an unknown key or a value out
+        of range."""
+        import dataclasses
+
+        if isinstance(d, cls):
+            return d
+        given = dict(d or {})
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise ConfigError(f"{cls._group}: unknown keys {unknown}; expected keys from {names}")
+        return cls(**given)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain dict (JSON-able), as the composed config's group reads."""
+        import dataclasses
+
+        return dataclasses.asdict(self)

@@ -11,11 +11,9 @@ pattern of LeRobot's ``configuration_diffusion.py``: a dataclass with a docstrin
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
-from configs.rules import POS, ConfigError, boolean, integer, number, one_of, optional
+from configs.rules import POS, TypedConfig, boolean, integer, number, one_of, optional
 
 ROUND_INIT = ("published", "base", "continue")
 AFTER_REJECT = ("published", "candidate")
@@ -23,7 +21,7 @@ TASK_CORRECTION = ("none", "holm")
 
 
 @dataclass
-class LearnerConfig:
+class LearnerConfig(TypedConfig):
     """The FERT learner (``fleet/learner.py``): how much it trains a round, what it waits for, and the gate that
     decides whether the fleet gets the round's weights. Units: seconds where a name ends in ``_s``; success
     differences as fractions of trials (0.05 = 5 points). Raises :class:`configs.rules.ConfigError` (a
@@ -88,35 +86,6 @@ class LearnerConfig:
     """The fine-tuning seed: round r trains with seed 1000 * seed + r (data order, noise, timesteps). The main job
     sets it per arm to the job's seed (``job.seeds``)."""
 
-    def __post_init__(self) -> None:
-        bad = self.problems()
-        if bad:
-            raise ConfigError("invalid learner config:\n  " + "\n  ".join(bad))
-
-    def problems(self, prefix: str = "learner") -> list[str]:
-        """Every field out of its range, one line each: ``<prefix>.<field>: expected ..., given ...``."""
-        from configs.rules import check_fields
-
-        return check_fields(self, _RULES, prefix)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> LearnerConfig:
-        """``d`` (a plain mapping, e.g. the composed config's ``learner`` as a dict, or part of it) -> the config;
-        a key ``d`` leaves out takes the field's default. Raises :class:`ConfigError` naming an unknown key or
-        a value out of range."""
-        if isinstance(d, LearnerConfig):
-            return d
-        given = dict(d or {})
-        names = [f.name for f in fields(cls)]
-        unknown = sorted(set(given) - set(names))
-        if unknown:
-            raise ConfigError(f"learner: unknown keys {unknown}; expected keys from {names}")
-        return cls(**given)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The plain dict (JSON-able), as the composed config's ``learner`` reads."""
-        return asdict(self)
-
 
 _RULES = {
     "updates_per_version": POS, "min_new_episodes": integer(0), "poll_s": number(0, open_lo=True),
@@ -127,3 +96,5 @@ _RULES = {
     "validate_critic_only": boolean, "validate_tolerance": number(0, 1), "validate_alpha": number(0, 1),
     "failure_replay": boolean, "seed": integer(0),
 }
+
+LearnerConfig._group, LearnerConfig._rules = "learner", _RULES

@@ -24,16 +24,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from configs.rules import POS, ConfigError, check_fields, integer, number, optional
+from configs.rules import POS, TypedConfig, integer, number, optional
 
 ACTOR_FILE, ACTOR_CONFIG = "noise_actor.safetensors", "noise_actor.json"
 
@@ -154,7 +153,7 @@ def install_noise_actor(policy, directory: str | Path, device: str = "cpu") -> b
 
 
 @dataclass
-class SteerConfig:
+class SteerConfig(TypedConfig):
     """Fitting a noise actor (``scripts/steer.py``, :func:`fit_noise_actor`). Raises :class:`ConfigError`
     listing every value out of range."""
 
@@ -185,29 +184,11 @@ class SteerConfig:
     seed: int = 0
     """States' draw and the actor's initialisation."""
 
-    def __post_init__(self) -> None:
-        bad = check_fields(self, _STEER_RULES, "steer")
-        if bad:
-            raise ConfigError("invalid steer config:\n  " + "\n  ".join(bad))
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> SteerConfig:
-        """A plain mapping -> the config; missing keys take the defaults. Raises :class:`ConfigError` naming an
-        unknown key or a value out of range."""
-        given = dict(d or {})
-        names = [f.name for f in fields(cls)]
-        unknown = sorted(set(given) - set(names))
-        if unknown:
-            raise ConfigError(f"steer: unknown keys {unknown}; expected keys from {names}")
-        return cls(**given)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 _STEER_RULES = {"states_per_task": POS, "updates": POS, "batch_size": POS, "lr": number(0, open_lo=True),
                 "hidden": POS, "bound": number(0, open_lo=True), "pessimism": number(0),
                 "num_inference_steps": optional(POS), "seed": integer(0)}
+SteerConfig._group, SteerConfig._rules = "steer", _STEER_RULES
 
 
 def fit_noise_actor(policy, critic, windows, indices: Sequence[int], cfg: SteerConfig,

@@ -121,7 +121,7 @@ def test_learner_config_is_the_one_source_of_its_defaults(tmp_path):
     with pytest.raises(ConfigError) as e:
         check(bad)
     assert "learner.updates_per_version: expected an integer >= 1, given 0" in str(e.value)
-    assert "learner.round_init: expected one of ['published', 'continue'], given 'sometimes'" in str(e.value)
+    assert "learner.round_init: expected one of ['published', 'base', 'continue'], given 'sometimes'" in str(e.value)
     part = LearnerConfig.from_dict({"updates_per_version": 7})
     assert part.updates_per_version == 7 and part.round_init == "published" and part.max_wait_s == 300.0
     with pytest.raises(ConfigError, match="unknown keys \\['lr_typo'\\]"):
