@@ -203,7 +203,7 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
         # fert_critic: that version as published (with its success critic); with learner.round_init: published the
         # fert arm is its weights alone (K = 1), what a robot running the ONNX export executes
         ckpt["fert_version"] = ckpt["fert"]
-        if LearnerConfig.from_dict(c["learner"]).round_init != "continue":
+        if published_mode:
             ckpt["fert"] = checkpoint_with_critic(ckpt["fert"], sd / "cache" / "arms" / f"v{v:06d}_alone", None)
 
 
