@@ -4,8 +4,11 @@ tqdm redraws its bar ~15 times a second; on a terminal each redraw overwrites th
 a file (``make run > run.log 2>&1``, CI, a cluster's job log) every redraw is appended: the main job wrote
 99 KB in its first two minutes. :func:`calm_progress` sets tqdm's own environment defaults (``TQDM_MININTERVAL``,
 read by tqdm when it is imported, since tqdm 4.66) so that, off a terminal, a bar redraws at most every
-``interval_s`` seconds. Entry points call it before tqdm is imported; processes started afterwards (Ray workers,
-spawned evaluation processes) inherit it. A value already in the environment is kept.
+``interval_s`` seconds. Processes started afterwards (Ray workers, spawned evaluation processes) inherit it. The
+environment is read once, when tqdm is imported; an entry point whose imports already loaded tqdm (the typed config
+groups import modules that use it) also gets the interval as the default of ``tqdm.std.tqdm``'s ``mininterval``
+(``functools.partialmethod``, tqdm's documented way to change a default), which every tqdm class inherits. A value
+already in the environment is kept.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ LOG_INTERVAL_S = 30.0
 
 def calm_progress(interval_s: float = LOG_INTERVAL_S, stream=None) -> bool:
     """Off a terminal (``stream``, default stderr, is not a TTY) set ``TQDM_MININTERVAL`` to ``interval_s``
-    seconds unless already set; returns whether it did. Call before ``import tqdm``."""
+    seconds unless already set, and, when tqdm is already imported, make it ``tqdm.std.tqdm``'s default
+    ``mininterval`` (a bar that passes its own ``mininterval`` keeps it); returns whether it did."""
     stream = sys.stderr if stream is None else stream
     try:
         tty = bool(stream.isatty())
@@ -27,4 +31,10 @@ def calm_progress(interval_s: float = LOG_INTERVAL_S, stream=None) -> bool:
     if tty or "TQDM_MININTERVAL" in os.environ:
         return False
     os.environ["TQDM_MININTERVAL"] = str(float(interval_s))
+    if "tqdm.std" in sys.modules:   # imported already: the environment was read at import; set the default itself
+        from functools import partialmethod
+
+        import tqdm.std
+
+        tqdm.std.tqdm.__init__ = partialmethod(tqdm.std.tqdm.__init__, mininterval=float(interval_s))
     return True

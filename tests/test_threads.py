@@ -44,17 +44,19 @@ def test_progress_bars_stay_calm_in_a_log_file(tmp_path):
 
     from fleet.progress import calm_progress
 
-    code = ("import time\nfrom fleet.progress import calm_progress\ncalm_progress({iv})\nfrom tqdm import tqdm\n"
+    # {pre}: tqdm imported before calm_progress (scripts/run.py's typed config groups load modules that use it)
+    code = ("import time\n{pre}from fleet.progress import calm_progress\ncalm_progress({iv})\nfrom tqdm import tqdm\n"
             "for _ in tqdm(range(150)):\n    time.sleep(0.01)\n")
     env = {k: v for k, v in os.environ.items() if k != "TQDM_MININTERVAL"}
     sizes = {}
-    for iv in (30, 0.01):
-        log = tmp_path / f"log_{iv}.txt"
-        with open(log, "w") as f:
-            subprocess.run([sys.executable, "-c", code.format(iv=iv)], stderr=f, env=env, check=True,
-                           cwd=str(Path(__file__).resolve().parents[1]))
-        sizes[iv] = log.read_bytes().count(b"\r") + 1
-    assert sizes[30] <= 3 < 20 < sizes[0.01], sizes
+    for pre in ("", "import tqdm.auto\n"):
+        for iv in (30, 0.01):
+            log = tmp_path / f"log_{iv}.txt"
+            with open(log, "w") as f:
+                subprocess.run([sys.executable, "-c", code.format(iv=iv, pre=pre)], stderr=f, env=env, check=True,
+                               cwd=str(Path(__file__).resolve().parents[1]))
+            sizes[pre, iv] = log.read_bytes().count(b"\r") + 1
+        assert sizes[pre, 30] <= 3 < 20 < sizes[pre, 0.01], sizes
 
     class Tty:
         def isatty(self):
