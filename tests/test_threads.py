@@ -56,7 +56,7 @@ def test_progress_bars_stay_calm_in_a_log_file(tmp_path):
                 subprocess.run([sys.executable, "-c", code.format(iv=iv, pre=pre)], stderr=f, env=env, check=True,
                                cwd=str(Path(__file__).resolve().parents[1]))
             sizes[pre, iv] = log.read_bytes().count(b"\r") + 1
-        assert sizes[pre, 30] <= 3 < 20 < sizes[pre, 0.01], sizes
+        assert sizes[pre, 30] <= 3 and sizes[pre, 0.01] > 20, sizes
 
     class Tty:
         def isatty(self):
