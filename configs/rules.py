@@ -89,6 +89,7 @@ class TypedConfig:
 
     _group: str = "config"
     _rules: Mapping[str, Rule] = {}
+    _nested: Mapping[str, type] = {}   # {field: TypedConfig subclass}: a mapping given for it is built by from_dict
 
     def __post_init__(self) -> None:
         bad = self.problems()
@@ -108,12 +109,30 @@ class TypedConfig:
 
         if isinstance(d, cls):
             return d
+        if type(d).__module__.startswith("omegaconf"):   # a DictConfig: plain values (lists, nested mappings)
+            from omegaconf import OmegaConf
+
+            d = OmegaConf.to_container(d, resolve=True)
         given = dict(d or {})
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(given) - set(names))
         if unknown:
             raise ConfigError(f"{cls._group}: unknown keys {unknown}; expected keys from {names}")
-        return cls(**given)
+        bad: list[str] = []
+        for name, sub in cls._nested.items():   # a partial mapping takes the nested defaults for the rest
+            if name in given and (given[name] is None or isinstance(given[name], Mapping)):
+                try:
+                    given[name] = sub.from_dict(given[name])
+                except ConfigError as e:
+                    bad += [line.strip() for line in str(e).splitlines()[1:]] or [str(e)]
+                    del given[name]
+        try:
+            out = cls(**given)
+        except ConfigError as e:
+            bad += [line.strip() for line in str(e).splitlines()[1:]]
+        if bad:
+            raise ConfigError(f"invalid {cls._group} config:\n  " + "\n  ".join(bad))
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """The plain dict (JSON-able), as the composed config's group reads."""

@@ -57,10 +57,6 @@ RULES: dict[str, Rule] = {
     "store.on_corrupt": one_of("raise", "skip"),
     "store.storage_options": lambda v: None if v is None or isinstance(v, Mapping) else "a mapping of fsspec options",
     "policy.type": one_of(*POLICY_TYPES, "expert", "random"),   # learned types: policies.factory
-    "train.steps": POS, "train.batch_size": POS, "train.save_every": POS, "train.log_every": POS,
-    "train.warmup_steps": integer(0), "train.num_workers": integer(0), "train.lr": number(0, open_lo=True),
-    "train.weight_decay": number(0), "train.grad_clip": number(0, open_lo=True),
-    "train.num_threads": optional(integer(0)),
     "fleet.units": POS, "fleet.episodes_per_unit": optional(POS), "fleet.wall_time_s": optional(number(0, open_lo=True)),
     "fleet.episode_timeout_s": optional(number(0, open_lo=True)), "fleet.max_restarts": integer(-1),
     "fleet.max_recreates": integer(0), "fleet.max_trial_faults": POS, "fleet.trial_retries": integer(0),
@@ -72,22 +68,6 @@ RULES: dict[str, Rule] = {
     "eval.backend": one_of("vector", "ray"),
     "job.fleet_backend": one_of("vector", "ray"), "job.curve_trials_per_task": integer(0), "job.fleet_critic": boolean,
     "job.overlap_offline_arms": boolean, "job.background_curve": boolean,
-    "fert.mix.retrieved": number(0), "fert.mix.distill": number(0), "fert.mix.replay": number(0),
-    "fert.distill.enabled": boolean, "fert.distill.states_per_task": POS, "fert.distill.batch_size": POS,
-    "fert.tokenizer_range_warn": number(0, 1), "fert.rounds": integer(0), "fert.window": POS, "fert.top_k": POS, "fert.segment_steps": POS,
-    "fert.temperature": number(0, open_lo=True), "fert.replay_ratio": number(0, 1),
-    "fert.key": one_of("relative", "relative+aed", "absolute"), "fert.replay": one_of("demos", "successes"),
-    "fert.neighbours": one_of("fleet", "own_retries"),
-    "fert.confidence_scale_m": optional(number(0, open_lo=True)), "fert.approx_above": optional(integer(64)),
-    "fert.nprobe": POS, "fert.max_contexts_per_task": POS,
-    "fert.critic.enabled": boolean, "fert.critic.candidates": POS, "fert.critic.members": POS,
-    "fert.critic.hidden": POS, "fert.critic.dropout": number(0, 1), "fert.critic.updates": POS,
-    "fert.critic.batch_size": POS, "fert.critic.lr": number(0, open_lo=True), "fert.critic.weight_decay": number(0),
-    "fert.critic.gamma": number(0, 1, open_lo=True), "fert.critic.val_fraction": number(0, 1),
-    "fert.critic.fit_process": boolean,
-    "fert.retry.attempts": integer(0), "fert.retry.action_noise_std": number(0), "fert.retry.growth": number(0, open_lo=True),
-    "fert.retry.hold_steps": POS, "fert.retry.max_share": number(0),
-    "fert.retry.noise_temperature": number(0, open_lo=True), "fert.retry.temperature_growth": number(0, open_lo=True),
     "deploy.export.onnx_steps": lambda v: None if v is None or (isinstance(v, list | tuple) and all(
         integer(1)(x) is None for x in v)) else "null or a list of integers >= 1",
     "deploy.export.onnx_batch_size": POS, "deploy.run.backend": one_of("auto", "torch", "onnx"),
@@ -104,7 +84,6 @@ RULES: dict[str, Rule] = {
     "policy.aed.memory_layers": integer(0), "policy.aed.tokenizer_scale": number(0, open_lo=True),
     "policy.aed.tokenizer_vocab_size": POS, "policy.mt_loss.weight": number(0),
     "policy.mt_loss.decoder_layers": POS, "policy.mt_loss.image_feature_dim": POS,
-    "train.ema_max_decay": number(0, 1), "train.ema_power": number(0, open_lo=True),
     # what reaches a robot (real or simulated): episode length, safety limits, variation, the policy server
     "task.max_episode_steps": POS, "task.steps_after_success": integer(0),
     "deploy.run.episodes": POS, "deploy.run.max_steps": POS, "deploy.run.steps_after_success": integer(0),
@@ -119,10 +98,6 @@ RULES: dict[str, Rule] = {
     "obs.image_size": POS,
     "fleet.server_max_batch": POS, "fleet.server_max_wait_ms": number(0), "fleet.server_retry_s": number(0),
     "fleet.expert_noise_std": number(0),
-    "fert.frame_stride": POS, "fert.index_stride": POS, "fert.aed_key_scale_m": number(0, open_lo=True),
-    "fert.gate.beta": number(0, open_lo=True), "fert.gate.max_weight": number(0, open_lo=True),
-    "fert.gate.min_gain": number(0), "fert.onset.tolerance": number(0), "fert.priority.window": POS,
-    "fert.priority.floor": number(0, 1),
     "eval.seed": integer(0), "eval.videos": integer(0), "eval.video_episodes": integer(0),
     "job.fleet_episodes_per_unit": POS, "job.val_demos_per_task": integer(0), "job.demo_noise_std": number(0),
     "job.videos": integer(0), "job.video_episodes": integer(0), "job.sweep_episodes_per_unit": POS,
@@ -205,7 +180,8 @@ def declared_keys(config_dir: Path = CONFIG_DIR) -> tuple[frozenset[str], frozen
             keys.setdefault(prefix, "<group>")   # the group itself (not a user mapping)
         _flat_keys(yaml.safe_load(text) or {}, prefix, keys)
     open_keys = frozenset(k for k, v in keys.items() if v is None or v == {})
-    return frozenset(keys) | frozenset(typed.declared_keys()), open_keys
+    tk = typed.declared_keys()   # a typed field whose default is a mapping holds the user's own keys
+    return frozenset(keys) | frozenset(tk), open_keys | {k for k, v in tk.items() if isinstance(v, Mapping)}
 
 
 def unknown_keys(cfg: Mapping, declared: tuple[frozenset[str], frozenset[str]] | None = None) -> list[str]:

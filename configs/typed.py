@@ -8,8 +8,9 @@ composing, naming the key; :func:`problems` adds each dataclass's range checks t
 Importing this module registers the groups (:func:`register`); every entry point that composes the config
 imports it first (``import configs.typed`` in each Hydra script, ``tests/conftest.py``).
 
-Migrated so far: ``learner`` (:class:`fleet.learner_config.LearnerConfig`); new groups are typed from the start:
-``steer`` (:class:`policies.noise_actor.SteerConfig`).
+Migrated so far: ``learner`` (:class:`fleet.learner_config.LearnerConfig`), ``train``
+(:class:`policies.train_config.TrainConfig`), ``fert`` (:class:`experience_dict.fert_config.FertConfig`); new groups are typed from the start: ``steer``
+(:class:`policies.noise_actor.SteerConfig`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from configs.rules import ConfigError
+from experience_dict.fert_config import FertConfig
 from fleet.learner_config import LearnerConfig
 from policies.noise_actor import SteerConfig
+from policies.train_config import TrainConfig
 
-TYPED_GROUPS: dict[str, type] = {"learner": LearnerConfig, "steer": SteerConfig}
+TYPED_GROUPS: dict[str, type] = {"learner": LearnerConfig, "steer": SteerConfig, "train": TrainConfig,
+                                 "fert": FertConfig}
 
 
 def register() -> None:
@@ -35,12 +39,26 @@ def register() -> None:
 
 
 def declared_keys() -> dict[str, Any]:
-    """``{dotted key: default}`` of every typed group's fields (``learner.lr``, ...), and the groups themselves."""
+    """``{dotted key: default}`` of every typed group's fields (``learner.lr``, ...), nested groups' fields
+    (``train.wandb.mode``) and the groups themselves (``"<group>"``). A field whose default is a mapping
+    (``fert.onset.signals``, ``train.bench``) holds the user's own keys."""
     out: dict[str, Any] = {}
+
+    def fields(prefix: str, cls: type) -> None:
+        nested = getattr(cls, "_nested", {})
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}.{f.name}"
+            if f.name in nested:
+                out[key] = "<group>"
+                fields(key, nested[f.name])
+            elif f.default is not dataclasses.MISSING:
+                out[key] = f.default
+            else:
+                out[key] = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+
     for group, cls in TYPED_GROUPS.items():
         out[group] = "<group>"
-        for f in dataclasses.fields(cls):
-            out[f"{group}.{f.name}"] = None if f.default is dataclasses.MISSING else f.default
+        fields(group, cls)
     return out
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 logging.getLogger("faiss.loader").setLevel(logging.WARNING)   # its CPU-feature probes log ModuleNotFoundError at INFO
 import faiss
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from experience_dict.failure import DEFAULT_SIGNALS, annotate_failures
+from experience_dict.fert_config import FertConfig
 
 STATE_KEYS = ("observation.state", "observation.environment_state")
 Encoder = Callable[[dict[str, np.ndarray]], np.ndarray]
@@ -1038,15 +1039,9 @@ def policy_encoder(policy, pool: str = "mean") -> Encoder:
 
 
 # ----------------------------------------------------------------------------------------- one object
-# keys of configs/fert/default.yaml ("rounds" and "audit" are read by the learner / fleet/experiment)
-FERT_CONFIG_KEYS = {"key", "aed_key_scale_m", "gate", "retry", "critic", "include_retries", "own_retries_first", "rounds", "replay_all", "segment_steps", "window", "frame_stride", "embed_keys", "encoder", "pool", "index_stride",
-                    "include_demos", "top_k", "temperature", "min_similarity", "max_contexts_per_task",
-                    "confidence_scale_m", "neighbours", "replay", "replay_ratio", "approx_above", "nprobe", "weighting", "onset", "priority", "audit",
-                    "mix", "distill", "tokenizer_range_warn"}
-
-
 class FertData:
-    """Everything the learner needs per FERT round, configured by ``cfg.fert`` (configs/fert/default.yaml).
+    """Everything the learner needs per FERT round, configured by ``cfg.fert``
+    (:class:`experience_dict.fert_config.FertConfig`).
 
     Per round::
 
@@ -1061,8 +1056,8 @@ class FertData:
 
     Args:
         reader: ``ExperienceStore`` reader.
-        cfg: mapping with the keys of configs/fert/default.yaml (``window`` required; a missing key takes the
-            value that file gives it, e.g. ``key: relative``, ``gate.enabled: true``, ``replay_ratio: 0.25``).
+        cfg: a :class:`~experience_dict.fert_config.FertConfig` or a mapping of its keys (a missing key takes its
+            default, e.g. ``key: relative``, ``gate.enabled: true``, ``replay_ratio: 0.25``).
         stats: store statistics of ``embed_keys`` for the state embedding (ignored with ``encoder``).
         exclude_units: units whose episodes are never used, neither as contexts nor as retrieved
             experience nor in the task statistics (the held-out units).
@@ -1071,56 +1066,42 @@ class FertData:
         aed_key: :func:`aed_history_encoder` output; required when ``cfg.key == "relative+aed"``.
 
     Raises:
-        KeyError: ``window`` missing from ``cfg``. ValueError: an unknown config key, or ``encoder: policy``
-            without an encoder.
+        configs.rules.ConfigError: (a ``ValueError``) an unknown config key or a value out of range.
+        ValueError: ``encoder: policy`` without an encoder, ``key: relative+aed`` without ``aed_key``.
     """
 
-    def __init__(self, reader, cfg: Mapping, stats: Mapping | None = None, exclude_units: Iterable[int] = (),
-                 encoder: Encoder | None = None, aed_key: tuple[Encoder, float, int] | None = None):
-        if "window" not in cfg:
-            raise KeyError("fert config: 'window' (failure-context length W, steps) is required")
-        unknown = sorted(set(cfg) - FERT_CONFIG_KEYS)
-        if unknown:
-            raise ValueError(f"fert config: unknown keys {unknown}; expected keys from {sorted(FERT_CONFIG_KEYS)}")
-        if cfg.get("encoder", "state") == "policy" and encoder is None:
+    def __init__(self, reader, cfg: Mapping | FertConfig, stats: Mapping | None = None,
+                 exclude_units: Iterable[int] = (), encoder: Encoder | None = None,
+                 aed_key: tuple[Encoder, float, int] | None = None):
+        fc = FertConfig.from_dict(cfg)
+        if fc.encoder == "policy" and encoder is None:
             raise ValueError("fert config encoder='policy' needs encoder=policy_encoder(policy)")
-        self.reader, self.cfg = reader, cfg
+        self.reader, self.cfg = reader, fc
         self.exclude_units = [int(u) for u in exclude_units]
-        self.window = int(cfg["window"])
-        key = str(cfg.get("key", "relative"))
-        if key == "relative+aed" and aed_key is None:
+        self.window = int(fc.window)
+        if fc.key == "relative+aed" and aed_key is None:
             raise ValueError("fert.key='relative+aed' needs aed_key=aed_history_encoder(policy) (a policy with AED)")
-        if key in ("relative", "relative+aed"):
-            extra, scale, H = aed_key if key == "relative+aed" else (None, 1.0, 0)
-            self.embedder = RelativeEmbedder(frames=self.window, stride=int(cfg.get("frame_stride", 1)),
+        if fc.key in ("relative", "relative+aed"):
+            extra, scale, H = aed_key if fc.key == "relative+aed" else (None, 1.0, 0)
+            self.embedder = RelativeEmbedder(frames=self.window, stride=fc.frame_stride,
                                              extra=extra, extra_scale=scale, history_actions=H)
-        elif key == "absolute":
-            self.embedder = ContextEmbedder(stats, keys=list(cfg.get("embed_keys") or STATE_KEYS),
-                                            frames=self.window, stride=int(cfg.get("frame_stride", 1)),
-                                            pool=str(cfg.get("pool", "flatten")), encoder=encoder)
-        else:
-            raise ValueError(f"fert.key: expected 'relative', 'relative+aed' or 'absolute', given {key!r}")
-        gcfg = dict(cfg.get("gate") or {})
-        unknown_gate = sorted(set(gcfg) - {"enabled", "min_gain", "beta", "max_weight", "tail_steps", "horizon"})
-        if unknown_gate:
-            raise ValueError(f"fert.gate: unknown keys {unknown_gate}")
-        self.gate = gcfg if gcfg.get("enabled", True) else None
-        self.horizon = int(gcfg.get("horizon") or cfg.get("segment_steps", 16))
-        ocfg = cfg.get("onset") or {}
-        sig = ocfg.get("signals")
+        else:   # absolute (FertConfig's rule admits nothing else)
+            self.embedder = ContextEmbedder(stats, keys=list(fc.embed_keys or STATE_KEYS),
+                                            frames=self.window, stride=fc.frame_stride, pool=fc.pool,
+                                            encoder=encoder)
+        g = fc.gate
+        self.gate = asdict(g) if g.enabled else None
+        self.horizon = int(g.horizon or fc.segment_steps)
+        sig = fc.onset.signals
         self.signals = DEFAULT_SIGNALS if sig is None else {str(k): (str(v[0]), float(v[1])) for k, v in sig.items()}
-        self.index = SuccessIndex(self.embedder, stride=int(cfg.get("index_stride", 1)),
-                                  include_demos=bool(cfg.get("include_demos", True)),
-                                  exclude_units=self.exclude_units,
-                                  include_retries=bool(cfg.get("include_retries", True)),
+        self.index = SuccessIndex(self.embedder, stride=fc.index_stride, include_demos=fc.include_demos,
+                                  exclude_units=self.exclude_units, include_retries=fc.include_retries,
                                   gate_horizon=self.horizon if self.gate is not None else None,
-                                  tail_steps=int(gcfg.get("tail_steps") or 0) if self.gate is not None else 0,
-                                  signals=self.signals, approx_above=cfg.get("approx_above", 100_000),
-                                  nprobe=int(cfg.get("nprobe", 32)))
-        pcfg = cfg.get("priority") or {}
-        self.priority = TaskPriority(str(pcfg.get("method", "learnability")), int(pcfg.get("window", 50)),
-                                     float(pcfg.get("floor", 0.02)), exclude_units=self.exclude_units)
-        self.tolerance = float(ocfg.get("tolerance", 0.02))
+                                  tail_steps=int(g.tail_steps or 0) if self.gate is not None else 0,
+                                  signals=self.signals, approx_above=fc.approx_above, nprobe=fc.nprobe)
+        p = fc.priority
+        self.priority = TaskPriority(p.method, p.window, p.floor, exclude_units=self.exclude_units)
+        self.tolerance = float(fc.onset.tolerance)
         self.onsets: dict[str, tuple[int, str]] = {}
 
     def update(self) -> dict[str, int]:
@@ -1136,16 +1117,14 @@ class FertData:
     def retrieve(self) -> Retrieval:
         """Failure contexts of the training units -> top-k successful windows of the same task."""
         contexts = failure_contexts(self.reader, exclude_units=self.exclude_units, onsets=self.onsets,
-                                    max_per_task=self.cfg.get("max_contexts_per_task", 256))
+                                    max_per_task=self.cfg.max_contexts_per_task)
         if self.gate is not None:
             contexts = [self._with_gain(c) for c in contexts]
         queries = embed_contexts(self.reader, self.embedder, contexts)
-        return retrieve(self.index, queries, contexts, self.priority, top_k=int(self.cfg.get("top_k", 8)),
-                        temperature=float(self.cfg.get("temperature", 0.1)),
-                        min_similarity=self.cfg.get("min_similarity"), gate=self.gate,
-                        own_retries_first=bool(self.cfg.get("own_retries_first", True)),
-                        confidence_scale=self.cfg.get("confidence_scale_m"),
-                        neighbours=str(self.cfg.get("neighbours", "fleet")))
+        fc = self.cfg
+        return retrieve(self.index, queries, contexts, self.priority, top_k=fc.top_k, temperature=fc.temperature,
+                        min_similarity=fc.min_similarity, gate=self.gate, own_retries_first=fc.own_retries_first,
+                        confidence_scale=fc.confidence_scale_m, neighbours=fc.neighbours)
 
     def _with_gain(self, c: FailureContext) -> FailureContext:
         """``c`` with ``gain``: the failed episode's progress over the gate horizon after its onset."""
@@ -1161,11 +1140,10 @@ class FertData:
     def dataset(self, retrieval: Retrieval, replay_episodes: Sequence, windows: Mapping,
                 seed: int = 0) -> FertDataset:
         """The round's :class:`FertDataset` (``replay_ratio`` and ``weighting`` from the config)."""
-        return FertDataset(self.reader, retrieval, replay_episodes, windows,
-                           replay_ratio=float(self.cfg.get("replay_ratio", 0.25)),
-                           weighting=str(self.cfg.get("weighting", "loss")), seed=seed,
-                           replay_all=bool(self.cfg.get("replay_all", True)),
-                           segment_steps=int(self.cfg.get("segment_steps", 16)))
+        fc = self.cfg
+        return FertDataset(self.reader, retrieval, replay_episodes, windows, replay_ratio=fc.replay_ratio,
+                           weighting=fc.weighting, seed=seed, replay_all=fc.replay_all,
+                           segment_steps=fc.segment_steps)
 
     def state_dict(self) -> dict:
         """JSON-able learner-checkpoint state: the task statistics. (Onsets live in the store; the index is

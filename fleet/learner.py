@@ -24,6 +24,7 @@ Runs in-process (tests, notebooks) or as a Ray actor (``ray.remote(FertLearner)`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from experience_dict.atomic import atomic_write_text
+from experience_dict.fert_config import FertConfig
 from fleet.learner_config import ROUND_INIT, LearnerConfig
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,8 @@ class FertLearner:
     """Failure-guided experience retrieval fine-tuning, run continuously beside the fleet.
 
     Args:
-        cfg: plain dict with ``fert`` (configs/fert), ``train`` (configs/train), ``learner`` (fields of
+        cfg: plain dict with ``fert`` (fields of :class:`experience_dict.fert_config.FertConfig`), ``train``
+            (of :class:`policies.train_config.TrainConfig`), ``learner`` (of
             :class:`fleet.learner_config.LearnerConfig`) and ``robot`` (for the held-out units, never used for training).
         store_url: the fleet's experience store.
         registry_url: where versions are published.
@@ -70,6 +73,7 @@ class FertLearner:
         os.environ.setdefault("WANDB_MODE", "offline")
         self.cfg = cfg
         self.lcfg = LearnerConfig.from_dict(cfg.get("learner"))
+        self.fcfg = FertConfig.from_dict(cfg.get("fert"))
         self.store_url, self.registry_url = store_url, registry_url
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -111,18 +115,16 @@ class FertLearner:
         if not demos:
             raise RuntimeError(f"store {self.store_url!r} holds no demonstrations to replay")
         stats = self._reader.stats(["observation.state", "observation.environment_state"], episodes=demos)
-        fert_cfg = {k: v for k, v in dict(self.cfg["fert"]).items()}
-        gate = dict(fert_cfg.get("gate") or {})
-        if gate.get("tail_steps") is None:   # the steps a successful episode runs on after its first success
-            gate["tail_steps"] = int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0)
-            fert_cfg["gate"] = gate
+        fert_cfg = FertConfig.from_dict(self.fcfg.to_dict())   # a copy
+        if fert_cfg.gate.tail_steps is None:   # the steps a successful episode runs on after its first success
+            fert_cfg.gate.tail_steps = int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0)
         aed_key = None
-        if fert_cfg.get("key") == "relative+aed":   # the key's AED part: the (fixed) initial policy's dictionary
+        if fert_cfg.key == "relative+aed":   # the key's AED part: the (fixed) initial policy's dictionary
             from experience_dict.retrieval import aed_history_encoder
             from policies.factory import load_policy
 
             self._key_policy = load_policy(self.init_checkpoint)
-            aed_key = aed_history_encoder(self._key_policy, float(fert_cfg.get("aed_key_scale_m", 0.05)))
+            aed_key = aed_history_encoder(self._key_policy, float(fert_cfg.aed_key_scale_m))
         self._fert = FertData(self._reader, fert_cfg, stats=stats, exclude_units=self.heldout, aed_key=aed_key)
 
     def tokenizer_range(self, policy) -> dict | None:
@@ -145,7 +147,7 @@ class FertLearner:
         rep = tok.range_report([self._reader.load_episode(m.episode_id, ["action"])["action"] for m in new])
         self._range_seen.update(m.episode_id for m in new)
         rep["episodes"] = len(new)
-        warn = float(self.cfg["fert"].get("tokenizer_range_warn", 0.05))
+        warn = float(self.fcfg.tokenizer_range_warn)
         if rep["groups"] and rep["share"] > warn:
             log.warning("learner %s: %d of %d new fleet action groups (%.1f %%) lie outside the AED tokenizer's "
                         "fitted range (per dimension %s; fitted low %s, high %s; seen %s .. %s) and are clipped "
@@ -166,13 +168,13 @@ class FertLearner:
         """
         from experience_dict.retrieval import retry_of
 
-        mode = str(mode or self.cfg["fert"].get("replay") or "demos")
+        mode = str(mode or self.fcfg.replay)
         if mode not in ("demos", "successes"):
             raise ValueError(f"fert.replay: expected 'demos' or 'successes', given {mode!r}")
         demos = self._reader.episodes(is_demo=True)
         if mode == "demos":
             return demos
-        retries = bool(self.cfg["fert"].get("include_retries", True))
+        retries = bool(self.fcfg.include_retries)
         ids = {m.episode_id for m in demos}
         fleet = [m for m in self._reader.episodes(success=True) if m.episode_id not in ids
                  and int(m.unit_id) not in self.heldout and (retries or not retry_of(m))]
@@ -224,7 +226,7 @@ class FertLearner:
         ckpt = self.deployed_checkpoint(out["checkpoint"], r)
         critic = self.fit_critic(ckpt, policy, round_seed)
         audit = None
-        if self.cfg["fert"].get("audit", True) and len(retrieval):
+        if self.fcfg.audit and len(retrieval):
             audit = write_retrieval_audit(retrieval, self._fert.index, self.work_dir / "audits", r,
                                           tokenizer_range=tok_range)
         validation, chosen, candidates = None, "finetuned", {"finetuned": ckpt}
@@ -348,7 +350,7 @@ class FertLearner:
         if critic is not None:
             save_critic(critic, ckpt, candidates_k)
         audit = None
-        if self.cfg["fert"].get("audit", True) and len(retrieval):
+        if self.fcfg.audit and len(retrieval):
             audit = write_retrieval_audit(retrieval, self._fert.index, self.work_dir / "audits", r,
                                           tokenizer_range=tok_range)
         validation, chosen = None, "finetuned"
@@ -376,12 +378,8 @@ class FertLearner:
     def _distill_on(self) -> bool:
         """Whether a round trains on critic targets: ``fert.distill.enabled``, a critic with K >= 2 candidates and
         a positive ``fert.mix.distill`` share."""
-        fc = dict(self.cfg["fert"])
-        ccfg = dict(fc.get("critic") or {})
-        dcfg = {"enabled": True, **dict(fc.get("distill") or {})}
-        share = {"distill": 0.5, **dict(fc.get("mix") or {})}["distill"]
-        return bool(dcfg["enabled"] and ccfg.get("enabled", False) and int(ccfg.get("candidates", 8)) > 1
-                    and float(share) > 0)
+        fc = self.fcfg
+        return bool(fc.distill.enabled and fc.critic.enabled and fc.critic.candidates > 1 and fc.mix.distill > 0)
 
     def distill_candidates(self, policy, seed: int) -> list[dict]:
         """The critic targets' first half (``policies.distill.sample_candidates``): ``policy`` (eval mode, the
@@ -391,12 +389,11 @@ class FertLearner:
         from experience_dict.sampler import WindowDataset
         from policies.distill import balanced_anchors, sample_candidates
 
-        fc = dict(self.cfg["fert"])
-        dcfg = {"states_per_task": 1024, "batch_size": 128, **dict(fc.get("distill") or {})}
+        fc = self.fcfg
         windows = WindowDataset(self._reader, self.critic_episodes(), windows=policy.window_spec())
-        anchors = balanced_anchors(windows, int(dcfg["states_per_task"]), seed)
-        return sample_candidates(policy, windows, anchors, int((fc.get("critic") or {}).get("candidates", 8)),
-                                 critic_state_keys(policy), seed, int(dcfg["batch_size"]))
+        anchors = balanced_anchors(windows, fc.distill.states_per_task, seed)
+        return sample_candidates(policy, windows, anchors, fc.critic.candidates, critic_state_keys(policy), seed,
+                                 fc.distill.batch_size)
 
     def round_dataset(self, retrieval, policy, critic, candidates: int, seed: int, sampled: list | None = None):
         """The training windows of an iterative round: a ``experience_dict.sampler.MixtureDataset`` of
@@ -419,15 +416,14 @@ class FertLearner:
         from experience_dict.sampler import MixtureDataset, WindowDataset
         from policies.distill import choose_targets
 
-        fc = dict(self.cfg["fert"])
-        shares = {"retrieved": 0.25, "distill": 0.5, "replay": 0.25, **dict(fc.get("mix") or {})}
+        shares = dataclasses.asdict(self.fcfg.mix)
         spec = policy.window_spec()
         keys = list(spec) + [f"{n}_is_pad" for n in spec]
         parts = []
         if len(retrieval):
             parts.append(("retrieved", FertDataset(self._reader, retrieval, [], spec, replay_ratio=0.0,
-                                                   weighting=str(fc.get("weighting", "loss")), seed=seed,
-                                                   segment_steps=int(fc.get("segment_steps", 1))),
+                                                   weighting=self.fcfg.weighting, seed=seed,
+                                                   segment_steps=self.fcfg.segment_steps),
                           shares["retrieved"]))
         rec: dict = {}
         if critic is not None and candidates > 1 and self._distill_on():   # the same rule the round sampled by
@@ -452,7 +448,7 @@ class FertLearner:
         ``fert.include_retries``)."""
         from experience_dict.retrieval import retry_of
 
-        retries = bool(self.cfg["fert"].get("include_retries", True))
+        retries = bool(self.fcfg.include_retries)
         return [m for m in self._reader.episodes() if int(m.unit_id) not in self.heldout
                 and not getattr(m, "quarantined", False) and (retries or not retry_of(m))]
 
@@ -466,11 +462,11 @@ class FertLearner:
 
         Raises (from the returned function):
             RuntimeError: the fitting process failed (its error chained)."""
-        ccfg = dict(self.cfg["fert"].get("critic") or {})
+        ccfg = self.fcfg.critic
         from fleet.policies import resolve_device
 
         device = resolve_device(str(self.lcfg.device))
-        if not ccfg.get("enabled", False) or not ccfg.get("fit_process", True) or str(device) != "cpu":
+        if not ccfg.enabled or not ccfg.fit_process or str(device) != "cpu":
             return lambda: self.fit_critic_model(policy, seed)
         import concurrent.futures
         import multiprocessing
@@ -482,9 +478,8 @@ class FertLearner:
         keys = critic_state_keys(policy)
         args = (self.store_url, [m.episode_id for m in self.critic_episodes()], keys, int(policy.config.action_dim),
                 int(policy.config.n_action_steps), int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
-                {k: v for k, v in ccfg.items() if k not in ("enabled", "candidates", "fit_process")}, int(seed),
-                int(self.lcfg.torch_threads or torch.get_num_threads()), str(out_dir),
-                int(ccfg.get("candidates", 8)))
+                dataclasses.asdict(ccfg), int(seed), int(self.lcfg.torch_threads or torch.get_num_threads()),
+                str(out_dir), ccfg.candidates)
         ex = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         fut = ex.submit(fit_critic_process, *args)
         t0 = time.perf_counter()
@@ -509,8 +504,8 @@ class FertLearner:
         """With ``fert.critic.enabled``: a success critic (``policies.critic.fit_critic``) fitted on
         :meth:`critic_episodes` for ``policy``'s state keys and chunk; returns ``(critic, record with "fit_s",
         candidates)``, or ``(None, None, 1)`` when disabled."""
-        ccfg = dict(self.cfg["fert"].get("critic") or {})
-        if not ccfg.get("enabled", False):
+        ccfg = self.fcfg.critic
+        if not ccfg.enabled:
             return None, None, 1
         from fleet.policies import resolve_device
         from policies.critic import fit_critic
@@ -520,13 +515,12 @@ class FertLearner:
         critic, rec = fit_critic(self._reader, self.critic_episodes(), keys, int(policy.config.action_dim),
                                  int(policy.config.n_action_steps),
                                  int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
-                                 {k: v for k, v in ccfg.items() if k not in ("enabled", "candidates", "fit_process")}, seed=seed,
-                                 device=resolve_device(str(self.lcfg.device)))
+                                 dataclasses.asdict(ccfg), seed=seed, device=resolve_device(str(self.lcfg.device)))
         critic = critic.cpu()
         rec["fit_s"] = time.perf_counter() - t0
         log.info("learner %s: success critic on %d episodes (%d steps), validation BCE %s, %.0f s", self.run_id,
                  rec["episodes"], rec["steps"], rec["val_loss"], rec["fit_s"])
-        return critic, rec, int(ccfg.get("candidates", 8))
+        return critic, rec, ccfg.candidates
 
     def fit_critic(self, checkpoint: str | Path, policy, seed: int) -> dict | None:
         """:meth:`fit_critic_model`, the critic saved into ``checkpoint`` (validated and published with the

@@ -25,13 +25,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from experience_dict.fert_config import RetryConfig
+
 log = logging.getLogger(__name__)
 
 DEMO_STREAM, FLEET_STREAM = 3000, 5000
-# the defaults of configs/fert/default.yaml's ``retry`` group (used for keys a caller leaves out)
-RETRY_DEFAULTS = {"enabled": True, "attempts": 6, "action_noise_std": 0.2, "growth": 1.3, "hold_steps": 8,
-                  "max_share": 1.5, "noise_temperature": 1.0, "temperature_growth": 1.0}
-RETRY_KEYS = set(RETRY_DEFAULTS)
 
 
 def _plan(tasks: Sequence[str], units: Sequence[int], per_task: dict[str, int], stream: int,
@@ -136,7 +134,8 @@ def retry_plan(failures: Sequence[dict], cfg: dict, attempt: int, heldout: Seque
     Args:
         failures: failed fleet episode summaries (``episode_id``, ``task``, ``unit_id``, ``seed``) still
             unrecovered; retries and held-out units are skipped.
-        cfg: ``fert.retry`` (keys ``RETRY_KEYS``). attempt: 0-based wave number (held action noise std
+        cfg: ``fert.retry``: a :class:`experience_dict.fert_config.RetryConfig` or a mapping of its keys (a key
+            left out takes its default). attempt: 0-based wave number (held action noise std
             ``action_noise_std * growth ** attempt``; denoising-noise temperature
             ``noise_temperature * temperature_growth ** attempt``). heldout: held-out unit ids (never retried).
         budget: retry episodes left (the plan is cut to it).
@@ -145,12 +144,9 @@ def retry_plan(failures: Sequence[dict], cfg: dict, attempt: int, heldout: Seque
         ``[{"task", "unit_id", "seed", "explore": {...}}]``.
 
     Raises:
-        ValueError: unknown ``fert.retry`` keys.
+        configs.rules.ConfigError: (a ``ValueError``) an unknown ``fert.retry`` key or a value out of range.
     """
-    unknown = sorted(set(cfg) - RETRY_KEYS)
-    if unknown:
-        raise ValueError(f"fert.retry: unknown keys {unknown}; expected {sorted(RETRY_KEYS)}")
-    cfg = {**RETRY_DEFAULTS, **dict(cfg)}
+    cfg = RetryConfig.from_dict(cfg).to_dict()
     std = float(cfg["action_noise_std"]) * float(cfg["growth"]) ** int(attempt)
     temp = float(cfg["noise_temperature"]) * float(cfg["temperature_growth"]) ** int(attempt)
     out = []
@@ -170,7 +166,7 @@ def run_retries(fleet, failures: Sequence[dict], cfg: dict, heldout: Sequence[in
         ``{"failures", "recovered", "recovered_share", "retries", "per_attempt": [{"attempt", "std",
         "temperature", "run", "recovered"}], "episodes": [summaries]}``.
     """
-    cfg = {**RETRY_DEFAULTS, **dict(cfg)}
+    cfg = RetryConfig.from_dict(cfg).to_dict()
     budget = int(float(cfg["max_share"]) * int(n_fleet_episodes))
     todo = policy_failures(failures, heldout)
     n_fail = len(todo)

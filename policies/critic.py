@@ -21,29 +21,17 @@ import json
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from experience_dict.fert_config import CriticConfig
+
 CRITIC_WEIGHTS = "critic.safetensors"
 CRITIC_CONFIG = "critic.json"
 CRITIC_FILES = (CRITIC_WEIGHTS, CRITIC_CONFIG)
 
-DEFAULTS: dict[str, Any] = {
-    "enabled": True,     # fit a critic with every FERT round and ship it in the published checkpoint
-    "candidates": 8,     # K: chunks sampled per decision (the first from the trial's own noise)
-    "members": 5,        # ensemble size (each member sees its own bootstrap of the batch)
-    "hidden": 256,       # width of the 3 hidden layers
-    "dropout": 0.2,
-    "updates": 1000,     # optimizer updates
-    "batch_size": 512,
-    "lr": 1.0e-3,
-    "weight_decay": 1.0e-4,
-    "gamma": 0.99,       # discount per control step of the success target
-    "val_fraction": 0.1,  # episodes held out for the reported validation loss (not used to pick anything)
-}
 
 
 class SuccessCritic(nn.Module):
@@ -162,7 +150,8 @@ def fit_critic(reader, episodes: Sequence, state_keys: Sequence[str], action_dim
     """Fit a :class:`SuccessCritic` on every step of ``episodes`` (successes and failures).
 
     Binary cross-entropy on the soft target :func:`success_targets`; AdamW; each ensemble member draws its own
-    minibatch (bootstrap). ``cfg`` overrides :data:`DEFAULTS` (``fert.critic``). A fraction ``val_fraction`` of
+    minibatch (bootstrap). ``cfg``: ``fert.critic``, a :class:`experience_dict.fert_config.CriticConfig` or a
+    mapping of its keys (a key left out takes its default). A fraction ``val_fraction`` of
     the episodes (every ``1/val_fraction``-th) is held out for the reported validation loss only.
 
     Returns:
@@ -173,11 +162,11 @@ def fit_critic(reader, episodes: Sequence, state_keys: Sequence[str], action_dim
         ranking of chunks at one state that the sampler uses).
 
     Raises:
-        ValueError: as :func:`critic_arrays`, or a bad ``cfg`` value.
+        ValueError: as :func:`critic_arrays`, or a bad ``cfg`` value (``configs.rules.ConfigError``).
     """
-    c = {**DEFAULTS, **dict(cfg or {})}
-    if int(c["updates"]) < 1 or int(c["batch_size"]) < 1 or not 0.0 <= float(c["val_fraction"]) < 1.0:
-        raise ValueError(f"fit_critic: expected updates >= 1, batch_size >= 1, val_fraction in [0, 1), given {c}")
+    c = CriticConfig.from_dict(cfg).to_dict()
+    if not float(c["val_fraction"]) < 1.0:
+        raise ValueError(f"fit_critic: expected fert.critic.val_fraction < 1, given {c['val_fraction']}")
     data = critic_arrays(reader, episodes, state_keys, chunk_steps, steps_after_success, float(c["gamma"]))
     g = torch.Generator().manual_seed(int(seed))
     torch.manual_seed(int(seed))

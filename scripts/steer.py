@@ -27,6 +27,7 @@ import configs.typed  # noqa: F401 - registers the typed config groups before Hy
 from fleet.progress import calm_progress
 from fleet.refusals import one_line_refusals
 from policies.threads import passive_wait
+from policies.train_config import TrainConfig
 
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
 calm_progress()  # off a terminal, a progress bar redraws every 30 s, not 15 times a second (fleet/progress.py)
@@ -70,7 +71,7 @@ def main(cfg: DictConfig) -> None:
     windows = WindowDataset(reader, eps, windows=policy.window_spec())
     anchors = balanced_anchors(windows, sc.states_per_task, sc.seed)
     log.info("steer: %d states over %d tasks from %d episodes", len(anchors), len(tasks), len(eps))
-    actor, rec = fit_noise_actor(policy, critic, windows, anchors, sc, progress=bool(c["train"].get("progress", True)))
+    actor, rec = fit_noise_actor(policy, critic, windows, anchors, sc, progress=TrainConfig.from_dict(c["train"]).progress)
     out = Path(sc.out_dir or Path(c["output_dir"]) / "steered")
     if out.exists():
         shutil.rmtree(out)

@@ -40,7 +40,7 @@ def test_defaults_pass_and_every_rule_names_a_real_key():
     ("fleet.episodes_per_unit=0", "fleet.episodes_per_unit: expected null or an integer >= 1, given 0"),
     ("train.lr=0", "train.lr: expected a number > 0, given 0"),
     ("store.url=/proc/fleetmind/store", "store.url: expected a creatable directory"),
-    ("train.steps=true", "train.steps: expected an integer >= 1, given True"),
+    ("job.base_steps=true", "job.base_steps: expected an integer >= 1, given True"),
     ("+job.fleet_unitz=2", "job.fleet_unitz: unknown key (no component reads it"),
     ("fleet.policy_server=sometimes", "fleet.policy_server: expected true, false or 'auto', given 'sometimes'"),
     # numeric values that reach a model or a robot, and the rules between them
@@ -59,6 +59,61 @@ def test_each_bad_value_is_named(override, line):
     with pytest.raises(ConfigError) as e:
         check(cfg(override))
     assert line in str(e.value)
+
+
+def test_typed_groups_are_the_one_source_of_their_defaults():
+    """Every typed group (configs/typed.py) composes to its dataclass's defaults (no YAML holds them; the root
+    config's presets, e.g. ``train.seed: ${seed}``, follow their source); a misspelt key or a wrong type is refused
+    while composing, naming the key; every field carries a docstring."""
+    import dataclasses
+    import inspect
+
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
+
+    from configs.typed import TYPED_GROUPS
+
+    c = cfg("seed=3")
+    for group, cls in TYPED_GROUPS.items():
+        assert not (REPO / "configs" / group).exists(), group
+        node = OmegaConf.to_container(c[group], resolve=True)
+        expected = cls().to_dict()
+        if group == "train":
+            expected["seed"] = 3
+        assert node == expected, group
+        src = inspect.getsource(inspect.getmodule(cls))
+        for sub in (cls, *getattr(cls, "_nested", {}).values()):
+            body = src.split(f"class {sub.__name__}(", 1)[1]
+            for f in dataclasses.fields(sub):
+                after = body.split(f"\n    {f.name}: ", 1)[1].split("\n", 2)[1].lstrip()
+                assert after.startswith('"""'), f"{group}: {sub.__name__}.{f.name} has no docstring"
+        name = dataclasses.fields(cls)[0].name
+        with pytest.raises(ConfigCompositionException, match=f"{name}x"):
+            cfg(f"{group}.{name}x=1")
+    with pytest.raises(ConfigCompositionException, match="train.steps"):
+        cfg("train.steps=true")
+    with pytest.raises(ConfigCompositionException, match="train.wandb.nmae"):
+        cfg("train.wandb.nmae=x")
+
+
+def test_train_config_partial_and_nested_values():
+    """A trainer's partial dict takes TrainConfig's defaults, a partial nested mapping the nested defaults; every
+    bad value, nested ones included, is named at once; train_policy refuses an unknown key before any work."""
+    from policies.aed_diffusion.training import train_policy
+    from policies.train_config import TrainConfig
+
+    t = TrainConfig.from_dict({"steps": 7, "wandb": {"name": "x"}})
+    assert (t.steps, t.batch_size, t.num_threads, t.wandb.name, t.wandb.enabled, t.wandb.mode) == (
+        7, 64, 1, "x", True, "offline")
+    assert t.to_dict()["wandb"] == {"enabled": True, "project": "fleetmind", "mode": "offline", "name": "x"}
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_dict({"lr": 0, "wandb": {"mode": "loud"}, "episodes": {"success": "yes"}})
+    assert "train.lr: expected a number > 0, given 0" in str(e.value)
+    assert "train.wandb.mode: expected one of ['offline', 'online', 'disabled'], given 'loud'" in str(e.value)
+    assert "train.episodes.success: expected null or true or false, given 'yes'" in str(e.value)
+    with pytest.raises(ConfigError, match="unknown keys \\['stpes'\\]"):
+        train_policy({"stpes": 3}, "/nonexistent/never-made")
+    assert not Path("/nonexistent/never-made").exists()
 
 
 def test_every_group_option_declares_what_it_sets_and_free_form_subtrees_stay_open():
@@ -124,3 +179,23 @@ def test_collect_demos_runs_on_the_demonstration_units_of_a_range_config(tmp_pat
         assert p.returncode == 0, p.stderr[-2000:]
         eps = ExperienceStore.open(str(url)).episodes(is_demo=True)
         assert len(eps) == 5 and {int(m.unit_id) for m in eps} == want
+
+
+def test_every_arm_and_fert_part_reads_the_typed_fert_group():
+    """Every arm's ``fert`` overrides (fleet/arms.py) make a valid FertConfig; the retries and the critic take a
+    left-out key from their dataclass and refuse an unknown one, naming it."""
+    from experience_dict.fert_config import FertConfig
+    from fleet.arms import ARMS, fert_config
+    from fleet.protocol import retry_plan
+
+    base = {"fert": FertConfig().to_dict()}
+    for arm in ARMS.values():
+        fc = FertConfig.from_dict(fert_config(base, arm)["fert"])
+        for k, v in arm.fert.items():
+            got = getattr(fc, k)
+            assert (got.to_dict().items() >= v.items()) if isinstance(v, dict) else got == v, (arm.name, k)
+    fails = [{"task": "reach-v3", "unit_id": 1, "seed": 5, "episode_id": "e", "success": False}]
+    plan = retry_plan(fails, {"attempts": 2}, 1, heldout=[100], budget=10)
+    assert plan[0]["explore"]["action_noise_std"] == pytest.approx(0.2 * 1.3) and plan[0]["explore"]["hold_steps"] == 8
+    with pytest.raises(ConfigError, match="fert.retry: unknown keys \\['atempts'\\]"):
+        retry_plan(fails, {"atempts": 2}, 0, heldout=[100], budget=10)

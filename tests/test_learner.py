@@ -75,7 +75,8 @@ def setup(tmp_path_factory):
     demos = reader.episodes(is_demo=True)
     shapes = {k: list(v["shape"]) for k, v in reader.features.items() if k.startswith("observation.")}
     cfg = AEDDiffusionConfig.from_dict({**TINY, "input_shapes": shapes})
-    base = train_policy({"steps": 4, "batch_size": 16, "progress": False, "save_every": 4}, root / "base",
+    base = train_policy({"steps": 4, "batch_size": 16, "progress": False, "save_every": 4,
+                         "wandb": {"enabled": False}}, root / "base",
                         policy_cfg=cfg, reader=reader, episodes=demos, device="cpu")
     reg_url = str(root / "registry")
     CheckpointRegistry(reg_url).publish(base["checkpoint"], metadata={"run_id": "base", "round": -1})
@@ -85,9 +86,10 @@ def setup(tmp_path_factory):
 def learner_cfg(updates: int) -> dict:
     return {"robot": ROBOT_CFG,
             # the retrieval these tests were written on, stated: absolute key, no progress gate, one step per
-            # retrieved entry (a missing fert key takes configs/fert/default.yaml's: relative, gate on, 16 steps)
+            # retrieved entry, no critic (a missing fert key takes FertConfig's: relative, gate on, 16 steps,
+            # the critic on)
             "fert": {"window": 4, "top_k": 4, "replay_ratio": 0.5, "max_contexts_per_task": 16, "audit": True,
-                     "key": "absolute", "gate": {"enabled": False}, "segment_steps": 1},
+                     "key": "absolute", "gate": {"enabled": False}, "segment_steps": 1, "critic": {"enabled": False}},
             "train": {"batch_size": 16, "wandb": {"enabled": False}, "log_every": 5},
             # the learner mode these tests were written on, stated (LearnerConfig's default is published)
             "learner": {"updates_per_version": updates, "min_new_episodes": 0, "max_wait_s": 0, "batch_size": 16,
@@ -222,11 +224,11 @@ def test_learner_replays_demos_or_every_fleet_success(setup, tmp_path):
     lrn = FertLearner(cfg, setup["store"], None, str(tmp_path / "c"), setup["base"], run_id="c", publish=False)
     lrn._setup()
     assert all(m.is_demo or int(m.unit_id) != 1 for m in lrn.replay_episodes())
-    cfg["fert"]["replay"] = "everything"
-    lrn = FertLearner(cfg, setup["store"], None, str(tmp_path / "d"), setup["base"], run_id="d", publish=False)
-    lrn._setup()
     with pytest.raises(ValueError, match="fert.replay"):
-        lrn.replay_episodes()
+        lrn.replay_episodes("everything")
+    cfg["fert"]["replay"] = "everything"      # refused when the learner is made (FertConfig), before any work
+    with pytest.raises(ValueError, match="fert.replay: expected one of \\['demos', 'successes'\\], given 'everything'"):
+        FertLearner(cfg, setup["store"], None, str(tmp_path / "d"), setup["base"], run_id="d", publish=False)
 
 
 def test_learner_ships_a_success_critic_that_the_fleet_loads(setup, tmp_path):

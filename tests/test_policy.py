@@ -220,7 +220,7 @@ def test_overfits_windows_of_a_real_store_and_resumes(store, tmp_path):
     policy.train()
     start = _eval_loss(policy, batch)
     tc = {"steps": 150, "batch_size": 6, "lr": 3e-3, "warmup_steps": 10, "log_every": 25, "save_every": 75, "ema": False,
-              "progress": False, "seed": 0}
+              "progress": False, "seed": 0, "wandb": {"enabled": False}}
     res = train_policy(tc, tmp_path / "run", policy=policy, dataset=ds, device="cpu")
     assert res["step"] == 150
     policy.train()

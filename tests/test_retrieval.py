@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from experience_dict.failure import annotate_failures
+from experience_dict.fert_config import FertConfig
 from experience_dict.retrieval import (
     STATE_KEYS,
     ContextEmbedder,
@@ -35,7 +36,7 @@ SPEC = {"observation.state": {"shape": [4], "dtype": "float32"},
 T, L, W = 40, 30, 6            # episode length, steps to reach the goal, context window
 HELDOUT = 100
 # the repo's FERT config with small-test overrides
-FERT_CFG = OmegaConf.merge(OmegaConf.load(Path(__file__).parents[1] / "configs/fert/default.yaml"),
+FERT_CFG = OmegaConf.merge(OmegaConf.structured(FertConfig),
                            {"window": W, "top_k": 4, "replay_ratio": 0.25, "include_demos": False,
                             "key": "absolute", "gate": {"enabled": False}})   # the 7-d test layout: absolute key
 
@@ -336,11 +337,11 @@ def test_policy_encoder_embeddings(world):
         FertData(reader, {"window": 4, "topk": 3})
 
 
-def test_fert_data_defaults_are_the_fert_yaml(monkeypatch):
-    """A key missing from ``cfg`` takes configs/fert/default.yaml's value (the config every run composes)."""
+def test_fert_data_defaults_are_the_fert_config(monkeypatch):
+    """A key missing from ``cfg`` takes FertConfig's value (the typed ``fert`` group every run composes)."""
     from experience_dict import retrieval
 
-    yaml = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "configs/fert/default.yaml"))
+    yaml = FertConfig().to_dict()
     fert = FertData(None, {"window": 4})
     assert yaml["key"] == "relative" and isinstance(fert.embedder, retrieval.RelativeEmbedder)
     assert yaml["gate"]["enabled"] is True and fert.gate is not None

@@ -11,6 +11,7 @@ from fleet.arms import PAIRS
 from fleet.evaluation import record_rollouts
 from fleet.experiment.bases import demo_config
 from fleet.report import paired_over_seeds, plot_arms, success_table, write_paired, write_table
+from policies.train_config import TrainConfig
 
 RESULTS_CAPTION = ("Held-out success rate in % (successes/trials) with Wilson 95% intervals, pooled over the "
                    "experiment seeds {seeds}; every arm ran the same held-out trials (task, unit, reset seed) on "
@@ -97,14 +98,15 @@ def record_videos(seed_run: dict, c: dict, out: Path, heldout: list[int]) -> Non
 
 def log_wandb(c: dict, out: Path, table: dict) -> None:
     """Log the result table and plot to wandb (offline unless WANDB_MODE says otherwise)."""
-    if not c["train"].get("wandb", {}).get("enabled", True):
+    wb = TrainConfig.from_dict(c["train"]).wandb
+    if not wb.enabled:
         return
     try:
         import wandb
     except ImportError:
         return
-    run = wandb.init(project=c["train"]["wandb"].get("project", "fleetmind"), name="main-job", dir=str(out),
-                     mode=os.environ.get("WANDB_MODE", "offline"), config=c)
+    run = wandb.init(project=wb.project, name="main-job", dir=str(out), mode=os.environ.get("WANDB_MODE", wb.mode),
+                     config=c)
     rows = [[arm, t, cell["rate"], cell["ci95"][0], cell["ci95"][1], cell["trials"]]
             for arm, row in table["arms"].items() for t, cell in {**row["tasks"], "average": row["average"]}.items()]
     run.log({"results": wandb.Table(columns=["arm", "task", "success", "ci_low", "ci_high", "trials"], data=rows),

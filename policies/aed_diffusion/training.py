@@ -35,17 +35,10 @@ from experience_dict.atomic import atomic_write_text
 from experience_dict.tokenizer import ActionTokenizer
 from policies.aed_diffusion.configuration_aed_diffusion import AEDDiffusionConfig
 from policies.aed_diffusion.modeling_aed_diffusion import AEDDiffusionPolicy, build_policy
+from policies.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 
-TRAIN_DEFAULTS: dict[str, Any] = {
-    "steps": 2000, "batch_size": 64, "lr": 5e-4, "weight_decay": 0.01, "betas": (0.9, 0.95), "warmup_steps": 100,
-    "grad_clip": 1.0, "ema": True, "ema_power": 0.75, "ema_max_decay": 0.9999, "num_workers": 0, "log_every": 50,
-    "save_every": 500, "resume": True, "amp_bf16": False, "compile": False, "seed": 0, "progress": True, "num_threads": None,
-    "desc": "train",   # the progress bar's label (which policy is trained)
-    "val_batches": 8,  # held-out batches for the validation loss at each checkpoint (with val_dataset)
-    "wandb": {"enabled": False, "project": "fleetmind", "mode": "offline", "name": None},
-}
 
 
 # ----------------------------------------------------------------------------- EMA
@@ -230,7 +223,8 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: Any | None = N
     ``out_dir`` holds a checkpoint, everything (weights, EMA, optimizer, LR schedule, step) resumes from it.
 
     Args:
-        train_cfg: keys of ``TRAIN_DEFAULTS`` (missing keys take the defaults).
+        train_cfg: a :class:`policies.train_config.TrainConfig` or a mapping of its keys (missing keys take its
+            defaults; an unknown key or a value out of range raises ``configs.rules.ConfigError``).
         out_dir: run directory (checkpoints, metrics.jsonl, wandb).
         device: "auto" | "cpu" | "cuda" | ...
         run_config: extra JSON-able config logged to wandb.
@@ -245,8 +239,7 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: Any | None = N
     Raises:
         ValueError: neither ``policy`` nor ``policy_cfg``/``reader``/``episodes`` given, or no episodes.
     """
-    tc = {**TRAIN_DEFAULTS, **dict(train_cfg)}
-    tc["wandb"] = {**TRAIN_DEFAULTS["wandb"], **dict(tc.get("wandb") or {})}
+    tc = TrainConfig.from_dict(train_cfg).to_dict()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = resolve_device(device)
