@@ -4,7 +4,6 @@ failed episode or a held-out unit, incremental refresh, the replay mix of FERT b
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
