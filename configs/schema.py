@@ -64,8 +64,6 @@ RULES: dict[str, Rule] = {
     "fleet.policy_server": lambda v: None if v in (True, False, "auto") else "true, false or 'auto'",
     "robot.stratify_block": optional(integer(0)),
     "job.base_steps": POS, "job.base_select": one_of("val_loss", "success"), "job.base_select_trials_per_task": POS, "job.demos_per_task": POS, "job.seeds": int_list(0),
-    "eval.trials_per_task": POS, "eval.batch_size": POS, "eval.processes": POS, "eval.max_envs": optional(POS),
-    "eval.backend": one_of("vector", "ray"),
     "job.fleet_backend": one_of("vector", "ray"), "job.curve_trials_per_task": integer(0), "job.fleet_critic": boolean,
     "job.overlap_offline_arms": boolean, "job.background_curve": boolean,
     "deploy.export.onnx_steps": lambda v: None if v is None or (isinstance(v, list | tuple) and all(
@@ -98,7 +96,6 @@ RULES: dict[str, Rule] = {
     "obs.image_size": POS,
     "fleet.server_max_batch": POS, "fleet.server_max_wait_ms": number(0), "fleet.server_retry_s": number(0),
     "fleet.expert_noise_std": number(0),
-    "eval.seed": integer(0), "eval.videos": integer(0), "eval.video_episodes": integer(0),
     "job.fleet_episodes_per_unit": POS, "job.val_demos_per_task": integer(0), "job.demo_noise_std": number(0),
     "job.videos": integer(0), "job.video_episodes": integer(0), "job.sweep_episodes_per_unit": POS,
 }
@@ -180,8 +177,9 @@ def declared_keys(config_dir: Path = CONFIG_DIR) -> tuple[frozenset[str], frozen
             keys.setdefault(prefix, "<group>")   # the group itself (not a user mapping)
         _flat_keys(yaml.safe_load(text) or {}, prefix, keys)
     open_keys = frozenset(k for k, v in keys.items() if v is None or v == {})
-    tk = typed.declared_keys()   # a typed field whose default is a mapping holds the user's own keys
-    return frozenset(keys) | frozenset(tk), open_keys | {k for k, v in tk.items() if isinstance(v, Mapping)}
+    tk = typed.declared_keys()   # a typed field whose default is a mapping or null may hold the user's own keys
+    typed_open = {k for k, v in tk.items() if v is None or isinstance(v, Mapping)}
+    return frozenset(keys) | frozenset(tk), open_keys | typed_open
 
 
 def unknown_keys(cfg: Mapping, declared: tuple[frozenset[str], frozenset[str]] | None = None) -> list[str]:

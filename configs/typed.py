@@ -9,7 +9,7 @@ Importing this module registers the groups (:func:`register`); every entry point
 imports it first (``import configs.typed`` in each Hydra script, ``tests/conftest.py``).
 
 Migrated so far: ``learner`` (:class:`fleet.learner_config.LearnerConfig`), ``train``
-(:class:`policies.train_config.TrainConfig`), ``fert`` (:class:`experience_dict.fert_config.FertConfig`); new groups are typed from the start: ``steer``
+(:class:`policies.train_config.TrainConfig`), ``fert`` (:class:`experience_dict.fert_config.FertConfig`), ``eval`` (:class:`fleet.eval_config.EvalConfig`); new groups are typed from the start: ``steer``
 (:class:`policies.noise_actor.SteerConfig`).
 """
 
@@ -21,12 +21,13 @@ from typing import Any
 
 from configs.rules import ConfigError
 from experience_dict.fert_config import FertConfig
+from fleet.eval_config import EvalConfig
 from fleet.learner_config import LearnerConfig
 from policies.noise_actor import SteerConfig
 from policies.train_config import TrainConfig
 
 TYPED_GROUPS: dict[str, type] = {"learner": LearnerConfig, "steer": SteerConfig, "train": TrainConfig,
-                                 "fert": FertConfig}
+                                 "fert": FertConfig, "eval": EvalConfig}
 
 
 def register() -> None:
@@ -41,7 +42,7 @@ def register() -> None:
 def declared_keys() -> dict[str, Any]:
     """``{dotted key: default}`` of every typed group's fields (``learner.lr``, ...), nested groups' fields
     (``train.wandb.mode``) and the groups themselves (``"<group>"``). A field whose default is a mapping
-    (``fert.onset.signals``, ``train.bench``) holds the user's own keys."""
+    (``fert.onset.signals``, ``train.bench``) or null (``eval.checkpoints``) may hold the user's own keys."""
     out: dict[str, Any] = {}
 
     def fields(prefix: str, cls: type) -> None:

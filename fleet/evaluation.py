@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from fleet.eval_config import EvalConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -91,13 +93,13 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
     c = {**cfg, "fleet": {**cfg["fleet"], "tasks_per_unit": None}}
     units = [int(u) for u in (units if units is not None else c["robot"]["heldout_units"])]
     tasks = list(tasks or c["task"]["tasks"])
-    plan = evaluation_plan(tasks, units, int(trials_per_task), int((c.get("eval") or {}).get("seed", 1000)))
-    ecfg = dict(c.get("eval") or {})
-    if ecfg.get("backend", "vector") == "vector":
+    ecfg = EvalConfig.from_dict(c.get("eval"))
+    plan = evaluation_plan(tasks, units, int(trials_per_task), ecfg.seed)
+    if ecfg.backend == "vector":
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
-        n_proc = max(1, min(int(ecfg.get("processes", 2)), len(units)))
+        n_proc = max(1, min(ecfg.processes, len(units)))
         # one pool for every arm: its processes keep their envs (fleet.evaluation._ENVS) from arm to arm
         ex = ProcessPoolExecutor(n_proc, mp_context=mp.get_context("spawn")) if n_proc > 1 else None
         import hashlib
@@ -122,7 +124,7 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
                 else:
                     log.info("evaluating arm %s (%s) on units %s (vectorised)", arm, ckpt, units)
                     eps = [e | {"arm": arm} for e in run_plan_parallel(c, str(ckpt), plan, out / "eval_store",
-                                                                      int(ecfg.get("batch_size", 32)), n_proc,
+                                                                      ecfg.batch_size, n_proc,
                                                                       progress, arm, executor=ex)]
                     evaluated[fp] = arm
                 cache = out / "episodes" / f"{arm}.json"

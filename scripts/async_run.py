@@ -41,6 +41,7 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+from fleet.eval_config import EvalConfig
 from fleet.progress import calm_progress
 from policies.threads import passive_wait
 
@@ -77,8 +78,9 @@ class FollowingFleet:
 
         self.c, self.reg, self.cache, self.wave, self.t0 = c, reg, Path(cache), int(wave), t0
         self.should_stop = should_stop or (lambda: False)
-        self.vf = VectorFleet(c, "", c["store"]["url"], int(c["eval"].get("batch_size", 32)),
-                              int(c["eval"].get("processes", 2)), with_critic=bool(c["job"].get("fleet_critic", True)))
+        ec = EvalConfig.from_dict(c["eval"])
+        self.vf = VectorFleet(c, "", c["store"]["url"], ec.batch_size, ec.processes,
+                              with_critic=bool(c["job"].get("fleet_critic", True)))
         self.waves: list[dict] = []
         self.episodes = 0
 

@@ -27,6 +27,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
+from fleet.eval_config import EvalConfig
 from fleet.progress import calm_progress
 from fleet.refusals import one_line_refusals
 from policies.threads import passive_wait
@@ -39,7 +40,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 log = logging.getLogger("eval")
 
 
-def resolve_arms(ecfg: dict) -> dict[str, str]:
+def resolve_arms(ecfg) -> dict[str, str]:
     """``{arm name: pretrained_model directory}`` from ``eval.checkpoint`` / ``eval.checkpoints``.
 
     A directory holding a ``pretrained_model`` folder (a training checkpoint step) is resolved to it. The arm
@@ -48,9 +49,10 @@ def resolve_arms(ecfg: dict) -> dict[str, str]:
     Raises:
         SystemExit: no checkpoint given, or a path that is not a directory with a ``config.json``.
     """
-    arms = {str(k): str(v) for k, v in (ecfg.get("checkpoints") or {}).items()}
-    if ecfg.get("checkpoint"):
-        p = Path(str(ecfg["checkpoint"]))
+    ec = EvalConfig.from_dict(ecfg)   # the eval group (an EvalConfig, or a mapping of its keys)
+    arms = {str(k): str(v) for k, v in (ec.checkpoints or {}).items()}
+    if ec.checkpoint:
+        p = Path(str(ec.checkpoint))
         parts = p.resolve().parts
         name = parts[parts.index("checkpoints") - 1] if "checkpoints" in parts[1:] else p.name
         arms.setdefault(name, str(p))
@@ -90,28 +92,28 @@ def main(cfg: DictConfig) -> None:
     t0 = time.perf_counter()
     out = Path(cfg.output_dir).resolve()
     c = OmegaConf.to_container(cfg, resolve=True)
-    ecfg = c["eval"]
+    ecfg = EvalConfig.from_dict(c["eval"])
     arms = resolve_arms(ecfg)
     _, heldout = unit_lists(c["robot"])
     try:
-        units = parse_units(ecfg["units"], "units") if ecfg.get("units") is not None else heldout
+        units = parse_units(ecfg.units, "units") if ecfg.units is not None else heldout
     except ValueError as e:
         raise SystemExit(f"eval.units: {e}") from None
-    tasks = list(ecfg.get("tasks") or c["task"]["tasks"])
+    tasks = list(ecfg.tasks or c["task"]["tasks"])
     c["task"] = {**c["task"], "tasks": tasks}
     c["store"] = {**c["store"], "url": str(out / "eval_store")}
     c["fleet"] = {**c["fleet"], "cache_dir": str(out / "cache")}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(c, indent=1))
-    print(f"evaluating {list(arms)} on units {units}, tasks {tasks}, {ecfg['trials_per_task']} trials per task "
+    print(f"evaluating {list(arms)} on units {units}, tasks {tasks}, {ecfg.trials_per_task} trials per task "
           f"-> {out}", flush=True)
-    results = evaluate_arms(c, arms, out, int(ecfg["trials_per_task"]), units=units, tasks=tasks)
+    results = evaluate_arms(c, arms, out, ecfg.trials_per_task, units=units, tasks=tasks)
     table = success_table(results)
-    table["meta"] = {"units": units, "trials_per_task": int(ecfg["trials_per_task"]), "checkpoints": arms,
-                     "eval_seed": int(ecfg.get("seed", 1000)), "wall_s": time.perf_counter() - t0}
+    table["meta"] = {"units": units, "trials_per_task": ecfg.trials_per_task, "checkpoints": arms,
+                     "eval_seed": ecfg.seed, "wall_s": time.perf_counter() - t0}
     write_table(table, out, "results")
     print("\nsuccess (Wilson 95% interval):\n" + table_markdown(table), flush=True)
-    base = ecfg.get("baseline")
+    base = ecfg.baseline
     if base:
         if base not in arms:
             raise SystemExit(f"eval.baseline={base!r} is not one of the arms {list(arms)}")
@@ -120,9 +122,9 @@ def main(cfg: DictConfig) -> None:
         print("\ntrial-by-trial differences (paired bootstrap 95% interval; wins/losses; McNemar p):\n"
               + paired_markdown(paired), flush=True)
     for arm, ckpt in arms.items():
-        if int(ecfg.get("videos", 0)) > 0 and not (out / "videos" / arm).is_dir():
-            record_rollouts(c, ckpt, out / "videos" / arm, units, tasks, max_videos=int(ecfg["videos"]),
-                            max_episodes=int(ecfg.get("video_episodes", 8)))
+        if ecfg.videos > 0 and not (out / "videos" / arm).is_dir():
+            record_rollouts(c, ckpt, out / "videos" / arm, units, tasks, max_videos=ecfg.videos,
+                            max_episodes=ecfg.video_episodes)
     print(f"outputs in {out} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 

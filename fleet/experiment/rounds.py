@@ -12,6 +12,7 @@ from experience_dict.store import ExperienceStore
 from fleet.arms import make_learner
 from fleet.coordinator import Fleet
 from fleet.curve import BackgroundCurve, learning_curve, print_curve
+from fleet.eval_config import EvalConfig
 from fleet.experiment.state import JobState, Stages
 from fleet.gate import make_validator
 from fleet.learner_config import LearnerConfig
@@ -42,8 +43,8 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
     t0 = time.perf_counter()
     if backend == "vector":    # every unit's envs stepped in batches, one policy call per step (fleet.protocol)
         ckpt = reg.fetch(version, Path(c["fleet"]["cache_dir"]) / "fleet" / f"v{version:06d}")
-        fleet = VectorFleet(c, str(ckpt), c["store"]["url"], int(c["eval"].get("batch_size", 32)),
-                            int(c["eval"].get("processes", 2)), with_critic=with_critic)
+        ec = EvalConfig.from_dict(c["eval"])
+        fleet = VectorFleet(c, str(ckpt), c["store"]["url"], ec.batch_size, ec.processes, with_critic=with_critic)
     elif backend == "ray" and not with_critic:
         raise ValueError("job.fleet_critic=false (the fleet acts with the weights alone) needs job.fleet_backend=vector")
     elif backend == "ray":
@@ -210,7 +211,7 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
 def replay_round_failures(c: dict, checkpoint: str, rec: dict, out: Path, heldout: list[int]) -> dict:
     """``fleet.protocol.failure_replay`` of a round's failed fleet trials with the round's new weights; printed."""
     fr = failure_replay(c, checkpoint, rec["failed_trials"], str(out / "store"), heldout,
-                        batch_size=int(c["eval"].get("batch_size", 32)))
+                        batch_size=EvalConfig.from_dict(c["eval"]).batch_size)
     tasks = ", ".join(f"{t} {k}/{n}" for t, (k, n) in sorted(fr["per_task"].items()))
     print(f"  failure replay: the new weights solve {fr['solved']} of the {fr['failures']} fleet trials that "
           f"v{rec['version']} failed ({tasks or 'none'}; each replayed from its reset seed, no exploration)", flush=True)
