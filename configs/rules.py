@@ -15,6 +15,10 @@ from typing import Any
 class ConfigError(ValueError):
     """One or more config values break their rule; the message lists each as ``key: expected ..., given ...``."""
 
+    def lines(self) -> list[str]:
+        """The problem lines of the message (below its heading; the whole message when it is one line)."""
+        return [line.strip() for line in str(self).splitlines()[1:]] or [str(self)]
+
 
 Rule = Callable[[Any], str | None]   # value -> None (fine) or what was expected
 
@@ -124,12 +128,12 @@ class TypedConfig:
                 try:
                     given[name] = sub.from_dict(given[name])
                 except ConfigError as e:
-                    bad += [line.strip() for line in str(e).splitlines()[1:]] or [str(e)]
+                    bad += e.lines()
                     del given[name]
         try:
             out = cls(**given)
         except ConfigError as e:
-            bad += [line.strip() for line in str(e).splitlines()[1:]]
+            bad += e.lines()
         if bad:
             raise ConfigError(f"invalid {cls._group} config:\n  " + "\n  ".join(bad))
         return out

@@ -74,7 +74,7 @@ def problems(cfg: Mapping) -> list[str]:
         try:
             cls.from_dict(node)
         except ConfigError as e:
-            out += [line.strip() for line in str(e).splitlines()[1:]] or [str(e)]
+            out += e.lines()
     return out
 
 

@@ -115,9 +115,10 @@ class FertLearner:
         if not demos:
             raise RuntimeError(f"store {self.store_url!r} holds no demonstrations to replay")
         stats = self._reader.stats(["observation.state", "observation.environment_state"], episodes=demos)
-        fert_cfg = FertConfig.from_dict(self.fcfg.to_dict())   # a copy
+        fert_cfg = self.fcfg
         if fert_cfg.gate.tail_steps is None:   # the steps a successful episode runs on after its first success
-            fert_cfg.gate.tail_steps = int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0)
+            tail = int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0)
+            fert_cfg = dataclasses.replace(fert_cfg, gate=dataclasses.replace(fert_cfg.gate, tail_steps=tail))
         aed_key = None
         if fert_cfg.key == "relative+aed":   # the key's AED part: the (fixed) initial policy's dictionary
             from experience_dict.retrieval import aed_history_encoder
