@@ -1,7 +1,7 @@
 """Value rules for config keys: small functions ``value -> None`` (fine) or what was expected.
 
 Shared by the untyped keys' table (:mod:`configs.schema`) and the typed config groups' ``__post_init__``
-checks (e.g. :class:`fleet.learner_config.LearnerConfig`), so every config problem reads the same:
+checks (e.g. :class:`fleet.fert.learner_config.LearnerConfig`), so every config problem reads the same:
 ``key: expected ..., given ...``. No heavy imports: a config module of any package may use it.
 """
 

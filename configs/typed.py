@@ -8,8 +8,8 @@ composing, naming the key; :func:`problems` adds each dataclass's range checks t
 Importing this module registers the groups (:func:`register`); every entry point that composes the config
 imports it first (``import configs.typed`` in each Hydra script, ``tests/conftest.py``).
 
-Migrated so far: ``learner`` (:class:`fleet.learner_config.LearnerConfig`), ``train``
-(:class:`policies.train_config.TrainConfig`), ``fert`` (:class:`experience_dict.fert_config.FertConfig`), ``eval`` (:class:`fleet.eval_config.EvalConfig`); new groups are typed from the start: ``steer``
+Migrated so far: ``learner`` (:class:`fleet.fert.learner_config.LearnerConfig`), ``train``
+(:class:`policies.train_config.TrainConfig`), ``fert`` (:class:`fleet.fert.config.FertConfig`), ``eval`` (:class:`fleet.eval_config.EvalConfig`); new groups are typed from the start: ``steer``
 (:class:`policies.noise_actor.SteerConfig`).
 """
 
@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from configs.rules import ConfigError
-from experience_dict.fert_config import FertConfig
 from fleet.eval_config import EvalConfig
-from fleet.learner_config import LearnerConfig
+from fleet.fert.config import FertConfig
+from fleet.fert.learner_config import LearnerConfig
 from policies.noise_actor import SteerConfig
 from policies.train_config import TrainConfig
 

@@ -44,7 +44,7 @@ What a plain LeRobot dataset lacks on import (no ``meta/fleetmind.json``):
 - ``reward``: ``next.reward`` if present, else NaN for every step.
 - progress signals: ``progress.<k>`` columns if present; every other progress key of the store is NaN for every
   step (the store requires one float32 per key and step; NaN means "not measured", and failure analysis
-  (:func:`experience_dict.failure.progress_score`) skips non-finite signals, falling back to the last W steps). A
+  (:func:`fleet.fert.failure.progress_score`) skips non-finite signals, falling back to the last W steps). A
   new store gets the dataset's ``progress.*`` keys, or the default schema (:data:`DEFAULT_PROGRESS_KEYS`, all NaN)
   when it has none, so it stays compatible with fleet stores.
 - success: ``any(next.success)``; without that column, ``--success-if-unknown`` (default: the demonstration

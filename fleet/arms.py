@@ -44,11 +44,11 @@ base_critic               base         the base's weights with FERT's success cr
 chunks sampled from the policy at every decision. The two critic arms reuse checkpoints (no training):
 ``critic="drop"`` copies its ``init`` checkpoint without the critic's files, ``critic="fert"`` copies its ``init``
 checkpoint and adds the ``fert`` arm's critic. With ``learner.validate_critic_only`` the publishing learner's gate
-chooses between two candidates per round (``fleet.gate.make_validator``): the fine-tuned weights with the
+chooses between two candidates per round (``fleet.fert.gate.make_validator``): the fine-tuned weights with the
 new critic, and the current version's weights with the new critic; ``fert`` is what it published,
 ``fert_finetuned`` the fine-tuned candidate either way (``init`` ``"fert_finetuned"``).
 
-``in_loop`` arms are trained round by round by their own ``fleet.learner.FertLearner`` while the fleet
+``in_loop`` arms are trained round by round by their own ``fleet.fert.learner.FertLearner`` while the fleet
 collects (``fert`` publishes the versions the fleet acts with); the others are fine-tuned once the fleet is
 done, on the final store, with the same total budget (for one round both see exactly the same store).
 """
@@ -60,7 +60,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fleet.learner import FertLearner
+from fleet.fert.learner import FertLearner
 from fleet.registry import checkpoint_with_critic
 
 
@@ -200,7 +200,7 @@ def with_retry_share(episodes: list, share: float) -> list:
     Raises:
         ValueError: ``share`` outside (0, 1).
     """
-    from experience_dict.retrieval import retry_of
+    from fleet.fert.contexts import retry_of
 
     if not 0.0 < share < 1.0:
         raise ValueError(f"retry_share: expected a value in (0, 1), given {share}")
@@ -217,7 +217,7 @@ def arm_episodes(arm: Arm, successes: Sequence, heldout: Iterable[int]) -> list:
     """The episodes an offline BC arm trains on, from the store's successful ``successes`` (EpisodeMeta):
     training units only; ``data="demos"`` the demonstrations, ``"successes"`` every success but the failure
     retries, ``"successes+retries"`` all of them (retries tiled to ``arm.retry_share`` when set)."""
-    from experience_dict.retrieval import retry_of
+    from fleet.fert.contexts import retry_of
 
     held = {int(u) for u in heldout}
     eps = [m for m in successes if int(m.unit_id) not in held

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from experience_dict.fert_config import RetryConfig
+from fleet.fert.config import RetryConfig
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def retry_plan(failures: Sequence[dict], cfg: dict, attempt: int, heldout: Seque
     Args:
         failures: failed fleet episode summaries (``episode_id``, ``task``, ``unit_id``, ``seed``) still
             unrecovered; retries and held-out units are skipped.
-        cfg: ``fert.retry``: a :class:`experience_dict.fert_config.RetryConfig` or a mapping of its keys (a key
+        cfg: ``fert.retry``: a :class:`fleet.fert.config.RetryConfig` or a mapping of its keys (a key
             left out takes its default). attempt: 0-based wave number (held action noise std
             ``action_noise_std * growth ** attempt``; denoising-noise temperature
             ``noise_temperature * temperature_growth ** attempt``). heldout: held-out unit ids (never retried).
@@ -240,9 +240,9 @@ def reexplore(c: dict, reader, policy: str, heldout: Sequence[int], dst_url: str
     """
     import fsspec
 
-    from experience_dict.retrieval import retry_of
     from experience_dict.store import copy_episodes
     from fleet.coordinator import Fleet
+    from fleet.fert.contexts import retry_of
 
     fs, path = fsspec.core.url_to_fs(str(dst_url))
     if fs.exists(path):

@@ -9,7 +9,7 @@ and the gate publishes. Here the two run at once, as on a real fleet:
   rounds 0, 1, 2, ...) and each round's failure retries (``fleet.protocol.run_retries``), in waves of
   ``async_run.wave`` trials; before every wave it picks up the newest published version, so it never waits for
   training;
-- the learner (``fleet.learner.FertLearner``, the synchronous job's ``fert`` arm with its validation gate, in its
+- the learner (``fleet.fert.learner.FertLearner``, the synchronous job's ``fert`` arm with its validation gate, in its
   own process) starts a round whenever ``async_run.min_new_episodes`` new fleet episodes are in, and stops after
   ``async_run.learner_rounds`` rounds (the synchronous job's ``fert.rounds``).
 
@@ -54,7 +54,7 @@ LEARNER_ENV = "FLEETMIND_ASYNC_LEARNER"
 def learner_process(spec_path: str) -> None:
     """The learner's own process: the synchronous job's fert learner, rounds until done or the stop file."""
     from fleet.arms import get_arms, make_learner
-    from fleet.gate import make_validator
+    from fleet.fert.gate import make_validator
 
     spec = json.loads(Path(spec_path).read_text())
     c, sd, stop = spec["cfg"], Path(spec["sd"]), Path(spec["stop_file"])
@@ -85,8 +85,8 @@ class FollowingFleet:
         self.episodes = 0
 
     def run(self, plan: list[dict], progress: bool = False, desc: str = "fleet"):
-        from experience_dict.retrieval import retry_of
         from experience_dict.store import ExperienceStore
+        from fleet.fert.contexts import retry_of
 
         reader = ExperienceStore.open(self.c["store"]["url"])
         done = {(int(m.unit_id), int(m.seed)) for m in reader.episodes(is_demo=False) if not retry_of(m)}

@@ -3,7 +3,7 @@
     python scripts/bench_retrieval.py                          # 10k, 100k, 1M windows -> outputs/bench/retrieval.json
     python scripts/bench_retrieval.py --sizes 10000 100000 --out /tmp/r.json
 
-The windows are the FERT key (``experience_dict.retrieval.RelativeEmbedder``, 16-d, metres) of real MuJoCo
+The windows are the FERT key (``fleet.fert.keys.RelativeEmbedder``, 16-d, metres) of real MuJoCo
 episodes: scripted-expert reach-v3 and push-v3 episodes on several units, embedded at every step. To reach a
 million windows without simulating thousands of episodes, those real windows are repeated with independent
 Gaussian jitter of 2 mm per coordinate (the size of the units' observation noise), so the set keeps the real
@@ -27,7 +27,7 @@ import numpy as np
 
 def real_windows(n_episodes: int = 24, seed: int = 0) -> np.ndarray:
     """(W, 16) float32 relative-key windows of real expert episodes (reach-v3 and push-v3, units 0..3)."""
-    from experience_dict.retrieval import RelativeEmbedder
+    from fleet.fert.keys import RelativeEmbedder
     from sim import make_env, make_expert
 
     emb = RelativeEmbedder(frames=8)

@@ -46,7 +46,7 @@ LEARNER_ENV = "FLEETMIND_CHAOS_LEARNER"
 
 def learner_process(spec_path: str) -> None:
     """The learner's own process: FERT rounds until the stop file appears (resumes after a SIGKILL)."""
-    from fleet.learner import FertLearner
+    from fleet.fert.learner import FertLearner
 
     spec = json.loads(Path(spec_path).read_text())
     stop = Path(spec["stop_file"])

@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 from test_retrieval import FERT_CFG, HELDOUT, build_store
 
-from experience_dict.audit import (
+from experience_dict.store import ExperienceStore
+from fleet.fert.audit import (
     _hindsight,
     concentration,
     round_outcomes,
     wilson_interval,
     write_retrieval_audit,
 )
-from experience_dict.retrieval import STATE_KEYS, FertData
-from experience_dict.store import ExperienceStore
+from fleet.fert.data import FertData
+from fleet.fert.keys import STATE_KEYS
 
 
 def test_concentration_hand_computed():

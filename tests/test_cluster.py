@@ -30,7 +30,7 @@ CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
 
 @pytest.mark.slow
 def test_two_node_fleet_survives_losing_a_node(tmp_path, setup):  # noqa: F811 - the imported fixture
-    from fleet.learner import FertLearner
+    from fleet.fert.learner import FertLearner
     from fleet.registry import CheckpointRegistry
     from tests.test_learner import learner_cfg
 

@@ -9,15 +9,14 @@ import pytest
 import torch
 
 from experience_dict.store import ExperienceStore
+from fleet.fert.critic_fit import fit_critic, success_targets
 from policies.critic import (
     CRITIC_CONFIG,
     CRITIC_WEIGHTS,
     CriticGuidedSampler,
     SuccessCritic,
-    fit_critic,
     load_critic,
     save_critic,
-    success_targets,
 )
 
 torch.set_num_threads(1)

@@ -1,5 +1,5 @@
 """Critic distillation and the iterative FERT round (policies/distill.py, experience_dict.sampler.MixtureDataset,
-fleet.learner in ``learner.round_init: published``): the critic's chosen chunks on a tiny real store, per-task
+fleet.fert.learner in ``learner.round_init: published``): the critic's chosen chunks on a tiny real store, per-task
 balanced replay counts, rounds that start from the published version and publish the policy with its critic, and
 the deployable export acting alone (K = 1) in the vectorised runner."""
 
@@ -12,9 +12,10 @@ import torch
 
 from experience_dict.sampler import MixtureDataset, WindowDataset
 from experience_dict.store import ExperienceStore
-from fleet.learner import FertLearner
+from fleet.fert.critic_fit import fit_critic
+from fleet.fert.learner import FertLearner
 from fleet.registry import CheckpointRegistry
-from policies.critic import CRITIC_FILES, CriticGuidedSampler, fit_critic
+from policies.critic import CRITIC_FILES, CriticGuidedSampler
 from policies.distill import ChunkTargets, balanced_anchors, critic_targets
 from policies.factory import load_policy
 from tests.test_learner import OBS_CFG, ROBOT_CFG, TASK_CFG, learner_cfg, setup  # noqa: F401  (fixture)

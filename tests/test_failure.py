@@ -1,9 +1,9 @@
-"""Failure onset from progress traces (experience_dict/failure.py)."""
+"""Failure onset from progress traces (fleet/fert/failure.py)."""
 
 import numpy as np
 import pytest
 
-from experience_dict.failure import context_steps, find_failure_onset, onset_from_score, progress_score
+from fleet.fert.failure import context_steps, find_failure_onset, onset_from_score, progress_score
 
 
 def test_onset_on_hand_made_trace():

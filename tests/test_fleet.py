@@ -399,8 +399,8 @@ def test_vector_fleet_runs_failure_retries_tagged_and_batch_independent(tmp_path
     """The protocol's batched fleet (fleet.protocol.VectorFleet): failure retries with held action noise and a
     denoising temperature are committed with their tags (retry_of, attempt, exploration), draw their own noise
     (a retry is not the failed trial again), and do not depend on which trials share their batch."""
-    from experience_dict.retrieval import retry_of
     from experience_dict.store import ExperienceStore
+    from fleet.fert.contexts import retry_of
     from fleet.protocol import VectorFleet, run_retries
 
     ckpt = tiny_aed_checkpoint(tmp_path / "a", seed=0, perturb=0.3)

@@ -254,5 +254,5 @@ def test_graph_sees_the_project():
     modules = project_modules()
     assert {"configs.schema", "fleet.coordinator", "policies.factory", "sim", "experience_dict.store.reader"} <= set(modules)
     edges = {(i.src, i.dst, i.local) for i in collect_imports()}
-    assert ("fleet.learner", "policies.factory", True) in edges
+    assert ("fleet.fert.learner", "policies.factory", True) in edges
     assert ("fleet.coordinator", "fleet.worker", False) in edges

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from experience_dict.store import ExperienceStore
-from fleet.learner import FertLearner
+from fleet.fert.learner import FertLearner
 from fleet.registry import CheckpointRegistry
 from policies.aed_diffusion import AEDDiffusionConfig
 from policies.aed_diffusion.training import train_policy
@@ -107,7 +107,7 @@ def test_learner_config_is_the_one_source_of_its_defaults(tmp_path):
     from omegaconf import OmegaConf
 
     from configs.schema import ConfigError, check
-    from fleet.learner_config import LearnerConfig
+    from fleet.fert.learner_config import LearnerConfig
 
     assert not (Path(__file__).parents[1] / "configs/learner").exists()
     with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "configs"), version_base=None):
@@ -128,7 +128,7 @@ def test_learner_config_is_the_one_source_of_its_defaults(tmp_path):
     assert part.updates_per_version == 7 and part.round_init == "published" and part.max_wait_s == 300.0
     with pytest.raises(ConfigError, match="unknown keys \\['lr_typo'\\]"):
         LearnerConfig.from_dict({"lr_typo": 1.0})
-    src = (Path(__file__).parents[1] / "fleet/learner_config.py").read_text()
+    src = (Path(__file__).parents[1] / "fleet/fert/learner_config.py").read_text()
     for f in dataclasses.fields(LearnerConfig):  # every field has its docstring line after it
         assert f'    {f.name}: ' in src and src.split(f'    {f.name}: ', 1)[1].split("\n", 2)[1].lstrip().startswith('"""'), f.name
 
@@ -186,7 +186,7 @@ def test_learner_killed_mid_training_resumes_and_publishes_next_version(setup, t
                 os.kill(os.getpid(), signal.SIGKILL)
             return orig(self, *a, **k)
         torch.optim.AdamW.step = step
-        from fleet.learner import FertLearner
+        from fleet.fert.learner import FertLearner
         cfg = json.loads({json.dumps(json.dumps(cfg))})
         FertLearner(cfg, {setup['store']!r}, {reg_url!r}, {str(work)!r}, {setup['base']!r}, run_id="k").run(3)
     """)

@@ -52,8 +52,8 @@ def test_main_job_tiny_end_to_end(tmp_path):
     assert (out / "arms.png").stat().st_size > 1000
     assert "[stage 1/" in proc.stdout and "train base (seed 0)" not in proc.stdout   # progress off here
     assert "resumes at round" not in proc.stdout + proc.stderr
-    from experience_dict.retrieval import retry_of
     from experience_dict.store import ExperienceStore
+    from fleet.fert.contexts import retry_of
 
     for s in (0, 1):
         sd = out / f"seed_{s}"

@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from experience_dict.failure import progress_advantage, progress_score, segment_gain
-from experience_dict.retrieval import FailureContext, RelativeEmbedder, SuccessIndex, retrieve
 from fleet.arms import ARMS, fert_config, get_arms
+from fleet.fert.contexts import FailureContext
+from fleet.fert.failure import progress_advantage, progress_score, segment_gain
+from fleet.fert.index import SuccessIndex
+from fleet.fert.keys import RelativeEmbedder
+from fleet.fert.retrieve import retrieve
 from fleet.protocol import fleet_plan, retry_plan
 from fleet.report import paired_differences, paired_over_seeds
 from fleet.worker import Exploration
@@ -276,7 +279,7 @@ def test_same_config_and_seed_give_same_demos_and_base(tmp_path):
 def test_aed_key_embeds_the_action_history_in_metres(tmp_path):
     """The AED part of the key: the policy's dictionary embeds the actions before the anchor; different
     histories give different keys, the relative part is untouched, a policy without AED is refused."""
-    from experience_dict.retrieval import aed_history_encoder
+    from fleet.fert.keys import aed_history_encoder
     from policies.aed_diffusion import AEDDiffusionPolicy
     from tests.test_fleet import tiny_aed_checkpoint
 
@@ -340,7 +343,7 @@ def test_tasks_lost_with_and_without_holm():
     """The gate's per-task rule on recorded validations: experiment 33's mw10 round 0 (+6.0 points overall, 33/15)
     lost bin-picking on 0 wins / 4 losses: rejected per task at alpha 0.1 (p = 0.0625), not under Holm over ten
     tasks; experiment 32's button-press 0 / 5 (p = 0.031 < 0.1 / 3) is lost under both."""
-    from fleet.gate import tasks_lost
+    from fleet.fert.gate import tasks_lost
 
     mw10 = {"assembly": (3, 2, 1), "basketball": (7, 3, 1), "bin-picking": (-13, 0, 4), "button-press": (10, 7, 4),
             "door-open": (13, 4, 0), "drawer-close": (0, 0, 0), "hammer": (7, 4, 2), "push": (-7, 1, 3),

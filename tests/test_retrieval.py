@@ -11,22 +11,16 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from experience_dict.failure import annotate_failures
-from experience_dict.fert_config import FertConfig
-from experience_dict.retrieval import (
-    STATE_KEYS,
-    ContextEmbedder,
-    FertBatchSampler,
-    FertData,
-    FertDataset,
-    SuccessIndex,
-    TaskPriority,
-    embed_contexts,
-    failure_contexts,
-    policy_encoder,
-    retrieve,
-)
 from experience_dict.store import DEFAULT_PROGRESS_KEYS, ExperienceStore
+from fleet.fert.config import FertConfig
+from fleet.fert.contexts import embed_contexts, failure_contexts
+from fleet.fert.data import FertData
+from fleet.fert.dataset import FertBatchSampler, FertDataset
+from fleet.fert.failure import annotate_failures
+from fleet.fert.index import SuccessIndex
+from fleet.fert.keys import STATE_KEYS, ContextEmbedder, policy_encoder
+from fleet.fert.priority import TaskPriority
+from fleet.fert.retrieve import retrieve
 
 torch.set_num_threads(1)
 SPEC = {"observation.state": {"shape": [4], "dtype": "float32"},
@@ -338,14 +332,14 @@ def test_policy_encoder_embeddings(world):
 
 def test_fert_data_defaults_are_the_fert_config(monkeypatch):
     """A key missing from ``cfg`` takes FertConfig's value (the typed ``fert`` group every run composes)."""
-    from experience_dict import retrieval
+    from fleet.fert import data, keys
 
     yaml = FertConfig().to_dict()
     fert = FertData(None, {"window": 4})
-    assert yaml["key"] == "relative" and isinstance(fert.embedder, retrieval.RelativeEmbedder)
+    assert yaml["key"] == "relative" and isinstance(fert.embedder, keys.RelativeEmbedder)
     assert yaml["gate"]["enabled"] is True and fert.gate is not None
     seen = {}
-    monkeypatch.setattr(retrieval, "FertDataset", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(data, "FertDataset", lambda *a, **kw: seen.update(kw))
     fert.dataset(None, [], {})
     assert (seen["replay_ratio"], seen["segment_steps"]) == (yaml["replay_ratio"], yaml["segment_steps"]) == (0.25, 16)
 
@@ -386,7 +380,7 @@ def test_context_confidence_moves_far_contexts_mass_to_replay(world):
 def test_index_switches_to_ivf_above_the_threshold_and_keeps_recall(world):
     """Above ``approx_above`` windows a task's index becomes an IVF index (trained once, then added to
     incrementally); its neighbours match exact search (recall@k measured against it) and the audit says so."""
-    from experience_dict.audit import retrieval_audit
+    from fleet.fert.audit import retrieval_audit
 
     url, ids = world
     reader = ExperienceStore.open(url)
@@ -434,8 +428,9 @@ def test_task_priority_and_failure_contexts_do_not_follow_the_wall_clock():
     """Two runs of one seed commit the same episodes, but the units race, so the wall-clock start times order
     them differently: the task priority and the failure contexts (which are kept, in which order) must be the
     same (they followed ``start_time`` before, and the round's training data differed between runs)."""
-    from experience_dict.retrieval import TaskPriority, commit_order, failure_contexts
     from experience_dict.store.schema import EpisodeMeta
+    from fleet.fert.contexts import commit_order, failure_contexts
+    from fleet.fert.priority import TaskPriority
 
     rng = np.random.default_rng(0)
     metas = []

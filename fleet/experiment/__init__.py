@@ -14,7 +14,7 @@ Modules, in the order the job runs them:
 - ``job``: ``run_seed`` (every stage of one experiment seed) and ``run_job`` (the whole job over the seeds).
 
 Importing these modules loads neither torch nor MuJoCo: ``sim`` (which picks the GL backend when imported), the
-trainer, the window sampler and ``experience_dict.retrieval`` are imported inside the functions that use them,
+trainer, the window sampler and ``fleet.fert`` are imported inside the functions that use them,
 so a config refused by ``scripts/run.py`` or ``--cfg job`` stays quick and ``policies.threads.passive_wait``
 runs before torch loads.
 """

@@ -14,15 +14,15 @@ from fleet.coordinator import Fleet
 from fleet.curve import BackgroundCurve, learning_curve, print_curve
 from fleet.eval_config import EvalConfig
 from fleet.experiment.state import JobState, Stages
-from fleet.gate import make_validator
-from fleet.learner_config import LearnerConfig
+from fleet.fert.gate import make_validator
+from fleet.fert.learner_config import LearnerConfig
 from fleet.protocol import VectorFleet, failure_replay, fleet_plan, run_retries, success_by_task
 from fleet.registry import CheckpointRegistry, checkpoint_with_critic
 
 
 def round_trials(reader, plan: list[dict], version: int) -> list:
     """The committed fleet episodes of a round's plan (no retries, acting version ``version``)."""
-    from experience_dict.retrieval import retry_of
+    from fleet.fert.contexts import retry_of
 
     want = {(int(t["unit_id"]), int(t["seed"])) for t in plan}
     return [m for m in reader.episodes(is_demo=False) if (int(m.unit_id), int(m.seed)) in want

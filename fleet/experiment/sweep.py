@@ -12,7 +12,7 @@ from experience_dict.store import ExperienceStore
 from fleet.coordinator import Fleet
 from fleet.evaluation import evaluate_arms
 from fleet.experiment.state import JobState
-from fleet.learner import FertLearner
+from fleet.fert.learner import FertLearner
 from fleet.protocol import run_retries
 from fleet.registry import CheckpointRegistry
 from fleet.report import (
@@ -117,7 +117,7 @@ def _sweep_size(cs: dict, sub: Path, n: int, units: list[int], demo_snapshot: st
     """One fleet size of ``fleet_size_sweep`` in ``sub``: ``rounds`` rounds of ``per_unit`` episodes on each of
     ``units`` (topped up after an interruption), failure retries, one FERT round each. Returns the stage record
     ``{"checkpoint", "fleet_episodes", "wall_s", "per_version", "learner"}``."""
-    from experience_dict.retrieval import retry_of
+    from fleet.fert.contexts import retry_of
 
     if not (sub / "store").exists():
         shutil.copytree(demo_snapshot, sub / "store")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fleet.learner_config import LearnerConfig
+from fleet.fert.learner_config import LearnerConfig
 
 
 def p_worse(wins: int, losses: int) -> float:

@@ -4,9 +4,9 @@
 unknown key (``fert.top_kk=4``) or a wrong type (``fert.window=long``) is refused while the config is composed,
 naming the key, and a value out of range by ``configs.schema.check`` before any work. Every part of FERT reads
 its part of the group through ``from_dict`` of its dataclass, so a key a caller leaves out takes the value below:
-failure contexts and retrieval (``experience_dict.retrieval.FertData``), the failure retries
+failure contexts and retrieval (``fleet.fert.data.FertData``), the failure retries
 (:class:`RetryConfig`, ``fleet.protocol.run_retries``), the success critic (:class:`CriticConfig`,
-``policies.critic.fit_critic``), the critic's distillation and the round's mix (``fleet.learner``). Presets
+``fleet.fert.critic_fit.fit_critic``), the critic's distillation and the round's mix (``fleet.fert.learner``). Presets
 (``configs/experiment/*.yaml``) override fields of it. No heavy imports (numpy): ``policies`` and ``fleet`` import it.
 """
 
@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from configs.rules import POS, TypedConfig, boolean, integer, number, one_of, optional
-from experience_dict.failure import DEFAULT_SIGNALS
+from fleet.fert.failure import DEFAULT_SIGNALS
 
 
 @dataclass
 class GateConfig(TypedConfig):
-    """The progress gate and advantage weights of retrieved segments (``experience_dict.failure.
+    """The progress gate and advantage weights of retrieved segments (``fleet.fert.failure.
     progress_advantage``; AWR's exponentiated advantage, Peng et al. 2019)."""
 
     enabled: bool = True
@@ -127,18 +127,18 @@ def _default_signals() -> dict[str, Any]:
 
 @dataclass
 class OnsetConfig(TypedConfig):
-    """Failure onset (``experience_dict.failure``): where a failed episode stopped making progress."""
+    """Failure onset (``fleet.fert.failure``): where a failed episode stopped making progress."""
 
     tolerance: float = 0.02
     """Progress-score rise still counted as "no improvement" (score in [0, 1])."""
     signals: dict[str, Any] = field(default_factory=_default_signals)
     """``{progress key: [kind, scale]}``; kind level (higher is better) or distance (lower is better); see
-    ``experience_dict/failure.py`` for the choice."""
+    ``fleet/fert/failure.py`` for the choice."""
 
 
 @dataclass
 class PriorityConfig(TypedConfig):
-    """Task priority of the failure contexts (``experience_dict.retrieval.TaskPriority``)."""
+    """Task priority of the failure contexts (``fleet.fert.priority.TaskPriority``)."""
 
     method: str = "learnability"
     """learnability: p (1 - p) per task from recent episodes | uniform."""

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from experience_dict.atomic import atomic_write_text
-from experience_dict.fert_config import FertConfig
-from fleet.learner_config import ROUND_INIT, LearnerConfig
+from fleet.fert.config import FertConfig
+from fleet.fert.learner_config import ROUND_INIT, LearnerConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,9 @@ class FertLearner:
     """Failure-guided experience retrieval fine-tuning, run continuously beside the fleet.
 
     Args:
-        cfg: plain dict with ``fert`` (fields of :class:`experience_dict.fert_config.FertConfig`), ``train``
+        cfg: plain dict with ``fert`` (fields of :class:`fleet.fert.config.FertConfig`), ``train``
             (of :class:`policies.train_config.TrainConfig`), ``learner`` (of
-            :class:`fleet.learner_config.LearnerConfig`) and ``robot`` (for the held-out units, never used for training).
+            :class:`fleet.fert.learner_config.LearnerConfig`) and ``robot`` (for the held-out units, never used for training).
         store_url: the fleet's experience store.
         registry_url: where versions are published.
         work_dir: the learner's own directory (training checkpoints, state, audits).
@@ -106,8 +106,8 @@ class FertLearner:
     def _setup(self):
         if self._fert is not None:
             return
-        from experience_dict.retrieval import FertData
         from experience_dict.store import ExperienceStore, configure_storage
+        from fleet.fert.data import FertData
 
         configure_storage({**dict(self.cfg.get("store") or {}), "url": self.store_url})
         self._reader = ExperienceStore.open(self.store_url)
@@ -121,7 +121,7 @@ class FertLearner:
             fert_cfg = dataclasses.replace(fert_cfg, gate=dataclasses.replace(fert_cfg.gate, tail_steps=tail))
         aed_key = None
         if fert_cfg.key == "relative+aed":   # the key's AED part: the (fixed) initial policy's dictionary
-            from experience_dict.retrieval import aed_history_encoder
+            from fleet.fert.keys import aed_history_encoder
             from policies.factory import load_policy
 
             self._key_policy = load_policy(self.init_checkpoint)
@@ -167,7 +167,7 @@ class FertLearner:
         Raises:
             ValueError: an unknown ``fert.replay``.
         """
-        from experience_dict.retrieval import retry_of
+        from fleet.fert.contexts import retry_of
 
         mode = str(mode or self.fcfg.replay)
         if mode not in ("demos", "successes"):
@@ -210,7 +210,7 @@ class FertLearner:
         n_eps = self._wait_for_data(should_stop)
         if self.iterative:
             return self._run_iterative_round(r, n_eps)
-        from experience_dict.audit import write_retrieval_audit
+        from fleet.fert.audit import write_retrieval_audit
         from policies.aed_diffusion.training import train_policy
         from policies.factory import load_policy
 
@@ -313,7 +313,7 @@ class FertLearner:
 
     def _run_iterative_round(self, r: int, n_eps: int) -> dict:
         """One round of the ``published`` mode (see :meth:`run_round`)."""
-        from experience_dict.audit import write_retrieval_audit
+        from fleet.fert.audit import write_retrieval_audit
         from fleet.registry import checkpoint_with_critic
         from policies.aed_diffusion.training import train_policy
         from policies.critic import save_critic
@@ -413,8 +413,8 @@ class FertLearner:
 
         Returns ``(dataset, record)``; record: ``{"slots": {part: slots}, "distill": critic_targets' record}``.
         """
-        from experience_dict.retrieval import FertDataset
         from experience_dict.sampler import MixtureDataset, WindowDataset
+        from fleet.fert.dataset import FertDataset
         from policies.distill import choose_targets
 
         shares = dataclasses.asdict(self.fcfg.mix)
@@ -447,7 +447,7 @@ class FertLearner:
         """The episodes the round's success critic learns from: every committed, unquarantined episode of the
         training units (demonstrations, fleet successes and failures; the failure retries when
         ``fert.include_retries``)."""
-        from experience_dict.retrieval import retry_of
+        from fleet.fert.contexts import retry_of
 
         retries = bool(self.fcfg.include_retries)
         return [m for m in self._reader.episodes() if int(m.unit_id) not in self.heldout
@@ -502,14 +502,14 @@ class FertLearner:
         return finish
 
     def fit_critic_model(self, policy, seed: int):
-        """With ``fert.critic.enabled``: a success critic (``policies.critic.fit_critic``) fitted on
+        """With ``fert.critic.enabled``: a success critic (``fleet.fert.critic_fit.fit_critic``) fitted on
         :meth:`critic_episodes` for ``policy``'s state keys and chunk; returns ``(critic, record with "fit_s",
         candidates)``, or ``(None, None, 1)`` when disabled."""
         ccfg = self.fcfg.critic
         if not ccfg.enabled:
             return None, None, 1
+        from fleet.fert.critic_fit import fit_critic
         from fleet.policies import resolve_device
-        from policies.critic import fit_critic
 
         keys = critic_state_keys(policy)
         t0 = time.perf_counter()
@@ -624,7 +624,7 @@ def critic_state_keys(policy) -> list[str]:
 def fit_critic_process(store_url: str, episode_ids: list[str], state_keys: list[str], action_dim: int,
                        chunk_steps: int, steps_after_success: int, cfg: dict, seed: int, threads: int,
                        out_dir: str, candidates: int) -> dict:
-    """:meth:`FertLearner.start_critic_fit`'s process: ``policies.critic.fit_critic`` on the episodes
+    """:meth:`FertLearner.start_critic_fit`'s process: ``fleet.fert.critic_fit.fit_critic`` on the episodes
     ``episode_ids`` of the store at ``store_url`` with ``threads`` torch threads on the CPU; the critic is saved
     to ``out_dir`` (``policies.critic.save_critic``). Returns the fit's record with ``fit_s``.
 
@@ -633,7 +633,8 @@ def fit_critic_process(store_url: str, episode_ids: list[str], state_keys: list[
     import torch
 
     from experience_dict.store import ExperienceStore
-    from policies.critic import fit_critic, save_critic
+    from fleet.fert.critic_fit import fit_critic
+    from policies.critic import save_critic
 
     torch.set_num_threads(int(threads))
     t0 = time.perf_counter()

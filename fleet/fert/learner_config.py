@@ -4,7 +4,7 @@
 composed job config's ``learner`` node is typed: an unknown key (``learner.updates_per_versoin=5``) or a value of
 the wrong type (``learner.lr=fast``) is refused by Hydra when the config is composed, naming the key, and a value
 out of range by :meth:`LearnerConfig.problems` in ``configs.schema.check`` before any work. The learner
-(:class:`fleet.learner.FertLearner`), the gate (:mod:`fleet.gate`) and the rounds (:mod:`fleet.experiment.rounds`)
+(:class:`fleet.fert.learner.FertLearner`), the gate (:mod:`fleet.fert.gate`) and the rounds (:mod:`fleet.experiment.rounds`)
 read the group through :meth:`LearnerConfig.from_dict`, so a key a caller leaves out takes the value below (the
 pattern of LeRobot's ``configuration_diffusion.py``: a dataclass with a docstring per field).
 """
@@ -22,7 +22,7 @@ TASK_CORRECTION = ("none", "holm")
 
 @dataclass
 class LearnerConfig(TypedConfig):
-    """The FERT learner (``fleet/learner.py``): how much it trains a round, what it waits for, and the gate that
+    """The FERT learner (``fleet/fert/learner.py``): how much it trains a round, what it waits for, and the gate that
     decides whether the fleet gets the round's weights. Units: seconds where a name ends in ``_s``; success
     differences as fractions of trials (0.05 = 5 points). Raises :class:`configs.rules.ConfigError` (a
     ``ValueError``) listing every value out of its range, ``learner.<key>: expected ..., given ...``."""

@@ -49,8 +49,9 @@ from pathlib import Path
 
 import numpy as np
 
-from experience_dict.retrieval import Retrieval, SuccessIndex
 from experience_dict.stats import wilson_interval
+from fleet.fert.index import SuccessIndex
+from fleet.fert.retrieve import Retrieval
 
 
 def concentration(counts: Iterable[float], n_candidates: int | None = None) -> dict[str, float]:
@@ -194,7 +195,7 @@ def retrieval_audit(retrieval: Retrieval, index: SuccessIndex, round_idx: int = 
     all_counts = Counter(retrieval.episode_id)
     n_all = len(index.episode_ids)
     return {"round": int(round_idx),
-            "definitions": "see experience_dict/audit.py module docstring",
+            "definitions": "see fleet/fert/audit.py module docstring",
             "contexts": len(retrieval.contexts), "selections": len(retrieval),
             "overall": {"concentration": concentration(list(all_counts.values()), max(n_all, len(all_counts))),
                         "per_unit": {str(u): int(n) for u, n in sorted(Counter(retrieval.source_unit.tolist()).items())},
