@@ -9,7 +9,7 @@ Importing this module registers the groups (:func:`register`); every entry point
 imports it first (``import configs.typed`` in each Hydra script, ``tests/conftest.py``).
 
 Migrated so far: ``learner`` (:class:`fleet.fert.learner_config.LearnerConfig`), ``train``
-(:class:`policies.train_config.TrainConfig`), ``fert`` (:class:`fleet.fert.config.FertConfig`), ``eval`` (:class:`fleet.eval_config.EvalConfig`); new groups are typed from the start: ``steer``
+(:class:`policies.train_config.TrainConfig`), ``fert`` (:class:`fleet.fert.config.FertConfig`), ``eval`` (:class:`fleet.experiment.eval_config.EvalConfig`); new groups are typed from the start: ``steer``
 (:class:`policies.noise_actor.SteerConfig`).
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from configs.rules import ConfigError
-from fleet.eval_config import EvalConfig
+from fleet.experiment.eval_config import EvalConfig
 from fleet.fert.config import FertConfig
 from fleet.fert.learner_config import LearnerConfig
 from policies.noise_actor import SteerConfig

@@ -215,7 +215,7 @@ def server_wanted(fleet_cfg: dict) -> bool:
     if isinstance(v, bool):
         return v
     if v == "auto":
-        from fleet.policies import resolve_device
+        from fleet.acting import resolve_device
 
         return resolve_device(fleet_cfg.get("server_device", "auto")) == "cuda"
     raise ValueError(f"fleet.policy_server: expected true, false or 'auto', given {v!r}")
@@ -429,7 +429,7 @@ class Fleet:
         Budgets (at least one): ``episodes_per_unit`` (each unit runs that many, its tasks round-robin),
         ``episodes_per_task`` (that many per task in total, handed to whichever unit runs the task and is
         free), ``plan`` (exactly these trials: ``[{"task", "unit_id", "seed", "explore"?}, ...]``, each unit running
-        its own in order; a trial whose episode fails is run again; see ``fleet.evaluation.evaluation_plan``;
+        its own in order; a trial whose episode fails is run again; see ``fleet.experiment.evaluation.evaluation_plan``;
         ``explore``: a failure retry's exploration, ``fleet.worker.Exploration``),
         ``wall_time_s`` (no new episode starts after it; running ones finish). With none given,
         ``fleet.episodes_per_unit`` / ``fleet.wall_time_s`` from the config are used.
@@ -500,7 +500,7 @@ def collect(cfg, policy: Any = "expert", is_demo: bool = True, episodes_per_task
     """Collect ``episodes_per_task`` episodes of every task of ``cfg.task`` on the fleet, in parallel.
 
     Meant for ``scripts/collect_demos.py``: the scripted expert on the training units, committed with
-    ``is_demo=True`` and ``policy_version=-1`` (``fleet.policies.EXPERT_VERSION``). Every unit runs every
+    ``is_demo=True`` and ``policy_version=-1`` (``fleet.acting.EXPERT_VERSION``). Every unit runs every
     task; the episodes of a task go to whichever unit is free.
     """
     c = _plain(cfg)

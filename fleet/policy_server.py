@@ -7,7 +7,7 @@ want, so an episode keeps one version even when a newer one is published mid-epi
 versions from the checkpoint registry on demand and keeps the ``keep_versions`` most recent in memory.
 
 The server is stateless between requests (workers send the observation history the policy's
-``window_spec`` asks for, built by ``fleet.policies.ObservationHistory``), so when it is restarted by Ray
+``window_spec`` asks for, built by ``fleet.acting.ObservationHistory``), so when it is restarted by Ray
 the workers simply retry and continue their episodes.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fleet.policies import load_checkpoint, policy_input_shapes, resolve_device
+from fleet.acting import load_checkpoint, policy_input_shapes, resolve_device
 
 
 class PolicyServer:

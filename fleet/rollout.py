@@ -2,7 +2,7 @@
 
 Every fleet episode runs through :func:`rollout` (``fleet.worker.RobotWorker`` runs demonstrations, fleet
 episodes, failure retries and Ray-backed held-out trials with it) and so does ``scripts/sim_check.py``'s expert
-table; the vectorised evaluation (``fleet.evaluation.run_plan_vectorised``) steps many envs in one batch with the
+table; the vectorised evaluation (``fleet.experiment.evaluation.run_plan_vectorised``) steps many envs in one batch with the
 same per-step rule, :func:`step_trial`. Real robots run through ``fleet.deploy.deployer`` (its own loop: the
 watchdog, the safety filter and the bridge sit between the policy and the arm).
 """

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from fleet.policies import (
+from fleet.acting import (
     ChunkQueuePolicy,
     ExpertPolicy,
     RandomPolicy,
@@ -61,7 +61,7 @@ def episode_seed(base_seed: int, unit_id: int, episode_index: int) -> int:
 
 def retry_noise_seed(seed: int, attempt: int) -> int:
     """Seed of a failure retry's denoising noise: ``seed * 1009 + attempt + 1`` (a retry draws fresh noise, and
-    each attempt its own; ``RobotWorker`` seeds torch with it, ``fleet.evaluation`` a retry's generator)."""
+    each attempt its own; ``RobotWorker`` seeds torch with it, ``fleet.experiment.evaluation`` a retry's generator)."""
     return int(seed) * 1009 + int(attempt) + 1
 
 

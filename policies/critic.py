@@ -12,7 +12,7 @@ success target instead of their Cal-QL critic.
 
 Files (beside the policy's own in a checkpoint directory): ``critic.safetensors`` (weights and input
 standardisation) and ``critic.json`` (shapes and the recipe). :func:`load_critic` returns None for a checkpoint
-without them; ``fleet.policies.load_checkpoint`` installs a found critic on the policy it loads.
+without them; ``fleet.acting.load_checkpoint`` installs a found critic on the policy it loads.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 Adding a policy: a package ``policies/<name>/`` whose class implements ``policies.base.Policy``, one line in
 ``POLICY_TYPES`` and a ``configs/policy/<name>.yaml`` with ``type: <name>``. Nothing in ``fleet/`` or
 ``scripts/`` changes. The scripted expert and the random policy are not learned policies and are not here
-(``fleet.policies``).
+(``fleet.acting``).
 """
 
 from __future__ import annotations

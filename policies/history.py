@@ -2,7 +2,7 @@
 step while acting, the same way ``experience_dict.sampler.WindowDataset`` builds them from a stored episode.
 
 Used by ``AEDDiffusionPolicy.select_action`` (local inference, fleet workers, evaluation, the lean runtime,
-deployment) and by ``fleet.policies.ChunkQueuePolicy`` (the worker side of the batched policy server), so one
+deployment) and by ``fleet.acting.ChunkQueuePolicy`` (the worker side of the batched policy server), so one
 padding rule serves training and every way of acting. ``tests/test_policy.py`` checks it against the sampler on a
 stored episode, first steps included.
 

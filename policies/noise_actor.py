@@ -16,7 +16,7 @@ hand that step is not needed.
 
 Files beside the weights: ``noise_actor.safetensors`` (weights and input standardisation) and ``noise_actor.json``
 (:meth:`NoiseActor.config`). :func:`install_noise_actor` makes a loaded policy's ``chunk_sampler`` start from the
-actor's noise (``fleet.policies.load_checkpoint`` calls it).
+actor's noise (``fleet.acting.load_checkpoint`` calls it).
 """
 
 from __future__ import annotations

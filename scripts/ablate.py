@@ -9,7 +9,7 @@ method without re-running demonstrations, base training or the fleet.
         fert.retry.noise_temperature=1.5 fert.retry.temperature_growth=1.25 'ablate.arms=[filtered_bc_retries]'
 
 The run directory's store is opened read-only for the data (its failures, retries and successes as the fleet
-left them) and its base checkpoints are the starting points; every variant (``fleet.arms`` names, with the
+left them) and its base checkpoints are the starting points; every variant (``fleet.experiment.arms`` names, with the
 command line's ``fert.*`` / ``learner.*`` overrides) is fine-tuned per ``ablate.seeds`` seed into this run's
 directory, then all of them and the baseline run the same held-out trials (the run's plan, or a development
 plan with ``ablate.eval_seed``, so that iterating never looks at the run's test trials). Outputs: ``ablate.md/json``
@@ -17,7 +17,7 @@ plan with ``ablate.eval_seed``, so that iterating never looks at the run's test 
 seeds, then trials). The held-out units and tasks are the frozen run's.
 
 ``ablate.reexplore=true``: the frozen run's failures are explored again with this command line's ``fert.retry``
-(``fleet.protocol.reexplore``) into a new store in this run's directory, and the arms train on it: the same
+(``fleet.experiment.protocol.reexplore``) into a new store in this run's directory, and the arms train on it: the same
 demonstrations, fleet successes and failures, another exploration scheme.
 """
 
@@ -39,7 +39,7 @@ calm_progress()  # off a terminal, a progress bar redraws every 30 s, not 15 tim
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from fleet.report import (
+from fleet.experiment.tables import (
     paired_markdown,
     paired_over_seeds,
     success_table,
@@ -71,8 +71,8 @@ def main(cfg: DictConfig) -> None:
 
     check_or_exit(cfg)   # every value against its rule, before any work
     from experience_dict.store import ExperienceStore
-    from fleet.arms import fert_config, get_arms, train_offline_arm
-    from fleet.evaluation import evaluate_arms
+    from fleet.experiment.arms import fert_config, get_arms, train_offline_arm
+    from fleet.experiment.evaluation import evaluate_arms
 
     a = cfg.ablate
     if a.get("pool"):
@@ -135,12 +135,12 @@ def main(cfg: DictConfig) -> None:
 
 def reexplore_store(c: dict, reader, policy: str, heldout: list[int], out: Path):
     """The new store ``<out>/store``: the frozen store without its retries plus retries of its failures explored
-    with ``c["fert"]["retry"]`` (``fleet.protocol.reexplore``); ``c["store"]["url"]`` is pointed at it. Done once:
+    with ``c["fert"]["retry"]`` (``fleet.experiment.protocol.reexplore``); ``c["store"]["url"]`` is pointed at it. Done once:
     ``<out>/reexplore.json`` records the recovery; an unfinished store from a killed run is rebuilt."""
     import shutil
 
     from experience_dict.store import ExperienceStore
-    from fleet.protocol import reexplore
+    from fleet.experiment.protocol import reexplore
 
     dst, rec = out / "store", out / "reexplore.json"
     if not rec.is_file():
@@ -166,7 +166,7 @@ def pool(dirs: list[Path], out: Path, baseline: str) -> None:
     Raises:
         SystemExit: a directory without evaluated arms, or no arm common to all of them.
     """
-    from fleet.arms import PAIRS
+    from fleet.experiment.arms import PAIRS
 
     results: dict[int, dict] = {}
     units = []

@@ -5,8 +5,8 @@
 The synchronous job (``scripts/run.py``) alternates: the fleet plays a round, then waits while the learner trains
 and the gate publishes. Here the two run at once, as on a real fleet:
 
-- the fleet (``fleet.protocol.VectorFleet``) plays round after round of the same plan (``fleet.protocol.fleet_plan``,
-  rounds 0, 1, 2, ...) and each round's failure retries (``fleet.protocol.run_retries``), in waves of
+- the fleet (``fleet.experiment.protocol.VectorFleet``) plays round after round of the same plan (``fleet.experiment.protocol.fleet_plan``,
+  rounds 0, 1, 2, ...) and each round's failure retries (``fleet.experiment.protocol.run_retries``), in waves of
   ``async_run.wave`` trials; before every wave it picks up the newest published version, so it never waits for
   training;
 - the learner (``fleet.fert.learner.FertLearner``, the synchronous job's ``fert`` arm with its validation gate, in its
@@ -41,7 +41,7 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from fleet.eval_config import EvalConfig
+from fleet.experiment.eval_config import EvalConfig
 from fleet.progress import calm_progress
 from policies.threads import passive_wait
 
@@ -53,7 +53,7 @@ LEARNER_ENV = "FLEETMIND_ASYNC_LEARNER"
 
 def learner_process(spec_path: str) -> None:
     """The learner's own process: the synchronous job's fert learner, rounds until done or the stop file."""
-    from fleet.arms import get_arms, make_learner
+    from fleet.experiment.arms import get_arms, make_learner
     from fleet.fert.gate import make_validator
 
     spec = json.loads(Path(spec_path).read_text())
@@ -74,7 +74,7 @@ class FollowingFleet:
     published while it ran."""
 
     def __init__(self, c: dict, reg, cache: Path, wave: int, t0: float, should_stop=None):
-        from fleet.protocol import VectorFleet
+        from fleet.experiment.protocol import VectorFleet
 
         self.c, self.reg, self.cache, self.wave, self.t0 = c, reg, Path(cache), int(wave), t0
         self.should_stop = should_stop or (lambda: False)
@@ -113,7 +113,7 @@ class FollowingFleet:
 def fleet_loop(c: dict, fleet: FollowingFleet, units: list[int], heldout: list[int], stop: threading.Event,
                rounds_out: list) -> None:
     """Round after round of the fleet's plan and its failure retries until ``stop`` is set."""
-    from fleet.protocol import fleet_plan, run_retries
+    from fleet.experiment.protocol import fleet_plan, run_retries
 
     rcfg = dict(c["fert"].get("retry") or {})
     r = 0
@@ -159,7 +159,7 @@ def run(cfg) -> dict:
     from omegaconf import OmegaConf
 
     from experience_dict.store import ExperienceStore
-    from fleet.curve import learning_curve, print_curve
+    from fleet.experiment.curve import learning_curve, print_curve
     from fleet.experiment.rounds import staleness_summary
     from fleet.experiment.state import seed_config
     from fleet.registry import CheckpointRegistry
@@ -262,7 +262,7 @@ def run(cfg) -> dict:
 def compare(c: dict, src: Path, out: Path, curve: list[dict], src_state: dict) -> dict:
     """The final comparison on the synchronous job's held-out trials: the last version alone and with its critic
     against the base and the synchronous job's arms (``async.md``)."""
-    from fleet.report import paired_differences, paired_markdown, success_table, table_markdown
+    from fleet.experiment.tables import paired_differences, paired_markdown, success_table, table_markdown
 
     def load(d: Path, name: str):
         f = d / "episodes" / f"{name}.json"

@@ -22,7 +22,7 @@ distribution and the store's commit latency (p50/p95 of every episode's commit).
 
 Round mode (``+bench.round=true``, ``outputs/bench/bench_round.json``): what one fleet round of the main job costs
 to act. The env alone (random actions, one env at a time in this process, on the round's tasks and units) against
-the protocol's batched fleet (``fleet.protocol.VectorFleet``: ``fleet.units`` units, ``bench.round_episodes``
+the protocol's batched fleet (``fleet.experiment.protocol.VectorFleet``: ``fleet.units`` units, ``bench.round_episodes``
 episodes each, tasks round-robin, ``eval.processes`` processes, waves of ``eval.batch_size``) acting with the default
 policy (``configs/policy``; random weights, so every episode runs to ``max_episode_steps``), once alone (K = 1) and
 once with a success critic choosing among ``fert.critic.candidates`` chunks; the same run measures all three.
@@ -124,7 +124,7 @@ def bench_server(ckpt: str, batches: list[int], rounds: int, max_wait_ms: float 
     import ray
     import torch
 
-    from fleet.policies import ObservationHistory, load_checkpoint
+    from fleet.acting import ObservationHistory, load_checkpoint
     from fleet.policy_server import PolicyServer
 
     torch.set_num_threads(1)
@@ -278,7 +278,7 @@ def default_policy_checkpoint(base: dict, path: str, spec: dict) -> str:
 
 def bench_round(base: dict, bench: dict) -> dict:
     """``+bench.round=true``: the env alone vs the batched fleet acting alone and with a critic (module docstring)."""
-    from fleet.protocol import VectorFleet, fleet_plan
+    from fleet.experiment.protocol import VectorFleet, fleet_plan
     from policies.critic import SuccessCritic, save_critic
     from sim import make_env, unit_lists
 

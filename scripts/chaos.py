@@ -75,7 +75,7 @@ def main_cfg(cfg) -> dict:
 def prepare(c: dict, ch: dict, out: Path, full_cfg) -> str:
     """Demonstrations and a tiny base policy published as version 1; returns the base checkpoint dir."""
     from experience_dict.store import ExperienceStore
-    from fleet.protocol import collect_demos
+    from fleet.experiment.protocol import collect_demos
     from fleet.registry import CheckpointRegistry
     from policies.aed_diffusion.training import last_checkpoint, train_policy
 

@@ -13,7 +13,7 @@ demonstration stage (``fleet.experiment.bases``: ``job.demos_per_task`` demonstr
 held-out ones for the validation loss), then one base per variant by the main job's ``train_base`` (at most
 ``job.base_steps`` steps, the checkpoint with the lowest validation loss; train seed ``s``) with the variant's
 fields merged into ``policy``; then every variant on the held-out units' plan (``eval.trials_per_task`` trials per
-task, ``eval.seed``; ``fleet.evaluation.evaluate_arms``). Writes ``results.md/json`` (success, Wilson intervals,
+task, ``eval.seed``; ``fleet.experiment.evaluation.evaluate_arms``). Writes ``results.md/json`` (success, Wilson intervals,
 pooled over seeds), ``paired.md/json`` (each variant against ``compare.baseline``, bootstrapped over seeds then
 trials) and ``timing.json`` (each base's training wall time and chosen step).
 
@@ -63,8 +63,8 @@ def variant_policies(policy: dict, variants: dict) -> dict[str, dict]:
 def run_seed(c: dict, sd: Path, seed: int, policies: dict[str, dict], stages) -> dict:
     """Demonstrations, one base per variant and the held-out evaluation for one experiment seed (resumable).
     Returns ``{"results": {variant: [episode results]}, "timing": {variant: {"wall_s", "best_step"}}}``."""
-    from fleet.evaluation import evaluate_arms
     from fleet.experiment.bases import stage_base, stage_demos
+    from fleet.experiment.evaluation import evaluate_arms
     from fleet.experiment.state import JobState
     from sim import unit_lists
 
@@ -91,7 +91,7 @@ def main(cfg: DictConfig) -> None:
 
     check_or_exit(cfg)
     from fleet.experiment.state import Stages, plain_config, seed_config
-    from fleet.report import paired_over_seeds, success_table, write_paired, write_table
+    from fleet.experiment.tables import paired_over_seeds, success_table, write_paired, write_table
 
     out = Path(cfg.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)

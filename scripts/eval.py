@@ -6,7 +6,7 @@
         eval.baseline=base eval.trials_per_task=100 'eval.units=[100,101]' 'eval.tasks=[reach-v3]'
     python scripts/eval.py ... hydra.run.dir=outputs/eval_a     # a fixed dir: an interrupted evaluation resumes
 
-Every arm runs the same held-out trial plan (``fleet.evaluation.evaluation_plan``: the same task, unit and reset
+Every arm runs the same held-out trial plan (``fleet.experiment.evaluation.evaluation_plan``: the same task, unit and reset
 seed per trial), on the Ray fleet, committing its episodes to ``<run dir>/eval_store`` (never a training store).
 Writes into the run dir: ``results.md`` / ``results.json`` (success with Wilson 95% intervals per task and on
 average), ``paired.md`` / ``paired.json`` (every arm against ``eval.baseline`` trial by trial, when set),
@@ -27,7 +27,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
-from fleet.eval_config import EvalConfig
+from fleet.experiment.eval_config import EvalConfig
 from fleet.progress import calm_progress
 from fleet.refusals import one_line_refusals
 from policies.threads import passive_wait
@@ -77,8 +77,8 @@ def main(cfg: DictConfig) -> None:
     from configs.schema import check_or_exit
 
     check_or_exit(cfg)   # every value against its rule, before any work
-    from fleet.evaluation import evaluate_arms, record_rollouts
-    from fleet.report import (
+    from fleet.experiment.evaluation import evaluate_arms, record_rollouts
+    from fleet.experiment.tables import (
         paired_differences,
         paired_markdown,
         success_table,

@@ -8,7 +8,7 @@
     python scripts/run.py robot=shifted                 # demos on near-nominal units, fleet + held-out wider
     python scripts/run.py 'job.fleet_sizes=[1,2,4]'     # + FERT per fleet size -> success_vs_fleet_size.png
 
-The protocol is fixed before any result (``fleet.protocol``): every trial's (task, unit, reset seed) comes
+The protocol is fixed before any result (``fleet.experiment.protocol``): every trial's (task, unit, reset seed) comes
 from a plan that does not depend on scheduling. Per experiment seed ``s`` (``<run dir>/seed_<s>/``), stages
 (each resumable, recorded in ``seed_<s>/job_state.json``):
 
@@ -17,14 +17,14 @@ from a plan that does not depend on scheduling. Per experiment seed ``s`` (``<ru
 2. base policies: the AED diffusion policy and the same policy without AED, trained on the demonstrations.
 3. fleet rounds (``fert.rounds``): the training units run a fixed plan of ``job.fleet_episodes_per_unit``
    episodes each with the newest published version (v1 = base; ``job.fleet_backend: vector`` steps every unit's
-   env in batches, ``fleet.protocol.VectorFleet``); failed episodes are re-attempted with exploration
+   env in batches, ``fleet.experiment.protocol.VectorFleet``); failed episodes are re-attempted with exploration
    (``fert.retry``: same task, unit and reset seed, growing action noise, tagged ``retry_of``, capped, never on
    held-out units); then the in-loop arms' learners run their FERT round on the store (by default, from the
    version the fleet runs: the success critic refitted on the whole store, its chosen chunks distilled into the
    weights, ``learner.round_init: published``) and ``fert`` publishes the next version through the gate; the new
    version plays the held-out plan alone and with its critic (the learning curve, ``job.curve_trials_per_task``).
 4. offline arms (filtered BC, filtered BC + retries, FERT ablations): fine-tuned from their base on the final
-   store with the same budget (``fleet.arms``).
+   store with the same budget (``fleet.experiment.arms``).
 5. held-out evaluation: every arm on the held-out units, the same ``eval.trials_per_task`` trials per task.
 
 Then, over all seeds: ``results.md/json`` (success with Wilson intervals, pooled over seeds; ``learning_curve`` per

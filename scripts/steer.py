@@ -46,7 +46,7 @@ def main(cfg: DictConfig) -> None:
 
     from experience_dict.sampler import WindowDataset
     from experience_dict.store import ExperienceStore
-    from fleet.policies import load_checkpoint
+    from fleet.acting import load_checkpoint
     from policies.critic import CRITIC_FILES, load_critic
     from policies.distill import balanced_anchors
     from policies.noise_actor import ACTOR_CONFIG, ACTOR_FILE, SteerConfig, fit_noise_actor, save_noise_actor

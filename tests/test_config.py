@@ -182,11 +182,11 @@ def test_collect_demos_runs_on_the_demonstration_units_of_a_range_config(tmp_pat
 
 
 def test_every_arm_and_fert_part_reads_the_typed_fert_group():
-    """Every arm's ``fert`` overrides (fleet/arms.py) make a valid FertConfig; the retries and the critic take a
+    """Every arm's ``fert`` overrides (fleet/experiment/arms.py) make a valid FertConfig; the retries and the critic take a
     left-out key from their dataclass and refuse an unknown one, naming it."""
-    from fleet.arms import ARMS, fert_config
+    from fleet.experiment.arms import ARMS, fert_config
+    from fleet.experiment.protocol import retry_plan
     from fleet.fert.config import FertConfig
-    from fleet.protocol import retry_plan
 
     base = {"fert": FertConfig().to_dict()}
     for arm in ARMS.values():

@@ -199,7 +199,7 @@ def test_after_a_rejection_the_lineage_goes_on_from_the_rejected_weights(setup, 
 def test_the_export_acts_alone_through_its_onnx_graph_like_the_checkpoint(setup, tmp_path):  # noqa: F811 (the fixture)
     """The deployable artifact (scripts/export.py with an ONNX chunk graph) in the vectorised runner: it runs the
     graph at batch 1, and its actions are the checkpoint's own (same trials, same seeded noise)."""
-    from fleet.evaluation import evaluation_plan, load_acting_policy, run_plan_vectorised
+    from fleet.experiment.evaluation import evaluation_plan, load_acting_policy, run_plan_vectorised
     from policies.export import export_checkpoint
 
     exp = export_checkpoint(setup["base"], tmp_path / "export", onnx_steps=[10])

@@ -271,7 +271,7 @@ def test_vectorised_evaluation_counts_a_nan_policy_as_failed_trials(tmp_path):
     (termination non_finite_action), nothing non-finite is committed, the evaluation does not crash."""
     from safetensors.torch import load_file, save_file
 
-    from fleet.evaluation import evaluation_plan, run_plan_vectorised
+    from fleet.experiment.evaluation import evaluation_plan, run_plan_vectorised
 
     ckpt = tiny_aed_checkpoint(tmp_path / "nan")
     wfile = next(Path(ckpt).glob("*.safetensors"))

@@ -184,12 +184,12 @@ def test_new_version_picked_up_between_episodes_and_tampered_refused(tmp_path):
 def test_policy_server_auto_serves_only_where_a_gpu_is(monkeypatch):
     """``fleet.policy_server: auto`` (the default): per-worker inference on CPU (episodes reproducible from their
     seeds), the batched server when the server's device resolves to CUDA; true / false as given."""
-    import fleet.policies
+    import fleet.acting
     from fleet.coordinator import server_wanted
 
     assert server_wanted({"policy_server": True}) and not server_wanted({"policy_server": False})
     assert not server_wanted({"policy_server": "auto", "server_device": "cpu"})
-    monkeypatch.setattr(fleet.policies, "resolve_device", lambda d: "cuda" if d in ("auto", "cuda") else "cpu")
+    monkeypatch.setattr(fleet.acting, "resolve_device", lambda d: "cuda" if d in ("auto", "cuda") else "cpu")
     assert server_wanted({"policy_server": "auto", "server_device": "auto"})
     assert not server_wanted({"policy_server": "auto", "server_device": "cpu"})
     with pytest.raises(ValueError, match="fleet.policy_server"):
@@ -223,7 +223,7 @@ def test_evaluation_plan_gives_every_arm_the_same_trials_and_reruns_a_failed_one
     """Common random numbers: every arm runs the same (task, unit, seed) trials; the same checkpoint on the same
     plan acts identically (env and denoising noise follow the seed); a trial whose episode raised is run
     again with its own seed."""
-    from fleet.evaluation import evaluate_arms, evaluation_plan
+    from fleet.experiment.evaluation import evaluate_arms, evaluation_plan
 
     ckpt_a, ckpt_b = tiny_aed_checkpoint(tmp_path / "a", seed=0), tiny_aed_checkpoint(tmp_path / "b", seed=1, perturb=0.5)
     cfg = make_cfg(tmp_path, "task.tasks=[reach-v3,push-v3]", "task.max_episode_steps=25", "eval.seed=7")
@@ -252,7 +252,7 @@ def test_evaluation_plan_gives_every_arm_the_same_trials_and_reruns_a_failed_one
     # ... so within one call an arm with the same checkpoint (a copy with a registry manifest: the files that
     # act are what count) reuses the episodes instead of running them again
     from experience_dict.store import ExperienceStore
-    from fleet.evaluation import checkpoint_fingerprint
+    from fleet.experiment.evaluation import checkpoint_fingerprint
 
     assert checkpoint_fingerprint(copy) == checkpoint_fingerprint(ckpt_a) != checkpoint_fingerprint(ckpt_b)
     assert by_key["a"] == by_key["a_again"] and {e["same_checkpoint_as"] for e in results["a_again"]} == {"a"}
@@ -276,12 +276,12 @@ def test_vectorised_evaluation_does_not_depend_on_the_batch(tmp_path):
     """A trial's outcome is a function of (policy, task, unit, seed) only: one env at a time and 6 envs stepped
     together give the same episodes; every episode is committed to the evaluation store."""
     from experience_dict.store import ExperienceStore
-    from fleet.evaluation import evaluation_plan, run_plan_vectorised
+    from fleet.experiment.evaluation import evaluation_plan, run_plan_vectorised
 
     ckpt = tiny_aed_checkpoint(tmp_path / "a", seed=0, perturb=0.3)
     c = _plain(make_cfg(tmp_path, "task.tasks=[reach-v3,push-v3]", "task.max_episode_steps=25"))
     plan = evaluation_plan(["reach-v3", "push-v3"], [100, 101], 3, seed=11)
-    from fleet.evaluation import env_pool
+    from fleet.experiment.evaluation import env_pool
 
     pool = env_pool(c)   # this config's envs (earlier tests in this process may have left some)
     for envs in pool.values():
@@ -330,10 +330,10 @@ def test_denoising_noise_temperature_scales_the_initial_noise(tmp_path):
 
 
 def test_reexplore_copies_the_store_without_retries_and_explores_its_failures_again(tmp_path):
-    """fleet.protocol.reexplore: the frozen store's episodes but its retries are copied (metadata kept), and its
+    """fleet.experiment.protocol.reexplore: the frozen store's episodes but its retries are copied (metadata kept), and its
     training-unit failures are re-attempted at the asked denoising-noise temperature, tagged with the copies'
     ids; the frozen store is untouched and an existing destination is refused."""
-    from fleet.protocol import reexplore
+    from fleet.experiment.protocol import reexplore
 
     ckpt = tiny_aed_checkpoint(tmp_path / "ck", seed=2, perturb=0.3)
     cfg = make_cfg(tmp_path, "task.tasks=[reach-v3]", "task.max_episode_steps=20", "fleet.units=1")
@@ -396,12 +396,12 @@ def test_a_trial_committed_by_a_worker_that_then_died_is_not_run_twice(tmp_path)
 
 
 def test_vector_fleet_runs_failure_retries_tagged_and_batch_independent(tmp_path):
-    """The protocol's batched fleet (fleet.protocol.VectorFleet): failure retries with held action noise and a
+    """The protocol's batched fleet (fleet.experiment.protocol.VectorFleet): failure retries with held action noise and a
     denoising temperature are committed with their tags (retry_of, attempt, exploration), draw their own noise
     (a retry is not the failed trial again), and do not depend on which trials share their batch."""
     from experience_dict.store import ExperienceStore
+    from fleet.experiment.protocol import VectorFleet, run_retries
     from fleet.fert.contexts import retry_of
-    from fleet.protocol import VectorFleet, run_retries
 
     ckpt = tiny_aed_checkpoint(tmp_path / "a", seed=0, perturb=0.3)
     c = _plain(make_cfg(tmp_path, "task.tasks=[reach-v3]", "task.max_episode_steps=20"))

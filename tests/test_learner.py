@@ -234,8 +234,8 @@ def test_learner_replays_demos_or_every_fleet_success(setup, tmp_path):
 def test_learner_ships_a_success_critic_that_the_fleet_loads(setup, tmp_path):
     """``fert.critic.enabled``: the round fits a critic on successes and failures of the training units, saves it
     beside the weights, and the published version loads with it choosing the policy's chunks."""
-    from fleet.arms import ARMS, critic_arm_checkpoint
-    from fleet.policies import load_checkpoint
+    from fleet.acting import load_checkpoint
+    from fleet.experiment.arms import ARMS, critic_arm_checkpoint
     from policies.critic import CRITIC_FILES, CriticGuidedSampler
     from sim import make_env
 

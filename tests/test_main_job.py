@@ -114,7 +114,7 @@ def test_main_job_tiny_end_to_end(tmp_path):
         assert len({tuple(t) for t in trials.values()}) == 1 and len(trials["fert"]) == 2
     # replayed by the version that failed them (the base, v1), every failed fleet trial fails again: a trial is
     # a function of (task, unit, reset seed, weights), so failure_replay counts only what an update changed
-    from fleet.protocol import failure_replay
+    from fleet.experiment.protocol import failure_replay
 
     sd0 = out / "seed_0"
     st0 = json.loads((sd0 / "job_state.json").read_text())

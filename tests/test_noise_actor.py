@@ -10,8 +10,8 @@ import torch
 from configs.rules import ConfigError
 from experience_dict.sampler import WindowDataset
 from experience_dict.store import ExperienceStore
+from fleet.acting import load_checkpoint
 from fleet.fert.critic_fit import fit_critic
-from fleet.policies import load_checkpoint
 from policies.distill import balanced_anchors
 from policies.factory import load_policy
 from policies.noise_actor import (

@@ -322,7 +322,7 @@ def test_select_action_builds_the_sampler_windows(store):
 def test_policy_server_history_builds_the_sampler_windows_from_the_first_step(store):
     """Training (the sampler), local acting (the policy's history) and the policy server's worker side build the
     same conditioning for the same episode at every step, the padded first steps included."""
-    from fleet.policies import ObservationHistory
+    from fleet.acting import ObservationHistory
 
     policy, spec, ds, ep, keys = _deployment_case(store)
     server_side = ObservationHistory(spec, policy.config.action_dim)

@@ -32,7 +32,7 @@ TRAIN = {"steps": 40, "batch_size": 16, "lr": 3e-3, "warmup_steps": 0, "save_eve
 @pytest.fixture(scope="module")
 def demos(tmp_path_factory):
     """A real store of scripted-expert reach demonstrations (Meta-World, 2 episodes, 60 steps each)."""
-    from fleet.protocol import collect_demos
+    from fleet.experiment.protocol import collect_demos
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     url = str(tmp_path_factory.mktemp("demos") / "store")
@@ -148,7 +148,7 @@ def test_mlp_chunk_acts_in_the_fleet_and_the_evaluation(demos, tmp_path):
     from omegaconf import OmegaConf
 
     from fleet.coordinator import Fleet, ensure_ray
-    from fleet.evaluation import run_plan_vectorised
+    from fleet.experiment.evaluation import run_plan_vectorised
 
     reader = ExperienceStore.open(demos)
     ck = train_policy(dict(TRAIN, steps=10, save_every=10), tmp_path / "run", policy_cfg=MLP, reader=reader,

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from fleet.arms import ARMS, fert_config, get_arms
+from fleet.experiment.arms import ARMS, fert_config, get_arms
+from fleet.experiment.protocol import fleet_plan, retry_plan
+from fleet.experiment.tables import paired_differences, paired_over_seeds
 from fleet.fert.contexts import FailureContext
 from fleet.fert.failure import progress_advantage, progress_score, segment_gain
 from fleet.fert.index import SuccessIndex
 from fleet.fert.keys import RelativeEmbedder
 from fleet.fert.retrieve import retrieve
-from fleet.protocol import fleet_plan, retry_plan
-from fleet.report import paired_differences, paired_over_seeds
 from fleet.worker import Exploration
 
 torch.set_num_threads(1)
@@ -166,7 +166,7 @@ def test_own_retry_ranks_first_and_gate_drops_stalled_segments():
 
 
 def test_retry_share_repeats_retries_to_the_asked_share():
-    from fleet.arms import with_retry_share
+    from fleet.experiment.arms import with_retry_share
 
     eps = [_Meta(f"unit-0000-{i:06d}", length=100) for i in range(9)]
     eps += [_Meta("unit-0000-000009", length=50, extra={"retry_of": "unit-0000-000003"})]
@@ -179,7 +179,7 @@ def test_retry_share_repeats_retries_to_the_asked_share():
 
 
 def test_each_offline_arm_trains_on_its_own_episodes():
-    from fleet.arms import arm_episodes
+    from fleet.experiment.arms import arm_episodes
 
     demo, fleet_ok = _Meta("unit-0001-000000", unit=1, is_demo=True), _Meta("unit-0000-000001")
     retry = _Meta("unit-0000-000002", extra={"retry_of": "unit-0000-000000"})
@@ -244,7 +244,7 @@ def test_same_config_and_seed_give_same_demos_and_base(tmp_path):
     from safetensors.torch import load_file
 
     from experience_dict.store import ExperienceStore
-    from fleet.protocol import collect_demos
+    from fleet.experiment.protocol import collect_demos
     from policies.aed_diffusion.training import train_policy
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -360,9 +360,9 @@ def test_tasks_lost_with_and_without_holm():
 
 
 def test_background_curve_reports_a_failed_call_and_is_reusable(tmp_path):
-    # the learning curve's background process (fleet.curve.BackgroundCurve): an error in the spawned process comes
+    # the learning curve's background process (fleet.experiment.curve.BackgroundCurve): an error in the spawned process comes
     # back as one RuntimeError naming it, and the object takes the next call
-    from fleet.curve import BackgroundCurve
+    from fleet.experiment.curve import BackgroundCurve
 
     with BackgroundCurve() as bg:
         assert bg.collect() == [] and not bg.pending

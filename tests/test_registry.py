@@ -5,8 +5,7 @@ import json
 import pytest
 import torch
 
-from policies.mlp_chunk import MLPChunkConfig, MLPChunkPolicy
-from fleet.policies import load_checkpoint
+from fleet.acting import load_checkpoint
 from fleet.registry import (
     MANIFEST,
     CheckpointRegistry,
@@ -14,6 +13,7 @@ from fleet.registry import (
     RegistryError,
     verify_checkpoint_dir,
 )
+from policies.mlp_chunk import MLPChunkConfig, MLPChunkPolicy
 
 
 @pytest.fixture

@@ -2,7 +2,13 @@ import json
 
 import pytest
 
-from fleet.report import plot_success_per_round, success_table, table_markdown, wilson_interval, write_table
+from fleet.experiment.tables import (
+    plot_success_per_round,
+    success_table,
+    table_markdown,
+    wilson_interval,
+    write_table,
+)
 
 
 def test_wilson_interval_known_values():
@@ -34,7 +40,7 @@ def test_success_table_and_files(tmp_path):
 
 
 def test_paired_differences_match_trials_and_count_discordant_pairs(tmp_path):
-    from fleet.report import paired_differences, paired_markdown, write_paired
+    from fleet.experiment.tables import paired_differences, paired_markdown, write_paired
 
     def eps(successes, task="a"):
         return [{"task": task, "unit_id": 100 + i % 2, "seed": i, "success": s} for i, s in enumerate(successes)]

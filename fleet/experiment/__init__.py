@@ -1,6 +1,16 @@
-"""The main job as library code (``scripts/run.py`` composes and checks the config, then calls ``job.run_job``).
+"""The experiment protocol and the main job as library code (``scripts/run.py`` composes and checks the config,
+then calls ``job.run_job``).
 
-Modules, in the order the job runs them:
+The protocol, used by the job, ``scripts/eval.py``, ``scripts/ablate.py`` and ``scripts/async_run.py``:
+
+- ``protocol``: fixed trial plans (``fleet_plan``, ``collect_demos``), the failure retries (``retry_plan``,
+  ``run_retries``) and ``VectorFleet``, a round's fleet stepped in batches;
+- ``arms``: the compared policies (``ARMS``), their learners and offline training;
+- ``evaluation`` / ``eval_config``: held-out evaluation plans and ``evaluate_arms``; the typed ``eval`` group;
+- ``tables``: Wilson success tables, paired differences (over trials and over seeds), plots;
+- ``curve``: the learning curve of the published versions.
+
+The job's stages, in the order it runs them:
 
 - ``state``: each seed's config (``seed_config``: its store, registry and caches in ``<run dir>/seed_<s>/``),
   ``JobState`` (the finished stages and their outputs, ``job_state.json``) and ``Stages`` (the stage lines);

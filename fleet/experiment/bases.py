@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 from experience_dict.store import ExperienceStore
-from fleet.evaluation import evaluate_arms
+from fleet.experiment.evaluation import evaluate_arms
+from fleet.experiment.protocol import collect_demos
 from fleet.experiment.state import JobState, Stages
-from fleet.protocol import collect_demos
 
 
 def train_base(c: dict, reader, demos, out_dir: Path, aed: bool, val_reader=None) -> dict:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from fleet.arms import get_arms
-from fleet.evaluation import evaluate_arms
+from fleet.experiment.arms import get_arms
 from fleet.experiment.bases import demo_config, needs_no_aed, stage_demos_and_bases
+from fleet.experiment.evaluation import evaluate_arms
 from fleet.experiment.offline import stage_offline_arms, start_offline_arms
 from fleet.experiment.reports import (
     PAIRED_CAPTION,
@@ -24,8 +24,8 @@ from fleet.experiment.reports import (
 from fleet.experiment.rounds import stage_fleet_rounds
 from fleet.experiment.state import JobState, Stages, plain_config, seed_config
 from fleet.experiment.sweep import check_fleet_sizes, stage_sweep_snapshot, sweep_report
+from fleet.experiment.tables import paired_markdown, table_markdown
 from fleet.registry import CheckpointRegistry
-from fleet.report import paired_markdown, table_markdown
 
 
 def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress: bool = True,
@@ -76,7 +76,7 @@ def run_job(cfg: DictConfig) -> None:
     the stage lines and the two tables.
 
     Raises:
-        ValueError: ``job.arms`` refused by ``fleet.arms.get_arms`` or a fleet size outside the training units,
+        ValueError: ``job.arms`` refused by ``fleet.experiment.arms.get_arms`` or a fleet size outside the training units,
             before any work.
         SystemExit: 130 on Ctrl-C, after printing how to resume (finished stages are kept in the run dir).
     """

@@ -1,5 +1,5 @@
 """The offline arms (filtered BC, filtered BC + retries, demos BC, FERT ablations trained outside the loop):
-fine-tuned from their base on the final store with the same budget (``fleet.arms``), in a background process
+fine-tuned from their base on the final store with the same budget (``fleet.experiment.arms``), in a background process
 beside the last round's learner (``job.overlap_offline_arms``) or here; the critic arms are checkpoint copies."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import multiprocessing
 import time
 from pathlib import Path
 
-from fleet.arms import critic_arm_checkpoint, train_offline_arm, train_offline_arms_process
+from fleet.experiment.arms import critic_arm_checkpoint, train_offline_arm, train_offline_arms_process
 from fleet.experiment.state import JobState, Stages
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from fleet.arms import PAIRS
-from fleet.evaluation import record_rollouts
+from fleet.experiment.arms import PAIRS
 from fleet.experiment.bases import demo_config
-from fleet.report import paired_over_seeds, plot_arms, success_table, write_paired, write_table
+from fleet.experiment.evaluation import record_rollouts
+from fleet.experiment.tables import paired_over_seeds, plot_arms, success_table, write_paired, write_table
 from policies.train_config import TrainConfig
 
 RESULTS_CAPTION = ("Held-out success rate in % (successes/trials) with Wilson 95% intervals, pooled over the "

@@ -9,14 +9,14 @@ import time
 from pathlib import Path
 
 from experience_dict.store import ExperienceStore
-from fleet.arms import make_learner
 from fleet.coordinator import Fleet
-from fleet.curve import BackgroundCurve, learning_curve, print_curve
-from fleet.eval_config import EvalConfig
+from fleet.experiment.arms import make_learner
+from fleet.experiment.curve import BackgroundCurve, learning_curve, print_curve
+from fleet.experiment.eval_config import EvalConfig
+from fleet.experiment.protocol import VectorFleet, failure_replay, fleet_plan, run_retries, success_by_task
 from fleet.experiment.state import JobState, Stages
 from fleet.fert.gate import make_validator
 from fleet.fert.learner_config import LearnerConfig
-from fleet.protocol import VectorFleet, failure_replay, fleet_plan, run_retries, success_by_task
 from fleet.registry import CheckpointRegistry, checkpoint_with_critic
 
 
@@ -41,7 +41,7 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
     backend = str(c["job"].get("fleet_backend") or "ray")
     with_critic = bool(c["job"].get("fleet_critic", True))
     t0 = time.perf_counter()
-    if backend == "vector":    # every unit's envs stepped in batches, one policy call per step (fleet.protocol)
+    if backend == "vector":    # every unit's envs stepped in batches, one policy call per step (fleet.experiment.protocol)
         ckpt = reg.fetch(version, Path(c["fleet"]["cache_dir"]) / "fleet" / f"v{version:06d}")
         ec = EvalConfig.from_dict(c["eval"])
         fleet = VectorFleet(c, str(ckpt), c["store"]["url"], ec.batch_size, ec.processes, with_critic=with_critic)
@@ -142,8 +142,8 @@ def _fleet_round_and_learners(c: dict, sd: Path, seed: int, state: JobState, sta
 
 def record_curve(c: dict, sd: Path, seed: int, state: JobState, in_loop: list, heldout: list[int], reg,
                  progress: bool, bg, background: bool) -> None:
-    """Record (``state["curve"]``) and print the learning curve's new points (``fleet.curve``): first those of the
-    background call ``bg`` (a ``fleet.curve.BackgroundCurve``) started after the previous round, then, with
+    """Record (``state["curve"]``) and print the learning curve's new points (``fleet.experiment.curve``): first those of the
+    background call ``bg`` (a ``fleet.experiment.curve.BackgroundCurve``) started after the previous round, then, with
     ``background`` and ``job.background_curve``, start a background call for the versions published since;
     otherwise evaluate them here. Nothing without ``job.curve_trials_per_task`` or a ``fert`` arm in the loop.
 
@@ -209,7 +209,7 @@ def stage_fleet_rounds(c: dict, sd: Path, seed: int, state: JobState, stages: St
 
 
 def replay_round_failures(c: dict, checkpoint: str, rec: dict, out: Path, heldout: list[int]) -> dict:
-    """``fleet.protocol.failure_replay`` of a round's failed fleet trials with the round's new weights; printed."""
+    """``fleet.experiment.protocol.failure_replay`` of a round's failed fleet trials with the round's new weights; printed."""
     fr = failure_replay(c, checkpoint, rec["failed_trials"], str(out / "store"), heldout,
                         batch_size=EvalConfig.from_dict(c["eval"]).batch_size)
     tasks = ", ".join(f"{t} {k}/{n}" for t, (k, n) in sorted(fr["per_task"].items()))

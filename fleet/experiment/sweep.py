@@ -10,12 +10,10 @@ from pathlib import Path
 
 from experience_dict.store import ExperienceStore
 from fleet.coordinator import Fleet
-from fleet.evaluation import evaluate_arms
+from fleet.experiment.evaluation import evaluate_arms
+from fleet.experiment.protocol import run_retries
 from fleet.experiment.state import JobState
-from fleet.fert.learner import FertLearner
-from fleet.protocol import run_retries
-from fleet.registry import CheckpointRegistry
-from fleet.report import (
+from fleet.experiment.tables import (
     paired_differences,
     plot_success_per_round,
     success_table,
@@ -23,6 +21,8 @@ from fleet.report import (
     write_paired,
     write_table,
 )
+from fleet.fert.learner import FertLearner
+from fleet.registry import CheckpointRegistry
 
 
 def check_fleet_sizes(sizes: list[int], train_units: list[int]) -> None:

@@ -5,7 +5,7 @@ unknown key (``fert.top_kk=4``) or a wrong type (``fert.window=long``) is refuse
 naming the key, and a value out of range by ``configs.schema.check`` before any work. Every part of FERT reads
 its part of the group through ``from_dict`` of its dataclass, so a key a caller leaves out takes the value below:
 failure contexts and retrieval (``fleet.fert.data.FertData``), the failure retries
-(:class:`RetryConfig`, ``fleet.protocol.run_retries``), the success critic (:class:`CriticConfig`,
+(:class:`RetryConfig`, ``fleet.experiment.protocol.run_retries``), the success critic (:class:`CriticConfig`,
 ``fleet.fert.critic_fit.fit_critic``), the critic's distillation and the round's mix (``fleet.fert.learner``). Presets
 (``configs/experiment/*.yaml``) override fields of it. No heavy imports (numpy): ``policies`` and ``fleet`` import it.
 """
@@ -41,7 +41,7 @@ class GateConfig(TypedConfig):
 
 @dataclass
 class RetryConfig(TypedConfig):
-    """Failure-guided exploration (``fleet.protocol.run_retries``): each failed fleet trial re-attempted on the
+    """Failure-guided exploration (``fleet.experiment.protocol.run_retries``): each failed fleet trial re-attempted on the
     same unit and reset seed with held end-effector action noise, growing every attempt, until a success."""
 
     enabled: bool = True

@@ -27,7 +27,7 @@ def tasks_lost(tasks: dict, tolerance: float, alpha: float, correction: str = "n
     McNemar test (candidate worse, on the task's discordant trials) significant.
 
     Args:
-        tasks: ``{task: {"diff", "wins", "losses"}}`` (``fleet.report.paired_differences``' per-task cells).
+        tasks: ``{task: {"diff", "wins", "losses"}}`` (``fleet.experiment.tables.paired_differences``' per-task cells).
         tolerance: a fraction in [0, 1]. alpha: the test's level.
         correction: ``"none"``: each task tested at ``alpha`` (with m tasks and no true loss, some task is
             "lost" by chance in up to 1 - (1 - alpha)^m of the rounds); ``"holm"``: Holm's step-down over the m
@@ -55,7 +55,7 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
     Before a FERT round is published, the version the fleet runs now and the round's candidates (``finetuned``:
     the fine-tuned weights with the new critic; with ``learner.validate_critic_only``, ``critic_only``: the
     current weights with the new critic) play the same fixed plan of training-unit trials (seed stream
-    ``7000 + seed``, ``fleet.evaluation.evaluation_plan``; committed to ``<seed dir>/validation/eval_store``,
+    ``7000 + seed``, ``fleet.experiment.evaluation.evaluation_plan``; committed to ``<seed dir>/validation/eval_store``,
     never to the training store; arms ``round_<r>_current`` / ``round_<r>_<candidate>``, a checkpoint that played
     the plan in an earlier round is not run again). The candidate with the most successes is chosen (ties: the
     first, ``finetuned``), and it is published unless it is worse than the current version: its paired success
@@ -64,9 +64,9 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
     p < ``learner.validate_alpha``. A difference of two trials out of 30 is noise; without the test the gate
     rejected a candidate on 0 wins / 2 losses. The validator returns ``(chosen name or None, record)``; the
     factory returns None when the gate is off."""
-    from fleet.evaluation import evaluate_arms
+    from fleet.experiment.evaluation import evaluate_arms
+    from fleet.experiment.tables import paired_differences
     from fleet.registry import CheckpointRegistry
-    from fleet.report import paired_differences
 
     lc = LearnerConfig.from_dict(c["learner"])
     n = lc.validate_trials_per_task

@@ -464,7 +464,7 @@ class FertLearner:
         Raises (from the returned function):
             RuntimeError: the fitting process failed (its error chained)."""
         ccfg = self.fcfg.critic
-        from fleet.policies import resolve_device
+        from fleet.acting import resolve_device
 
         device = resolve_device(str(self.lcfg.device))
         if not ccfg.enabled or not ccfg.fit_process or str(device) != "cpu":
@@ -508,8 +508,8 @@ class FertLearner:
         ccfg = self.fcfg.critic
         if not ccfg.enabled:
             return None, None, 1
+        from fleet.acting import resolve_device
         from fleet.fert.critic_fit import fit_critic
-        from fleet.policies import resolve_device
 
         keys = critic_state_keys(policy)
         t0 = time.perf_counter()

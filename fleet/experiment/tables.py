@@ -51,7 +51,7 @@ def paired_differences(results: Mapping[str, Iterable[Mapping]], pairs: Sequence
                        n_boot: int = 10_000, seed: int = 0) -> dict:
     """Trial-by-trial success differences between arms that ran the same evaluation plan.
 
-    Episodes are matched on ``(task, unit_id, seed)`` (:func:`fleet.evaluation.evaluation_plan` gives every arm
+    Episodes are matched on ``(task, unit_id, seed)`` (:func:`fleet.experiment.evaluation.evaluation_plan` gives every arm
     the same trials), so the initial-state variance cancels out of the difference. For each pair
     ``(arm, baseline)`` and each task (and pooled over tasks): the mean difference ``success(arm) -
     success(baseline)`` over matched trials, its 95% interval from a paired bootstrap (trials resampled with

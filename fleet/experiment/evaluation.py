@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from fleet.eval_config import EvalConfig
+from fleet.experiment.eval_config import EvalConfig
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def evaluation_plan(tasks: list[str], units: list[int], trials_per_task: int, se
     """The held-out trials every arm runs: the same ``(task, unit, reset seed)`` list for every policy.
 
     Giving each arm the same initial states (common random numbers) removes the initial-state variance from
-    the differences between arms, so they can be compared trial by trial (:func:`fleet.report.paired_differences`).
+    the differences between arms, so they can be compared trial by trial (:func:`fleet.experiment.tables.paired_differences`).
     The ``g``-th trial overall (tasks in order, ``trials_per_task`` each) runs on ``units[g % len(units)]``, so units
     get equal shares; a unit's ``k``-th trial resets with ``fleet.worker.episode_seed(seed, unit, k)``.
 
@@ -100,7 +100,7 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
         from concurrent.futures import ProcessPoolExecutor
 
         n_proc = max(1, min(ecfg.processes, len(units)))
-        # one pool for every arm: its processes keep their envs (fleet.evaluation._ENVS) from arm to arm
+        # one pool for every arm: its processes keep their envs (fleet.experiment.evaluation._ENVS) from arm to arm
         ex = ProcessPoolExecutor(n_proc, mp_context=mp.get_context("spawn")) if n_proc > 1 else None
         import hashlib
 
@@ -224,7 +224,7 @@ def record_rollouts(cfg: dict, checkpoint: str | Path, out_dir: str | Path, unit
     """
     import imageio.v2 as imageio
 
-    from fleet.policies import TorchPolicy, load_checkpoint
+    from fleet.acting import TorchPolicy, load_checkpoint
     from sim import make_env
 
     out = Path(out_dir)
@@ -283,7 +283,7 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     Args:
         cfg: plain config (``robot``, ``obs``, ``task``; ``eval.max_envs``: the bound on pooled envs, null for
             4 x ``batch_size``, 2 x with images; see :func:`_wave_envs`). checkpoint: a saved policy directory.
-        plan: ``[{"task", "unit_id", "seed"}]`` (:func:`evaluation_plan`, ``fleet.protocol.fleet_plan``), a trial
+        plan: ``[{"task", "unit_id", "seed"}]`` (:func:`evaluation_plan`, ``fleet.experiment.protocol.fleet_plan``), a trial
             optionally with ``"explore"``: a failure retry's ``fleet.worker.Exploration`` dict (held action noise,
             denoising-noise temperature; its tags ``retry_of``, ``attempt``, ``exploration`` are committed with the
             episode, and the retry draws its denoising noise from ``fleet.worker.retry_noise_seed(seed, attempt)``,
@@ -358,7 +358,7 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
 
 def load_acting_policy(checkpoint: str | Path, with_critic: bool = True):
     """``(policy, version, graph batch size or None)`` for :func:`run_plan_vectorised`: a checkpoint directory
-    through ``fleet.policies.load_checkpoint``, or an export folder (``export.json``, ``scripts/export.py``) through
+    through ``fleet.acting.load_checkpoint``, or an export folder (``export.json``, ``scripts/export.py``) through
     the deploy runtime (``policies.runtime.PolicyRuntime``) exactly as a robot loads it: with ONNX graphs, every
     chunk comes from the graph in ONNX Runtime (``backend="onnx"``) at the graph's batch size, which is returned so
     the trials run in waves of that size; the version is the exported registry version (0 when unknown).
@@ -366,7 +366,7 @@ def load_acting_policy(checkpoint: str | Path, with_critic: bool = True):
     Raises:
         as ``load_checkpoint`` / ``PolicyRuntime.load``.
     """
-    from fleet.policies import load_checkpoint
+    from fleet.acting import load_checkpoint
     from policies.runtime import EXPORT_META, PolicyRuntime
 
     d = Path(checkpoint)

@@ -193,7 +193,7 @@ def failure_replay(cfg: dict, checkpoint: str, failures: Sequence[dict], store_u
 
     Every failed fleet trial of a training unit (``{"task", "unit_id", "seed"}``; retries and held-out units are
     skipped) is played again, unperturbed, by ``checkpoint`` from the same reset seed, its denoising noise seeded
-    by the reset seed as on a fleet worker (``fleet.evaluation.run_plan_vectorised``; the episodes go to
+    by the reset seed as on a fleet worker (``fleet.experiment.evaluation.run_plan_vectorised``; the episodes go to
     ``store_url``, never the training store). The version that failed them fails every one again (each trial is
     a function of (task, unit, seed, weights)), so ``solved`` counts what the update changed on exactly the
     states where the fleet failed. It is a training-set figure: the held-out evaluation says whether it
@@ -204,7 +204,7 @@ def failure_replay(cfg: dict, checkpoint: str, failures: Sequence[dict], store_u
     Returns:
         ``{"failures": n, "solved": k, "share": k / n (None when n = 0), "per_task": {task: [k, n]}}``.
     """
-    from fleet.evaluation import run_plan_vectorised
+    from fleet.experiment.evaluation import run_plan_vectorised
 
     plan = [{"task": str(f["task"]), "unit_id": int(f["unit_id"]), "seed": int(f["seed"])}
             for f in policy_failures(failures, heldout)]
@@ -265,7 +265,7 @@ def reexplore(c: dict, reader, policy: str, heldout: Sequence[int], dst_url: str
 
 class VectorFleet:
     """The synchronous protocol's fleet stepped in batches instead of Ray actors: a plan's trials (fleet episodes
-    and failure retries alike) run through ``fleet.evaluation.run_plan_parallel``, ``batch_size`` robot units'
+    and failure retries alike) run through ``fleet.experiment.evaluation.run_plan_parallel``, ``batch_size`` robot units'
     envs stepped together with one batched policy call per control step, in ``processes`` spawned processes split
     by unit (each unit's store shard keeps one writer, ``fleet.worker.writer_id``, as on a Ray worker).
 
@@ -299,10 +299,10 @@ class VectorFleet:
 
     def run(self, plan: list[dict], progress: bool = True, desc: str = "fleet"):
         """Run ``plan`` (``[{"task", "unit_id", "seed"[, "explore"]}]``); returns a namespace with ``episodes``
-        (one summary per trial, in plan order; ``fleet.evaluation.run_plan_vectorised``)."""
+        (one summary per trial, in plan order; ``fleet.experiment.evaluation.run_plan_vectorised``)."""
         from types import SimpleNamespace
 
-        from fleet.evaluation import run_plan_parallel
+        from fleet.experiment.evaluation import run_plan_parallel
 
         eps = run_plan_parallel(self.cfg, self.checkpoint, plan, self.store_url, self.batch_size, self.processes,
                                 progress, desc, executor=self._ex, with_critic=self.with_critic) if plan else []

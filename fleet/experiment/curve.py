@@ -7,7 +7,7 @@ each (``learner.torch_threads``; two threads collapse on a shared 2-core machine
 the 2-core default machine one core idles for most of a round. The curve's evaluation of the versions a round
 published (~70 s of two processes on the default job) runs there, one process at ``nice`` 10, so that it takes
 the idle core and yields the busy ones. A trial is a function of (task, unit, reset seed, checkpoint)
-(``fleet.evaluation.run_plan_vectorised``), so where and when a version is evaluated does not change its
+(``fleet.experiment.evaluation.run_plan_vectorised``), so where and when a version is evaluated does not change its
 episodes.
 """
 
@@ -34,8 +34,8 @@ def learning_curve(c: dict, sd: Path, reg, heldout: list[int], progress: bool,
     Returns ``[{"round", "version", "kind", "heldout", "heldout_critic", "per_task", "per_task_critic",
     "successes", "trials", "successes_critic"}]`` (rates in [0, 1]; ``round`` -1 is the base; ``heldout_critic``
     None without a critic)."""
-    from fleet.evaluation import evaluate_arms
-    from fleet.protocol import success_by_task
+    from fleet.experiment.evaluation import evaluate_arms
+    from fleet.experiment.protocol import success_by_task
     from fleet.registry import checkpoint_with_critic
     from policies.critic import CRITIC_FILES
 

@@ -3,7 +3,7 @@
 :class:`EvalConfig` is registered in Hydra's ConfigStore as ``eval/default`` (:mod:`configs.typed`), so an
 unknown key (``eval.trails_per_task=5``) or a wrong type is refused while the config is composed, naming the key,
 and a value out of range by ``configs.schema.check`` before any work. Held-out evaluation
-(``fleet.evaluation.evaluate_arms``), the vectorised fleet of the main job's rounds and ``scripts/eval.py`` read
+(``fleet.experiment.evaluation.evaluate_arms``), the vectorised fleet of the main job's rounds and ``scripts/eval.py`` read
 it through :meth:`EvalConfig.from_dict`, so a key a caller leaves out takes the value below.
 """
 
@@ -19,7 +19,7 @@ from configs.rules import POS, TypedConfig, integer, one_of, optional
 @dataclass
 class EvalConfig(TypedConfig):
     """Held-out evaluation: every arm plays the same fixed plan of (task, unit, reset seed) trials (common random
-    numbers; ``fleet.evaluation.evaluation_plan``), so arms are compared trial by trial.
+    numbers; ``fleet.experiment.evaluation.evaluation_plan``), so arms are compared trial by trial.
 
     Raises:
         configs.rules.ConfigError: (a ``ValueError``) listing every value out of its range,
@@ -49,7 +49,7 @@ class EvalConfig(TypedConfig):
     """``scripts/eval.py``: the arm the others are compared with trial by trial (paired differences); null: none."""
     backend: str = "vector"
     """vector: ``batch_size`` envs stepped together with one batched policy call per step, in ``processes``
-    spawned processes (``fleet.evaluation.run_plan_vectorised``) | ray: the fleet's workers."""
+    spawned processes (``fleet.experiment.evaluation.run_plan_vectorised``) | ray: the fleet's workers."""
     batch_size: int = 32
     """Envs stepped together per process (vector backend; also the main job's vectorised fleet)."""
     processes: int = 2
