@@ -20,8 +20,6 @@ from configs.rules import (
     POS,
     ConfigError,
     Rule,
-    boolean,
-    int_list,
     integer,
     number,
     one_of,
@@ -63,15 +61,9 @@ RULES: dict[str, Rule] = {
     "fleet.torch_threads": POS, "fleet.head_lost_after_s": number(0), "fleet.shard_wait_s": number(0), "fleet.placement": one_of("pack", "spread"),
     "fleet.policy_server": lambda v: None if v in (True, False, "auto") else "true, false or 'auto'",
     "robot.stratify_block": optional(integer(0)),
-    "job.base_steps": POS, "job.base_select": one_of("val_loss", "success"), "job.base_select_trials_per_task": POS, "job.demos_per_task": POS, "job.seeds": int_list(0),
-    "job.fleet_backend": one_of("vector", "ray"), "job.curve_trials_per_task": integer(0), "job.fleet_critic": boolean,
-    "job.overlap_offline_arms": boolean, "job.background_curve": boolean,
     "deploy.export.onnx_steps": lambda v: None if v is None or (isinstance(v, list | tuple) and all(
         integer(1)(x) is None for x in v)) else "null or a list of integers >= 1",
     "deploy.export.onnx_batch_size": POS, "deploy.run.backend": one_of("auto", "torch", "onnx"),
-    "chaos.kills": integer(0), "chaos.units": POS, "chaos.interval_s": number(0, open_lo=True),
-    "async_run.learner_rounds": optional(integer(1)), "async_run.min_new_episodes": optional(integer(1)),
-    "async_run.wave": POS, "async_run.max_wall_s": number(0, open_lo=True),
     # what reaches a model: the policy's shape and sampler (policies.aed_diffusion.AEDDiffusionConfig, mlp_chunk)
     "policy.action_dim": POS, "policy.n_obs_steps": POS, "policy.horizon": POS, "policy.n_action_steps": POS,
     "policy.dim": POS, "policy.n_layers": POS, "policy.n_heads": POS, "policy.mlp_ratio": number(0, open_lo=True),
@@ -96,8 +88,6 @@ RULES: dict[str, Rule] = {
     "obs.image_size": POS,
     "fleet.server_max_batch": POS, "fleet.server_max_wait_ms": number(0), "fleet.server_retry_s": number(0),
     "fleet.expert_noise_std": number(0),
-    "job.fleet_episodes_per_unit": POS, "job.val_demos_per_task": integer(0), "job.demo_noise_std": number(0),
-    "job.videos": integer(0), "job.video_episodes": integer(0), "job.sweep_episodes_per_unit": POS,
 }
 
 
@@ -144,7 +134,7 @@ def _get(cfg: Mapping, dotted: str) -> tuple[bool, Any]:
 CONFIG_DIR = Path(__file__).resolve().parent
 # subtrees a script reads as a whole, added on the command line with `+` (e.g. `+bench.cluster=true`,
 # `+store.storage_options={...}`): any key under a component of this name is accepted
-FREE_FORM = frozenset({"bench", "check", "cluster", "storage_options", "runtime_env", "worker_resources"})
+FREE_FORM = frozenset({"bench", "cluster", "storage_options", "runtime_env", "worker_resources"})
 
 
 def _flat_keys(node: Any, prefix: str, out: dict[str, Any]) -> None:

@@ -9,7 +9,9 @@ Importing this module registers the groups (:func:`register`); every entry point
 imports it first (``import configs.typed`` in each Hydra script, ``tests/conftest.py``).
 
 Migrated so far: ``learner`` (:class:`fleet.fert.learner_config.LearnerConfig`), ``train``
-(:class:`policies.train_config.TrainConfig`), ``fert`` (:class:`fleet.fert.config.FertConfig`), ``eval`` (:class:`fleet.experiment.eval_config.EvalConfig`); new groups are typed from the start: ``steer``
+(:class:`policies.train_config.TrainConfig`), ``fert`` (:class:`fleet.fert.config.FertConfig`), ``eval`` (:class:`fleet.experiment.eval_config.EvalConfig`), ``job``
+(:class:`fleet.experiment.job_config.JobConfig`), the scripts' ``sim``, ``chaos``, ``async_run``, ``ablate`` and ``compare``
+(:mod:`configs.scripts`); new groups are typed from the start: ``steer``
 (:class:`policies.noise_actor.SteerConfig`).
 """
 
@@ -20,14 +22,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from configs.rules import ConfigError
+from configs.scripts import AblateConfig, AsyncRunConfig, ChaosConfig, CompareConfig, SimConfig
 from fleet.experiment.eval_config import EvalConfig
+from fleet.experiment.job_config import JobConfig
 from fleet.fert.config import FertConfig
 from fleet.fert.learner_config import LearnerConfig
 from policies.noise_actor import SteerConfig
 from policies.train_config import TrainConfig
 
 TYPED_GROUPS: dict[str, type] = {"learner": LearnerConfig, "steer": SteerConfig, "train": TrainConfig,
-                                 "fert": FertConfig, "eval": EvalConfig}
+                                 "fert": FertConfig, "eval": EvalConfig,
+                                 "job": JobConfig, "sim": SimConfig, "chaos": ChaosConfig, "async_run": AsyncRunConfig,
+                                 "ablate": AblateConfig, "compare": CompareConfig}
 
 
 def register() -> None:

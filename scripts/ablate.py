@@ -70,12 +70,13 @@ def main(cfg: DictConfig) -> None:
     from configs.schema import check_or_exit
 
     check_or_exit(cfg)   # every value against its rule, before any work
+    from configs.scripts import AblateConfig
     from experience_dict.store import ExperienceStore
     from fleet.experiment.arms import fert_config, get_arms, train_offline_arm
     from fleet.experiment.evaluation import evaluate_arms
 
-    a = cfg.ablate
-    if a.get("pool"):
+    a = AblateConfig.from_dict(cfg.ablate)
+    if a.pool:
         return pool([Path(p) for p in a.pool], Path(cfg.output_dir).resolve(), str(a.baseline))
     if not a.run_dir:
         raise SystemExit("ablate.run_dir: give a finished scripts/run.py seed directory, e.g. outputs/<run>/seed_0")
@@ -91,8 +92,8 @@ def main(cfg: DictConfig) -> None:
     c = {**frozen, "fert": here["fert"], "learner": here["learner"], "train": {**frozen["train"], "progress": False},
          "fleet": {**frozen["fleet"], "registry_url": str(out / "registry"), "cache_dir": str(out / "cache")}}
     c["fert"]["gate"] = {**c["fert"].get("gate", {})}
-    if a.get("eval_seed") is not None:   # a development trial plan, apart from the run's test plan
-        c["eval"] = {**frozen["eval"], "seed": int(a.eval_seed)}
+    if a.eval_seed is not None:   # a development trial plan, apart from the run's test plan
+        c["eval"] = {**frozen["eval"], "seed": a.eval_seed}
     reader = ExperienceStore.open(frozen["store"]["url"])
     heldout = [int(u) for u in frozen["robot"]["heldout_units"]]
     base = {k: state[k]["checkpoint"] for k in ("base", "base_no_aed") if k in state}
@@ -100,9 +101,9 @@ def main(cfg: DictConfig) -> None:
     if missing:
         raise ValueError(f"ablate.arms: {[x.name for x in arms if x.init in missing]} start from {missing}, which "
                          f"{run_dir} did not train (its job.arms had no arm that starts from it)")
-    if a.get("reexplore"):   # the same failures, explored again with this command line's fert.retry
+    if a.reexplore:   # the same failures, explored again with this command line's fert.retry
         reader = reexplore_store(c, reader, base["base"], heldout, out)
-    seeds = [int(s) for s in a.seeds]
+    seeds = list(a.seeds)
     results = {}
     for s in seeds:
         ckpts = {baseline: base.get(baseline) or state[baseline]["checkpoint"]}

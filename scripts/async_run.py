@@ -41,7 +41,9 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+from configs.scripts import AsyncRunConfig
 from fleet.experiment.eval_config import EvalConfig
+from fleet.experiment.job_config import JobConfig
 from fleet.progress import calm_progress
 from policies.threads import passive_wait
 
@@ -80,7 +82,7 @@ class FollowingFleet:
         self.should_stop = should_stop or (lambda: False)
         ec = EvalConfig.from_dict(c["eval"])
         self.vf = VectorFleet(c, "", c["store"]["url"], ec.batch_size, ec.processes,
-                              with_critic=bool(c["job"].get("fleet_critic", True)))
+                              with_critic=JobConfig.from_dict(c["job"]).fleet_critic)
         self.waves: list[dict] = []
         self.episodes = 0
 
@@ -116,9 +118,10 @@ def fleet_loop(c: dict, fleet: FollowingFleet, units: list[int], heldout: list[i
     from fleet.experiment.protocol import fleet_plan, run_retries
 
     rcfg = dict(c["fert"].get("retry") or {})
+    per_unit = JobConfig.from_dict(c["job"]).fleet_episodes_per_unit
     r = 0
     while not stop.is_set():
-        plan = fleet_plan(list(c["task"]["tasks"]), units, int(c["job"]["fleet_episodes_per_unit"]), int(c["seed"]), r)
+        plan = fleet_plan(list(c["task"]["tasks"]), units, per_unit, int(c["seed"]), r)
         eps = fleet.run(plan).episodes
         fails = [{"episode_id": e["episode_id"], "task": e["task"], "unit_id": int(e["unit_id"]), "seed": int(e["seed"])}
                  for e in eps if not e["success"]]
@@ -156,7 +159,6 @@ def prepare(c: dict, src: Path, out: Path) -> str:
 
 
 def run(cfg) -> dict:
-    from omegaconf import OmegaConf
 
     from experience_dict.store import ExperienceStore
     from fleet.experiment.curve import learning_curve, print_curve
@@ -165,11 +167,11 @@ def run(cfg) -> dict:
     from fleet.registry import CheckpointRegistry
     from sim import unit_lists
 
-    a = OmegaConf.to_container(cfg.async_run, resolve=True)
-    if not a.get("from_dir"):
+    a = AsyncRunConfig.from_dict(cfg.async_run)
+    if not a.from_dir:
         raise SystemExit("async_run.from_dir: give the synchronous job's seed dir, e.g. "
                          "async_run.from_dir=outputs/<date>/<time>/seed_0")
-    src = Path(str(a["from_dir"])).resolve()
+    src = Path(a.from_dir).resolve()
     if not (src / "job_state.json").is_file() or not (src / "config.json").is_file():
         raise SystemExit(f"async_run.from_dir={src}: not a finished synchronous seed dir (no job_state.json / "
                          "config.json; run scripts/run.py first)")
@@ -180,13 +182,13 @@ def run(cfg) -> dict:
     c = seed_config(src_c, out, seed)
     train_units, heldout = unit_lists(c["robot"])
     units = train_units[: int(c["fleet"]["units"])]
-    rounds = int(a.get("learner_rounds") or c["fert"]["rounds"])
-    min_new = int(a.get("min_new_episodes") or len(units) * int(c["job"]["fleet_episodes_per_unit"]))
-    c["learner"] = {**c["learner"], "min_new_episodes": min_new, "max_wait_s": float(a["max_wall_s"]), "poll_s": 2.0}
+    rounds = int(a.learner_rounds or c["fert"]["rounds"])
+    min_new = a.min_new_episodes or len(units) * JobConfig.from_dict(c["job"]).fleet_episodes_per_unit
+    c["learner"] = {**c["learner"], "min_new_episodes": min_new, "max_wait_s": float(a.max_wall_s), "poll_s": 2.0}
     (out / "config.json").write_text(json.dumps(c, indent=1))
     base = prepare(c, src, out)
     reg = CheckpointRegistry(c["fleet"]["registry_url"])
-    print(f"async run -> {out}\n  from {src} (seed {seed}); fleet units {units}, waves of {a['wave']} trials; "
+    print(f"async run -> {out}\n  from {src} (seed {seed}); fleet units {units}, waves of {a.wave} trials; "
           f"learner: {rounds} rounds, each after {min_new} new fleet episodes", flush=True)
 
     spec = out / "learner_spec.json"

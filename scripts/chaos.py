@@ -1,6 +1,6 @@
 """Chaos run: the fleet keeps working while its processes are SIGKILLed at random.
 
-    python scripts/chaos.py                                  # 100 kills (configs/chaos/default.yaml)
+    python scripts/chaos.py                                  # 100 kills (configs/scripts.py ChaosConfig)
     python scripts/chaos.py chaos.kills=10 chaos.units=2     # a short one
 
 On this machine only (local Ray, a local Zarr store and registry in the run directory): scripted demonstrations,
@@ -34,6 +34,7 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+from configs.scripts import ChaosConfig
 from fleet.progress import calm_progress
 from policies.threads import passive_wait
 
@@ -62,9 +63,9 @@ def main_cfg(cfg) -> dict:
     c = _plain(cfg)
     for k in ("fert", "learner", "train"):   # the learner's groups
         c[k] = OmegaConf.to_container(cfg[k], resolve=True)
-    ch = OmegaConf.to_container(cfg.chaos, resolve=True)
+    ch = ChaosConfig.from_dict(cfg.chaos)
     out = Path(str(cfg.output_dir)).resolve()
-    c["task"] = {**c["task"], "tasks": list(ch["tasks"]), "max_episode_steps": int(ch["max_episode_steps"])}
+    c["task"] = {**c["task"], "tasks": ch.tasks, "max_episode_steps": ch.max_episode_steps}
     c["store"] = {**c["store"], "url": str(out / "store")}
     c["fleet"] = {**c["fleet"], "registry_url": str(out / "registry"), "cache_dir": str(out / "cache"),
                   "policy_server": True, "max_restarts": -1, "max_recreates": 1000, "episode_timeout_s": 90,
@@ -72,7 +73,7 @@ def main_cfg(cfg) -> dict:
     return {"c": c, "chaos": ch, "out": out, "full": OmegaConf.to_container(cfg, resolve=False)}
 
 
-def prepare(c: dict, ch: dict, out: Path, full_cfg) -> str:
+def prepare(c: dict, ch: ChaosConfig, out: Path, full_cfg) -> str:
     """Demonstrations and a tiny base policy published as version 1; returns the base checkpoint dir."""
     from experience_dict.store import ExperienceStore
     from fleet.experiment.protocol import collect_demos
@@ -82,14 +83,14 @@ def prepare(c: dict, ch: dict, out: Path, full_cfg) -> str:
     reg = CheckpointRegistry(c["fleet"]["registry_url"])
     if reg.latest_version() is not None and last_checkpoint(out / "base") is not None:   # a re-run in the same dir
         return str(last_checkpoint(out / "base") / "pretrained_model")
-    units = list(range(int(ch["units"])))
-    collect_demos(c, units, int(ch["demos_per_task"]), 0.0, 0, c["store"]["url"], progress=False)
+    units = list(range(ch.units))
+    collect_demos(c, units, ch.demos_per_task, 0.0, 0, c["store"]["url"], progress=False)
     reader = ExperienceStore.open(c["store"]["url"])
-    pcfg = {**dict(full_cfg["policy"]), **dict(ch["policy"])}
+    pcfg = {**dict(full_cfg["policy"]), **ch.policy}
     from omegaconf import OmegaConf
 
     pcfg = OmegaConf.to_container(OmegaConf.create(pcfg), resolve=True)
-    res = train_policy({"steps": int(ch["base_steps"]), "batch_size": 32, "save_every": int(ch["base_steps"]),
+    res = train_policy({"steps": ch.base_steps, "batch_size": 32, "save_every": ch.base_steps,
                         "progress": False, "wandb": {"enabled": False}, "seed": 0},
                        out / "base", policy_cfg=pcfg, reader=reader,
                        episodes=reader.episodes(is_demo=True), device="cpu")
@@ -104,14 +105,14 @@ class Learner:
         self.spec = out / "learner_spec.json"
         self.stop_file = out / "learner.stop"
         self.stop_file.unlink(missing_ok=True)
-        lcfg = {**c, "learner": {**c["learner"], "updates_per_version": int(ch["learner_updates"]),
+        lcfg = {**c, "learner": {**c["learner"], "updates_per_version": ch.learner_updates,
                                  "min_new_episodes": 10, "max_wait_s": 120, "poll_s": 1.0, "batch_size": 16,
                                  "device": "cpu", "torch_threads": 1, "warmup_steps": 2},
                 "train": {**c.get("train", {}), "wandb": {"enabled": False}, "log_every": 5, "progress": False}}
         # the success critic (fert.critic) fitted as briefly as the policy: rounds stay short, versions frequent
         critic = dict(c["fert"].get("critic") or {})
         if critic.get("enabled"):
-            lcfg["fert"] = {**c["fert"], "critic": {**critic, "updates": int(ch["learner_updates"])},
+            lcfg["fert"] = {**c["fert"], "critic": {**critic, "updates": ch.learner_updates},
                             # and its chosen chunks distilled at few states (learner.round_init: published)
                             "distill": {**dict(c["fert"].get("distill") or {}), "states_per_task": 64}}
         self.spec.write_text(json.dumps({"cfg": lcfg, "store": c["store"]["url"], "registry": c["fleet"]["registry_url"],
@@ -160,18 +161,18 @@ def run(cfg) -> dict:
     seen: set[str] = set()
     kills: Counter = Counter()
     skipped: Counter = Counter()
-    units = list(range(int(ch["units"])))
+    units = list(range(ch.units))
     done = threading.Event()
     rng = random.Random(int(cfg.seed))
-    kinds = list(ch["targets"])
-    odds = [float(ch["targets"][k]) for k in kinds]
+    kinds = list(ch.targets)
+    odds = [float(ch.targets[k]) for k in kinds]
     t0 = time.monotonic()
     with Fleet(c, policy="latest", units=units, use_server=True) as fleet:
         box: dict = {}
 
         def go():
             try:
-                box["result"] = fleet.run(wall_time_s=float(ch["max_wall_s"]) + float(ch["settle_s"]) + 600,
+                box["result"] = fleet.run(wall_time_s=ch.max_wall_s + ch.settle_s + 600,
                                           progress=False, should_stop=done.is_set,
                                           on_episode=lambda s: reported.add(s["episode_id"]))
             except BaseException as e:  # noqa: BLE001 - reported
@@ -180,8 +181,8 @@ def run(cfg) -> dict:
         th = threading.Thread(target=go, daemon=True)
         th.start()
         last_snapshot = 0
-        while sum(kills.values()) < int(ch["kills"]) and time.monotonic() - t0 < float(ch["max_wall_s"]) and th.is_alive():
-            time.sleep(float(ch["interval_s"]))
+        while sum(kills.values()) < ch.kills and time.monotonic() - t0 < ch.max_wall_s and th.is_alive():
+            time.sleep(ch.interval_s)
             learner.ensure()
             kind = rng.choices(kinds, odds)[0]
             pid = _target_pid(kind, fleet, learner, rng, units)
@@ -201,7 +202,7 @@ def run(cfg) -> dict:
         kill_s = time.monotonic() - t0
         learner.ensure()
         n_before = len(reported)
-        settle_end = time.monotonic() + float(ch["settle_s"])
+        settle_end = time.monotonic() + ch.settle_s
         while time.monotonic() < settle_end and th.is_alive():   # every process back and committing again
             time.sleep(1.0)
         done.set()

@@ -32,6 +32,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
+from configs.scripts import CompareConfig
+from fleet.experiment.job_config import JobConfig
 from fleet.progress import calm_progress
 from policies.threads import passive_wait
 
@@ -96,13 +98,13 @@ def main(cfg: DictConfig) -> None:
     out = Path(cfg.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     c = plain_config(cfg, out)
-    cmp_cfg = c.get("compare") or {}
-    variants = DEFAULT_VARIANTS if cmp_cfg.get("variants") is None else cmp_cfg["variants"]
+    cmp_cfg = CompareConfig.from_dict(c.get("compare"))
+    variants = DEFAULT_VARIANTS if cmp_cfg.variants is None else cmp_cfg.variants
     policies = variant_policies(c["policy"], variants)
-    base = cmp_cfg.get("baseline")
+    base = cmp_cfg.baseline
     if base not in policies:
         raise SystemExit(f"compare.baseline: expected one of the variants {sorted(policies)}, given {base!r}")
-    seeds = [int(s) for s in (c["job"].get("seeds") or [c["seed"]])]
+    seeds = list(JobConfig.from_dict(c["job"]).seeds)
     print(f"compare {sorted(policies)} against {base!r}: seeds {seeds}, {c['eval']['trials_per_task']} held-out trials "
           f"per task -> {out}", flush=True)
     stages = Stages(([2] + [6] * len(policies) + [4]) * len(seeds))

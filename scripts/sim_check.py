@@ -5,7 +5,7 @@ table per task and unit.
     python scripts/sim_check.py task=mw10 +sim.check.episodes=3 obs.cameras=[corner2]
 
 Writes ``<output_dir>/sim_check_units.png`` and ``<output_dir>/sim_check.json`` (success per task and unit) and
-prints the table. Settings: ``sim.check`` (configs/sim/default.yaml).
+prints the table. Settings: ``sim.check`` (:class:`configs.scripts.SimCheckConfig`).
 """
 
 from __future__ import annotations
@@ -16,19 +16,18 @@ from pathlib import Path
 
 import hydra
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
 import sim
+from configs.scripts import SimConfig
 from sim.units import as_dict
-
-SIM_DEFAULTS = Path(__file__).resolve().parents[1] / "configs" / "sim" / "default.yaml"
 
 
 def sim_settings(cfg: DictConfig) -> dict:
-    """``cfg.sim`` merged over configs/sim/default.yaml (so the script also runs before the root config names it)."""
-    return as_dict(OmegaConf.merge(OmegaConf.load(SIM_DEFAULTS), cfg.get("sim") or {}))
+    """``cfg.sim`` as a plain dict with every key (:class:`configs.scripts.SimConfig`'s defaults for a key it lacks)."""
+    return SimConfig.from_dict(cfg.get("sim")).to_dict()
 
 
 def render_units_png(cfg: DictConfig, task: str, units: list[int], heldout: set[int], size: int, path: Path) -> None:

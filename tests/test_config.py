@@ -40,8 +40,9 @@ def test_defaults_pass_and_every_rule_names_a_real_key():
     ("fleet.episodes_per_unit=0", "fleet.episodes_per_unit: expected null or an integer >= 1, given 0"),
     ("train.lr=0", "train.lr: expected a number > 0, given 0"),
     ("store.url=/proc/fleetmind/store", "store.url: expected a creatable directory"),
-    ("job.base_steps=true", "job.base_steps: expected an integer >= 1, given True"),
-    ("+job.fleet_unitz=2", "job.fleet_unitz: unknown key (no component reads it"),
+    ("job.base_steps=0", "job.base_steps: expected an integer >= 1, given 0"),
+    ("chaos.targets={worker: -1}", "chaos.targets: expected a mapping of worker / learner / server to odds >= 0"),
+    ("+fleet.unitz=2", "fleet.unitz: unknown key (no component reads it"),
     ("fleet.policy_server=sometimes", "fleet.policy_server: expected true, false or 'auto', given 'sometimes'"),
     # numeric values that reach a model or a robot, and the rules between them
     ("policy.num_inference_steps=0", "policy.num_inference_steps: expected an integer >= 1, given 0"),
@@ -124,8 +125,9 @@ def test_every_group_option_declares_what_it_sets_and_free_form_subtrees_stay_op
     for group in sorted(p for p in (REPO / "configs").iterdir() if p.is_dir() and not p.name.startswith("_")):
         for option in sorted(group.glob("*.yaml")):
             assert [p for p in problems(cfg(f"{group.name}={option.stem}")) if "unknown key" in p] == [], option
-    c = cfg("+bench.cluster=true", "+store.storage_options={endpoint_url: x}", "+sim.check.extra=2")
+    c = cfg("+bench.cluster=true", "+store.storage_options={endpoint_url: x}")
     assert problems(c) == []
+    assert any("sim.check: unknown keys ['extra']" in p for p in problems(cfg("+sim.check.extra=2")))
     assert unknown_keys({"task": {"tasks": [], "sute": "x"}, "job": {}, "fleet": {}}) == ["task.sute"]
 
 

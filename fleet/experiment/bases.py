@@ -9,6 +9,7 @@ from pathlib import Path
 
 from experience_dict.store import ExperienceStore
 from fleet.experiment.evaluation import evaluate_arms
+from fleet.experiment.job_config import JobConfig
 from fleet.experiment.protocol import collect_demos
 from fleet.experiment.state import JobState, Stages
 
@@ -26,7 +27,7 @@ def train_base(c: dict, reader, demos, out_dir: Path, aed: bool, val_reader=None
     if "aed" in policy_cfg:
         policy_cfg["aed"] = {**policy_cfg["aed"], "enabled": aed}
     tcfg = {k: v for k, v in c["train"].items() if k not in ("out_dir", "init_from", "episodes")}
-    tcfg["steps"] = int(c["job"]["base_steps"])
+    tcfg["steps"] = JobConfig.from_dict(c["job"]).base_steps
     tcfg["desc"] = f"train {'base' if aed else 'base_no_aed'} (seed {c['seed']})"
     tcfg["wandb"] = {**tcfg.get("wandb", {}), "name": f"{out_dir.name}-seed{c['seed']}"}
     val = None
@@ -36,7 +37,7 @@ def train_base(c: dict, reader, demos, out_dir: Path, aed: bool, val_reader=None
     res = train_policy(tcfg, out_dir, policy_cfg=policy_cfg, reader=reader, episodes=demos, device=c["device"],
                        val_dataset=val)
     curve = res.get("val_curve") or []
-    if str(c["job"].get("base_select") or "val_loss") == "success":
+    if JobConfig.from_dict(c["job"]).base_select == "success":
         return select_base_by_success(c, out_dir, curve, res)
     if curve:
         best = min(curve, key=lambda p: p["val_loss"])
@@ -63,7 +64,7 @@ def select_base_by_success(c: dict, out_dir: Path, val_curve: list[dict], res: d
     if not points:
         points = [{"step": res["step"], "checkpoint": str(res["checkpoint"])}]
     units = unit_lists(c["robot"])[0][: int(c["fleet"]["units"])]
-    n = int(c["job"].get("base_select_trials_per_task") or 10)
+    n = JobConfig.from_dict(c["job"]).base_select_trials_per_task
     cs = {**c, "eval": {**c["eval"], "seed": 6000 + int(c["seed"])}}
     eps = evaluate_arms(cs, {f"step_{p['step']}": p["checkpoint"] for p in points}, out_dir / "select", n,
                         units=units, progress=False)
@@ -115,13 +116,13 @@ def stage_demos_and_bases(c: dict, sd: Path, seed: int, state: JobState, stages:
     """Collect the demonstrations (and the validation demonstrations) and train the bases: with AED, and
     without it when ``need_no_aed`` (some arm starts from ``base_no_aed``); returns ``(store reader,
     {"base": checkpoint dir[, "base_no_aed": checkpoint dir]})``."""
-    job = c["job"]
+    job = JobConfig.from_dict(c["job"])
     reader, val_reader = stage_demos(c, sd, seed, state, stages, progress)
     demos = reader.episodes(is_demo=True, success=True)
     bases = [("base", True)] + ([("base_no_aed", False)] if need_no_aed else [])
     for name, aed in bases:
-        stages.start(f"seed {seed}: train {name} on {len(demos)} demonstrations (at most {job['base_steps']} steps, "
-                     + ("the checkpoint with the most training-unit successes)" if job.get("base_select") == "success"
+        stages.start(f"seed {seed}: train {name} on {len(demos)} demonstrations (at most {job.base_steps} steps, "
+                     + ("the checkpoint with the most training-unit successes)" if job.base_select == "success"
                         else "the checkpoint with the lowest validation loss)"))
         stage_base(c, state, name, reader, demos, sd / name, aed, val_reader)
     return reader, {name: state.get(name)["checkpoint"] for name, _ in bases}
@@ -140,16 +141,16 @@ def stage_demos(c: dict, sd: Path, seed: int, state: JobState, stages: Stages, p
     """Collect the demonstrations into the run's store and the validation demonstrations into ``<sd>/val_store``
     (``job.val_demos_per_task``; 0: none), once per seed (``state`` stage ``demos``); returns ``(store reader,
     validation store reader or None)``."""
-    job = c["job"]
+    job = JobConfig.from_dict(c["job"])
     stages.start(f"seed {seed}: demonstrations")
-    n_val = int(job.get("val_demos_per_task") or 0)
+    n_val = job.val_demos_per_task
     val_url = str(sd / "val_store")
     if not state.done("demos"):
         dc, dunits = demo_config(c)
-        res = collect_demos(dc, dunits, int(job["demos_per_task"]), float(job["demo_noise_std"]), seed,
+        res = collect_demos(dc, dunits, job.demos_per_task, job.demo_noise_std, seed,
                             c["store"]["url"], progress=progress)
         if n_val:   # held-out demonstrations for the base's validation loss, in a store of their own
-            res["validation"] = collect_demos(dc, dunits, n_val, float(job["demo_noise_std"]), 500 + seed, val_url,
+            res["validation"] = collect_demos(dc, dunits, n_val, job.demo_noise_std, 500 + seed, val_url,
                                               progress=progress)
         state.mark("demos", {**res, "units": dunits})
     print(f"demos: {state.get('demos')}", flush=True)

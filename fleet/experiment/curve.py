@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Self
 
+from fleet.experiment.job_config import JobConfig
+
 BACKGROUND_NICE = 10   # niceness of the background evaluation: ~10 % of a core it shares with a nice-0 process
 
 
@@ -42,7 +44,7 @@ def learning_curve(c: dict, sd: Path, reg, heldout: list[int], progress: bool,
     sd = Path(sd)
     have = have or []
     seen = {int(p["version"]) for p in have}
-    n = int(c["job"]["curve_trials_per_task"])
+    n = JobConfig.from_dict(c["job"]).curve_trials_per_task
     out = []
     for v in reg.versions():
         if v in seen:

@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 from fleet.experiment.arms import get_arms
 from fleet.experiment.bases import demo_config, needs_no_aed, stage_demos_and_bases
 from fleet.experiment.evaluation import evaluate_arms
+from fleet.experiment.job_config import JobConfig
 from fleet.experiment.offline import stage_offline_arms, start_offline_arms
 from fleet.experiment.reports import (
     PAIRED_CAPTION,
@@ -46,14 +47,14 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
     reg = CheckpointRegistry(c["fleet"]["registry_url"])
     if reg.latest_version() is None:
         reg.publish(ckpt["base"], metadata={"run_id": "base", "round": -1, "kind": "base"})
-    if sweep and c["job"].get("fleet_sizes"):
+    if sweep and JobConfig.from_dict(c["job"]).fleet_sizes:
         stage_sweep_snapshot(c, sd, state, reader)
     background: dict = {}
 
     def after_last_fleet() -> None:
         # the store is final once the last round's fleet and retries are in: the offline arms train in a process
         # of their own beside that round's learner (1 thread each), instead of after it
-        if c["job"].get("overlap_offline_arms", True):
+        if JobConfig.from_dict(c["job"]).overlap_offline_arms:
             background.update(start_offline_arms(c, sd, state, arms, ckpt, heldout, seed))
 
     stage_fleet_rounds(c, sd, seed, state, stages, [a for a in arms if a.in_loop], ckpt, fleet_units, heldout,
@@ -86,12 +87,12 @@ def run_job(cfg: DictConfig) -> None:
     out = Path(cfg.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     c = plain_config(cfg, out)
-    job = c["job"]
-    arms = get_arms(job["arms"])             # unknown arms refused before any work
-    seeds = [int(s) for s in (job.get("seeds") or [c["seed"]])]
+    job = JobConfig.from_dict(c["job"])
+    arms = get_arms(job.arms)             # unknown arms refused before any work
+    seeds = list(job.seeds)
     train_units, heldout = unit_lists(c["robot"])
     fleet_units = train_units[: int(c["fleet"]["units"])]
-    sizes = [int(n) for n in (job.get("fleet_sizes") or [])]
+    sizes = list(job.fleet_sizes or [])
     check_fleet_sizes(sizes, train_units)
     (out / "config.json").write_text(json.dumps(c, indent=1))
     _, demo_units = demo_config(c)
@@ -113,7 +114,7 @@ def run_job(cfg: DictConfig) -> None:
         if sizes:
             stages.start(f"fleet-size sweep {sizes} (seed {seeds[0]})")
             sweep_report(per_seed[seeds[0]], out / f"seed_{seeds[0]}", out, sizes, train_units, heldout)
-        if int(job.get("videos", 0)) > 0:
+        if job.videos > 0:
             record_videos(per_seed[seeds[0]], c, out, heldout)
         log_wandb(c, out, table)
         print("\n" + RESULTS_CAPTION.format(**fmt) + table_markdown(table), flush=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 from fleet.experiment.arms import PAIRS
 from fleet.experiment.bases import demo_config
 from fleet.experiment.evaluation import record_rollouts
+from fleet.experiment.job_config import JobConfig
 from fleet.experiment.tables import paired_over_seeds, plot_arms, success_table, write_paired, write_table
 from policies.train_config import TrainConfig
 
@@ -43,7 +44,7 @@ def write_reports(c: dict, out: Path, per_seed: dict, arms: list, seeds: list[in
                   fleet_units: list[int], demo_units: list[int], units_md: str, wall_s: float):
     """The job's pooled success table and paired differences (``results.md/json``, ``paired.md/json`` with their
     captions and the unit table) and the arms plot (``arms.png``); returns ``(table, paired, caption fields)``."""
-    job = c["job"]
+    job = JobConfig.from_dict(c["job"])
     results_by_seed = {s: r["results"] for s, r in per_seed.items()}
     pooled = {a.name: [e | {"exp_seed": s} for s in seeds for e in results_by_seed[s][a.name]] for a in arms}
     table = success_table(pooled)
@@ -52,7 +53,7 @@ def write_reports(c: dict, out: Path, per_seed: dict, arms: list, seeds: list[in
                      "checkpoints": {s: r["checkpoints"] for s, r in per_seed.items()},
                      "fert_rounds": int(c["fert"]["rounds"]),
                      "updates_per_round": int(c["learner"]["updates_per_version"]),
-                     "demos_per_task": int(job["demos_per_task"]),
+                     "demos_per_task": job.demos_per_task,
                      "rounds": {s: r["rounds"] for s, r in per_seed.items()},
                      "total_wall_s": wall_s}
     table["learning_curve"] = {s: [{k: p[k] for k in ("round", "version", "heldout", "heldout_critic", "successes",
@@ -91,8 +92,8 @@ def record_videos(seed_run: dict, c: dict, out: Path, heldout: list[int]) -> Non
         if arm in seed_run["checkpoints"]:
             vids += [str(p) for p in record_rollouts(seed_run["config"], seed_run["checkpoints"][arm],
                                                      out / "videos" / arm, heldout, list(c["task"]["tasks"]),
-                                                     max_videos=int(c["job"]["videos"]),
-                                                     max_episodes=int(c["job"].get("video_episodes", 8)))]
+                                                     max_videos=JobConfig.from_dict(c["job"]).videos,
+                                                     max_episodes=JobConfig.from_dict(c["job"]).video_episodes)]
     state.mark("videos", vids)
 
 

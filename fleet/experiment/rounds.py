@@ -13,6 +13,7 @@ from fleet.coordinator import Fleet
 from fleet.experiment.arms import make_learner
 from fleet.experiment.curve import BackgroundCurve, learning_curve, print_curve
 from fleet.experiment.eval_config import EvalConfig
+from fleet.experiment.job_config import JobConfig
 from fleet.experiment.protocol import VectorFleet, failure_replay, fleet_plan, run_retries, success_by_task
 from fleet.experiment.state import JobState, Stages
 from fleet.fert.gate import make_validator
@@ -36,10 +37,10 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
     (success, failures, retries and how many failures they recovered)."""
     reg = CheckpointRegistry(c["fleet"]["registry_url"])
     version = reg.latest_version()
-    plan = fleet_plan(list(c["task"]["tasks"]), units, int(c["job"]["fleet_episodes_per_unit"]), int(c["seed"]), r)
+    job = JobConfig.from_dict(c["job"])
+    plan = fleet_plan(list(c["task"]["tasks"]), units, job.fleet_episodes_per_unit, int(c["seed"]), r)
     rcfg = dict(c["fert"].get("retry") or {})
-    backend = str(c["job"].get("fleet_backend") or "ray")
-    with_critic = bool(c["job"].get("fleet_critic", True))
+    backend, with_critic = job.fleet_backend, job.fleet_critic
     t0 = time.perf_counter()
     if backend == "vector":    # every unit's envs stepped in batches, one policy call per step (fleet.experiment.protocol)
         ckpt = reg.fetch(version, Path(c["fleet"]["cache_dir"]) / "fleet" / f"v{version:06d}")
@@ -149,7 +150,7 @@ def record_curve(c: dict, sd: Path, seed: int, state: JobState, in_loop: list, h
 
     Raises:
         RuntimeError: the background evaluation failed (re-running the job evaluates its versions again)."""
-    if int(c["job"].get("curve_trials_per_task") or 0) <= 0 or not any(a.name == "fert" for a in in_loop):
+    if JobConfig.from_dict(c["job"]).curve_trials_per_task <= 0 or not any(a.name == "fert" for a in in_loop):
         return
     curve = state.get("curve") if state.done("curve") else []
 
@@ -162,7 +163,7 @@ def record_curve(c: dict, sd: Path, seed: int, state: JobState, in_loop: list, h
             print_curve(curve, seed)
 
     add(bg.collect())
-    if background and c["job"].get("background_curve", True):
+    if background and JobConfig.from_dict(c["job"]).background_curve:
         if set(reg.versions()) - {int(p["version"]) for p in curve}:
             bg.start(c, sd, c["fleet"]["registry_url"], heldout, curve)
     else:

@@ -11,6 +11,7 @@ from pathlib import Path
 from experience_dict.store import ExperienceStore
 from fleet.coordinator import Fleet
 from fleet.experiment.evaluation import evaluate_arms
+from fleet.experiment.job_config import JobConfig
 from fleet.experiment.protocol import run_retries
 from fleet.experiment.state import JobState
 from fleet.experiment.tables import (
@@ -83,7 +84,7 @@ def fleet_size_sweep(c: dict, out: Path, state: JobState, sizes: list[int], base
         ``{"table": success_table of arms "fert_n<n>", "history": {"FERT (held-out)": [{"fleet_size",
         "successes", "trials"}]}, "paired": paired_differences of every size against the smallest}``.
     """
-    per_unit = int(c["job"].get("sweep_episodes_per_unit", 20))
+    per_unit = JobConfig.from_dict(c["job"]).sweep_episodes_per_unit
     rounds = int(c["fert"]["rounds"])
     arms = {}
     for n in sizes:
