@@ -112,7 +112,7 @@ def make_env(task: str, unit_id: int = 0, robot_cfg=None, obs_cfg=None, task_cfg
 
 def make_expert(env, noise_std: float = 0.0, seed: int = 0, latency_compensation: bool = False):
     """The scripted expert of ``env``'s task, from the suite that owns it (``env.task``)."""
-    task = getattr(getattr(env, "unwrapped", env), "task")
+    task = getattr(env, "unwrapped", env).task
     return suite_of(task).make_expert(env, noise_std=noise_std, seed=seed, latency_compensation=latency_compensation)
 
 
@@ -131,7 +131,23 @@ def _make_so100_expert(env, noise_std: float = 0.0, seed: int = 0, latency_compe
 register_suite("metaworld", "sawyer", _mw_tasks, _make_mw_env, _make_mw_expert)
 register_suite("so100", "so100", lambda: list(SO100_TASKS), _make_so100_env, _make_so100_expert)
 
-__all__ = ["CAMERAS", "CONTROL_HZ", "GL_BACKEND", "PROGRESS_KEYS", "SO100_TASKS", "MetaWorldEnv", "RobotUnit",
-           "ScriptedExpert",
-           "Suite", "check_task", "list_tasks", "make_env", "make_expert", "register_suite", "suite_of", "suites",
-           "demo_unit_list", "unit_lists"]
+__all__ = [
+    "CAMERAS",
+    "CONTROL_HZ",
+    "GL_BACKEND",
+    "PROGRESS_KEYS",
+    "SO100_TASKS",
+    "MetaWorldEnv",
+    "RobotUnit",
+    "ScriptedExpert",
+    "Suite",
+    "check_task",
+    "demo_unit_list",
+    "list_tasks",
+    "make_env",
+    "make_expert",
+    "register_suite",
+    "suite_of",
+    "suites",
+    "unit_lists",
+]

@@ -8,16 +8,13 @@ of steps after the first success.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
-import gymnasium as gym
 import numpy as np
-from gymnasium import spaces
 
-from sim.gl import CameraRenderer
-from sim.stability import SIM_UNSTABLE, StepMonitor
-from sim.units import CAMERAS, ModelVariation, RobotUnit, as_dict, check_unit, feature_spec
+from sim.base_env import HOLD_ACTION, UnitEnv
+from sim.stability import SIM_UNSTABLE
+from sim.units import CAMERAS, ModelVariation, RobotUnit, check_unit, feature_spec
 
 PROGRESS_KEYS = ("near_object", "grasp_success", "grasp_reward", "in_place_reward", "obj_to_target",
                  "unscaled_reward")
@@ -27,7 +24,6 @@ ENV_STATE_NAMES = ([f"obj1_{k}" for k in ("x", "y", "z", "q0", "q1", "q2", "q3")
                    + [f"obj2_{k}" for k in ("x", "y", "z", "q0", "q1", "q2", "q3")] + ["goal_x", "goal_y", "goal_z"])
 ACTION_NAMES = ["dx", "dy", "dz", "gripper"]
 _ENV_POS_DIMS = np.array([0, 1, 2, 7, 8, 9, 14, 15, 16])  # position entries of environment_state (noise goes here)
-HOLD_ACTION = np.array([0.0, 0.0, 0.0, -1.0], dtype=np.float32)  # no motion, gripper open (as after reset)
 MW_MAX_PATH_LENGTH = 500  # Meta-World raises past this many steps per episode
 
 
@@ -44,7 +40,7 @@ def check_task(task: str) -> None:
         raise ValueError(f"unknown task {task!r}; valid Meta-World v3 tasks: {', '.join(valid)}")
 
 
-class MetaWorldEnv(gym.Env):
+class MetaWorldEnv(UnitEnv):
     """One Meta-World v3 task on one robot unit.
 
     Observation (dict, float32 unless noted):
@@ -76,6 +72,9 @@ class MetaWorldEnv(gym.Env):
     """
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": CONTROL_HZ}  # noqa: RUF012 - gymnasium convention
+    CAMERAS = CAMERAS
+    FAMILY = "Meta-World"
+    DEFAULT_MAX_EPISODE_STEPS = MAX_EPISODE_STEPS = MW_MAX_PATH_LENGTH
 
     def __init__(self, task: str, unit_id: int = 0, robot_cfg: Any = None, obs_cfg: Any = None,
                  task_cfg: Any = None, render_mode: str | None = None) -> None:
@@ -86,34 +85,7 @@ class MetaWorldEnv(gym.Env):
         self.unit = RobotUnit.draw(unit_id, robot_cfg)
         self.task = task
 
-        ocfg = as_dict(obs_cfg)
-        self.images = bool(ocfg.get("images", False))
-        self.cameras = list(ocfg.get("cameras", ["corner"]) or [])
-        size = ocfg.get("image_size", 96)
-        self.image_hw = (int(size), int(size)) if np.isscalar(size) else tuple(int(s) for s in size)
-        if len(self.image_hw) != 2 or min(self.image_hw) <= 0:
-            raise ValueError(f"obs.image_size: expected a positive int or [height, width], given {size!r}")
-        for c in self.cameras:
-            if c not in CAMERAS:
-                raise ValueError(f"unknown camera {c!r}; valid Meta-World cameras: {', '.join(CAMERAS)}")
-        if self.images and not self.cameras:
-            raise ValueError("obs.images is true but obs.cameras is empty; name at least one of "
-                             f"{', '.join(CAMERAS)}")
-        self._render_kw = {"shadows": bool(ocfg.get("shadows", False)),
-                           "reflections": bool(ocfg.get("reflections", False)),
-                           "shadowsize": int(ocfg.get("shadowsize", 256))}
-
-        tcfg = as_dict(task_cfg)
-        self.max_episode_steps = int(tcfg.get("max_episode_steps", MW_MAX_PATH_LENGTH))
-        self.steps_after_success = int(tcfg.get("steps_after_success", 10))
-        if not 0 < self.max_episode_steps <= MW_MAX_PATH_LENGTH:
-            raise ValueError(f"task.max_episode_steps: expected 1..{MW_MAX_PATH_LENGTH} (Meta-World's limit), "
-                             f"given {self.max_episode_steps}")
-        if self.steps_after_success < 0:
-            raise ValueError(f"task.steps_after_success: expected >= 0, given {self.steps_after_success}")
-        if render_mode not in (None, "rgb_array"):
-            raise ValueError(f"render_mode: expected None or 'rgb_array', given {render_mode!r}")
-        self.render_mode = render_mode
+        self._options(obs_cfg, task_cfg, render_mode)
 
         # Meta-World's own task class, set up as its goal-observable MT envs do (metaworld/env_dict.py).
         mw = ALL_V3_ENVIRONMENTS[task]()
@@ -128,25 +100,8 @@ class MetaWorldEnv(gym.Env):
         self._variation = ModelVariation(mw.model)
         self._variation.apply(self.unit, mw.data)
 
-        obs_spaces = {
-            "observation.state": spaces.Box(-np.inf, np.inf, (4,), np.float32),
-            "observation.environment_state": spaces.Box(-np.inf, np.inf, (17,), np.float32),
-        }
-        self._renderer: CameraRenderer | None = None
-        if self.images:
-            for c in self.cameras:
-                obs_spaces[f"observation.images.{c}"] = spaces.Box(0, 255, (*self.image_hw, 3), np.uint8)
-            self._renderer = CameraRenderer(mw.model, *self.image_hw, **self._render_kw)
-        self.observation_space = spaces.Dict(obs_spaces)
-        self.action_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
-
+        self._spaces(mw.model)
         self._raw: np.ndarray | None = None
-        self._t = 0
-        self._first_success: int | None = None
-        self._done = True
-        self._queue: deque = deque()
-        self._monitor = StepMonitor()
-        self._noise_rng = np.random.default_rng(0)
 
     # ------------------------------------------------------------------ gym API
     def reset(self, *, seed: int | None = None, options: dict | None = None):
@@ -159,8 +114,7 @@ class MetaWorldEnv(gym.Env):
         raw, _ = self._mw.reset()
         self._raw = np.asarray(raw, dtype=np.float64)
         self._noise_rng = np.random.default_rng([noise_seed, self.unit.unit_id])
-        self._queue = deque([HOLD_ACTION.copy() for _ in range(self.unit.action_latency)])
-        self._t, self._first_success, self._done = 0, None, False
+        self._start_episode(self.unit.action_latency)
         _, mw_info = self._mw.evaluate_state(self._raw, HOLD_ACTION)
         return self._observation(), self._info(mw_info)
 
@@ -171,17 +125,7 @@ class MetaWorldEnv(gym.Env):
             ValueError: action not of shape (4,) or not finite.
             RuntimeError: ``reset()`` not called since the last episode ended.
         """
-        if self._done:
-            raise RuntimeError(f"{self.task} unit {self.unit.unit_id}: call reset() before step() "
-                               "(no episode running, or the last one ended)")
-        a = np.asarray(action, dtype=np.float32)
-        if a.shape != (4,):
-            raise ValueError(f"action: expected shape (4,) [dx, dy, dz, gripper], given {a.shape}")
-        if not np.all(np.isfinite(a)):
-            raise ValueError(f"action: expected finite values, given {a}")
-        a = np.clip(a, -1.0, 1.0)
-        self._queue.append(a)
-        executed = self._queue.popleft()
+        a, executed = self._command(action)
         self._monitor.before(self._mw.data)
         raw, reward, _, _, mw_info = self._mw.step(executed.astype(np.float64))
         diverged = self._monitor.after(self._mw.data)
@@ -204,17 +148,11 @@ class MetaWorldEnv(gym.Env):
 
     def render(self) -> np.ndarray | None:
         """(H, W, 3) uint8 image of the first configured camera (``render_mode='rgb_array'``), else None."""
-        if self.render_mode != "rgb_array":
-            return None
-        if self._renderer is None:
-            self._renderer = CameraRenderer(self._mw.model, *self.image_hw, **self._render_kw)
-        return self._renderer.render(self._mw.data, (self.cameras or ["corner"])[0])
+        return self._render_first_camera(self._mw.model, self._mw.data)
 
     def close(self) -> None:
         """Free the renderer's GL context and Meta-World's env."""
-        if self._renderer is not None:
-            self._renderer.close()
-            self._renderer = None
+        self._close_renderer()
         self._mw.close()
 
     # ------------------------------------------------------------------ helpers
@@ -227,11 +165,6 @@ class MetaWorldEnv(gym.Env):
         if self._raw is None:
             raise RuntimeError("raw_observation: call reset() first")
         return self._raw.copy()
-
-    @property
-    def pending_actions(self) -> np.ndarray:
-        """Actions given but not yet executed because of the unit's latency, oldest first; (L, 4) float32."""
-        return np.array(list(self._queue), dtype=np.float32).reshape(-1, 4)
 
     @property
     def action_scale(self) -> np.ndarray:

@@ -21,17 +21,14 @@ Steps 1-2 are ``EEDeltaController`` (shared with the LeRobot bridge, ``fleet/dep
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from pathlib import Path
 from typing import Any
 
-import gymnasium as gym
 import numpy as np
-from gymnasium import spaces
 
-from sim.gl import CameraRenderer
-from sim.stability import SIM_UNSTABLE, StepMonitor
-from sim.units import RobotUnit, as_dict, check_unit, feature_spec
+from sim.base_env import UnitEnv
+from sim.stability import SIM_UNSTABLE
+from sim.units import RobotUnit, check_unit, feature_spec
 
 PROGRESS_KEYS = ("near_object", "grasp_success", "grasp_reward", "in_place_reward", "obj_to_target",
                  "unscaled_reward")  # == sim.metaworld_env.PROGRESS_KEYS (kept equal by a test)
@@ -50,7 +47,6 @@ CAMERAS = ("corner", "topview")
 TCP_OFFSET = np.array([-0.011, -0.088, 0.0])  # tcp in the Fixed_Jaw frame, metres (5 mm clear of the fixed pad for a 28 mm cube)
 CUBE_HALF = 0.014
 ARM_JOINTS = ("Rotation", "Pitch", "Elbow", "Wrist_Pitch", "Wrist_Roll")
-HOLD_ACTION = np.array([0.0, 0.0, 0.0, -1.0], dtype=np.float32)
 STATE_NAMES = ["ee_x", "ee_y", "ee_z", "gripper"]
 ENV_STATE_NAMES = ([f"obj1_{k}" for k in ("x", "y", "z", "q0", "q1", "q2", "q3")]
                    + [f"obj2_{k}" for k in ("x", "y", "z", "q0", "q1", "q2", "q3")] + ["goal_x", "goal_y", "goal_z"])
@@ -177,7 +173,7 @@ class EEDeltaController:
         return self.q_cmd.copy(), gripper_to_jaw(a[3])
 
 
-class SO100Env(gym.Env):
+class SO100Env(UnitEnv):
     """One SO-100 tabletop task on one robot unit (observation/action/info contract of ``sim.MetaWorldEnv``).
 
     Observation (dict, float32 unless noted):
@@ -206,6 +202,9 @@ class SO100Env(gym.Env):
     """
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": CONTROL_HZ}  # noqa: RUF012 - gymnasium convention
+    CAMERAS = CAMERAS
+    FAMILY = "SO-100"
+    DEFAULT_MAX_EPISODE_STEPS = 300
 
     def __init__(self, task: str, unit_id: int = 0, robot_cfg: Any = None, obs_cfg: Any = None,
                  task_cfg: Any = None, render_mode: str | None = None) -> None:
@@ -215,26 +214,7 @@ class SO100Env(gym.Env):
         check_unit(unit_id, robot_cfg)
         self.unit = dataclasses.replace(RobotUnit.draw(unit_id, robot_cfg), embodiment=EMBODIMENT)
         self.task, self.task_spec = task, TASKS[task]
-        ocfg = as_dict(obs_cfg)
-        self.images = bool(ocfg.get("images", False))
-        self.cameras = [c for c in (ocfg.get("cameras") or ["corner"])]
-        size = ocfg.get("image_size", 96)
-        self.image_hw = (int(size), int(size)) if np.isscalar(size) else tuple(int(s) for s in size)
-        for c in self.cameras:
-            if c not in CAMERAS:
-                raise ValueError(f"unknown camera {c!r}; valid SO-100 cameras: {', '.join(CAMERAS)}")
-        self._render_kw = {"shadows": bool(ocfg.get("shadows", False)),
-                           "reflections": bool(ocfg.get("reflections", False)),
-                           "shadowsize": int(ocfg.get("shadowsize", 256))}
-        tcfg = as_dict(task_cfg)
-        self.max_episode_steps = int(tcfg.get("max_episode_steps", 300))
-        self.steps_after_success = int(tcfg.get("steps_after_success", 10))
-        if self.max_episode_steps < 1 or self.steps_after_success < 0:
-            raise ValueError(f"task: max_episode_steps >= 1 and steps_after_success >= 0 expected, given "
-                             f"{self.max_episode_steps}, {self.steps_after_success}")
-        if render_mode not in (None, "rgb_array"):
-            raise ValueError(f"render_mode: expected None or 'rgb_array', given {render_mode!r}")
-        self.render_mode = render_mode
+        self._options(obs_cfg, task_cfg, render_mode)
 
         m = self.model = build_model()
         self.data = mujoco.MjData(m)
@@ -255,19 +235,7 @@ class SO100Env(gym.Env):
         self._apply_unit()
         self._ctl = EEDeltaController(m, self._home_qpos, self._home_rot, self._arm_q, self._scale)
 
-        obs_spaces = {"observation.state": spaces.Box(-np.inf, np.inf, (4,), np.float32),
-                      "observation.environment_state": spaces.Box(-np.inf, np.inf, (17,), np.float32)}
-        self._renderer: CameraRenderer | None = None
-        if self.images:
-            for c in self.cameras:
-                obs_spaces[f"observation.images.{c}"] = spaces.Box(0, 255, (*self.image_hw, 3), np.uint8)
-            self._renderer = CameraRenderer(m, *self.image_hw, **self._render_kw)
-        self.observation_space = spaces.Dict(obs_spaces)
-        self.action_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
-        self._t, self._done, self._first_success = 0, True, None
-        self._queue: deque = deque()
-        self._monitor = StepMonitor()
-        self._noise_rng = np.random.default_rng(0)
+        self._spaces(m)
 
     # ------------------------------------------------------------------ unit variation
     def _apply_unit(self) -> None:
@@ -316,8 +284,7 @@ class SO100Env(gym.Env):
         self._ctl.reset(d.qpos[self._arm_q], d.site_xpos[self._tcp])
         self._cube_init = d.qpos[self._cube_q:self._cube_q + 3].copy()
         self._noise_rng = np.random.default_rng([int(rng.integers(2**63 - 1)), self.unit.unit_id])
-        self._queue = deque([HOLD_ACTION.copy() for _ in range(self.latency_steps)])
-        self._t, self._first_success, self._done = 0, None, False
+        self._start_episode(self.latency_steps)
         self._d0 = max(self._distance(), 1e-3)
         return self._observation(), self._info()
 
@@ -328,16 +295,8 @@ class SO100Env(gym.Env):
             ValueError: action not of shape (4,) or not finite.
             RuntimeError: ``reset()`` not called since the last episode ended.
         """
-        if self._done:
-            raise RuntimeError(f"{self.task} unit {self.unit.unit_id}: call reset() before step()")
-        a = np.asarray(action, dtype=np.float32)
-        if a.shape != (4,):
-            raise ValueError(f"action: expected shape (4,) [dx, dy, dz, gripper], given {a.shape}")
-        if not np.all(np.isfinite(a)):
-            raise ValueError(f"action: expected finite values, given {a}")
-        command = np.clip(a, -1.0, 1.0)
-        self._queue.append(command)
-        a = self._queue.popleft().astype(np.float64)
+        command, executed = self._command(action)
+        a = executed.astype(np.float64)
         q_cmd, jaw = self._ctl.step(a, self.tcp)
         out = self.step_joint_targets(q_cmd, jaw)
         out[4]["action"] = command      # the command taken this step, clipped (what the store keeps)
@@ -382,17 +341,11 @@ class SO100Env(gym.Env):
 
     def render(self) -> np.ndarray | None:
         """(H, W, 3) uint8 image of the first configured camera (``render_mode='rgb_array'``), else None."""
-        if self.render_mode != "rgb_array":
-            return None
-        if self._renderer is None:
-            self._renderer = CameraRenderer(self.model, *self.image_hw, **self._render_kw)
-        return self._renderer.render(self.data, self.cameras[0])
+        return self._render_first_camera(self.model, self.data)
 
     def close(self) -> None:
         """Free the renderer's GL context."""
-        if self._renderer is not None:
-            self._renderer.close()
-            self._renderer = None
+        self._close_renderer()
 
     # ------------------------------------------------------------------ state
     @property
@@ -421,11 +374,6 @@ class SO100Env(gym.Env):
     def goal(self) -> np.ndarray:
         """Goal position, metres (3,)."""
         return self.data.mocap_pos[self._goal_mocap].copy()
-
-    @property
-    def pending_actions(self) -> np.ndarray:
-        """Actions given but not yet executed (unit latency), oldest first; (L, 4) float32."""
-        return np.array(list(self._queue), dtype=np.float32).reshape(-1, 4)
 
     @property
     def action_scale(self) -> np.ndarray:

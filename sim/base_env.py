@@ -1,0 +1,148 @@
+"""The base of the fleet's simulated robot envs: what every embodiment's Gymnasium env shares.
+
+``sim.metaworld_env.MetaWorldEnv`` and ``sim.so100.env.SO100Env`` subclass :class:`UnitEnv`, which implements once
+the parts the two used to write twice: the ``obs`` / ``task`` / ``render_mode`` options (cameras, image size,
+renderer flags, episode length), the observation and action spaces of docs/INTERFACES.md, the action check (shape
+and finiteness, then the clip to [-1, 1]) and the unit's action latency queue. A subclass sets the class
+attributes ``CAMERAS``, ``FAMILY``, ``DEFAULT_MAX_EPISODE_STEPS`` and ``MAX_EPISODE_STEPS`` and writes its
+physics, observation and progress signals. New embodiments register a suite with ``sim.register_suite``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from sim.gl import CameraRenderer
+from sim.stability import StepMonitor
+from sim.units import as_dict
+
+HOLD_ACTION = np.array([0.0, 0.0, 0.0, -1.0], dtype=np.float32)  # no motion, gripper open (as after reset)
+STATE_DIM, ENV_STATE_DIM, ACTION_DIM = 4, 17, 4
+
+
+class UnitEnv(gym.Env):
+    """One task on one simulated robot unit: the options, spaces, action check and latency queue of every
+    fleetmind env (subclasses: ``MetaWorldEnv``, ``SO100Env``).
+
+    Observation: ``observation.state`` (4,) float32, ``observation.environment_state`` (17,) float32 and, with
+    ``obs.images``, ``observation.images.<camera>`` (H, W, 3) uint8 per configured camera. Action: (4,) float32
+    in [-1, 1] (end-effector displacement x, y, z and the gripper).
+    """
+
+    CAMERAS: tuple[str, ...] = ()
+    """The camera names this embodiment's model defines."""
+    FAMILY: str = "sim"
+    """The embodiment's name in messages (``Meta-World``, ``SO-100``)."""
+    DEFAULT_MAX_EPISODE_STEPS: int = 500
+    """Episode length when ``task.max_episode_steps`` is not given."""
+    MAX_EPISODE_STEPS: int | None = None
+    """The longest episode the simulator allows (None: no limit)."""
+
+    def _options(self, obs_cfg: Any, task_cfg: Any, render_mode: str | None) -> None:
+        """Parse the ``obs`` options (``images``, ``cameras``, ``image_size`` int or [H, W] pixels, renderer
+        ``shadows`` / ``reflections`` / ``shadowsize``), the ``task`` options (``max_episode_steps``,
+        ``steps_after_success``) and ``render_mode``.
+
+        Raises:
+            ValueError: an unknown camera (the valid ones listed), images without a camera, a bad image size,
+                episode length or render mode.
+        """
+        ocfg = as_dict(obs_cfg)
+        self.images = bool(ocfg.get("images", False))
+        self.cameras = list(ocfg.get("cameras", ["corner"]) or [])
+        size = ocfg.get("image_size", 96)
+        self.image_hw = (int(size), int(size)) if np.isscalar(size) else tuple(int(s) for s in size)
+        if len(self.image_hw) != 2 or min(self.image_hw) <= 0:
+            raise ValueError(f"obs.image_size: expected a positive int or [height, width], given {size!r}")
+        for c in self.cameras:
+            if c not in self.CAMERAS:
+                raise ValueError(f"unknown camera {c!r}; valid {self.FAMILY} cameras: {', '.join(self.CAMERAS)}")
+        if self.images and not self.cameras:
+            raise ValueError(f"obs.images is true but obs.cameras is empty; name at least one of "
+                             f"{', '.join(self.CAMERAS)}")
+        self._render_kw = {"shadows": bool(ocfg.get("shadows", False)),
+                           "reflections": bool(ocfg.get("reflections", False)),
+                           "shadowsize": int(ocfg.get("shadowsize", 256))}
+        tcfg = as_dict(task_cfg)
+        self.max_episode_steps = int(tcfg.get("max_episode_steps", self.DEFAULT_MAX_EPISODE_STEPS))
+        self.steps_after_success = int(tcfg.get("steps_after_success", 10))
+        limit = self.MAX_EPISODE_STEPS
+        if self.max_episode_steps < 1 or (limit is not None and self.max_episode_steps > limit):
+            raise ValueError(f"task.max_episode_steps: expected 1..{limit if limit is not None else 'inf'}"
+                             + (f" ({self.FAMILY}'s limit)" if limit is not None else "")
+                             + f", given {self.max_episode_steps}")
+        if self.steps_after_success < 0:
+            raise ValueError(f"task.steps_after_success: expected >= 0, given {self.steps_after_success}")
+        if render_mode not in (None, "rgb_array"):
+            raise ValueError(f"render_mode: expected None or 'rgb_array', given {render_mode!r}")
+        self.render_mode = render_mode
+
+    def _spaces(self, model) -> None:
+        """The observation and action spaces; with ``obs.images``, the renderer of ``model`` (an ``MjModel``).
+
+        Raises:
+            RuntimeError: images requested but no offscreen GL backend works (``sim.gl``).
+        """
+        obs_spaces = {"observation.state": spaces.Box(-np.inf, np.inf, (STATE_DIM,), np.float32),
+                      "observation.environment_state": spaces.Box(-np.inf, np.inf, (ENV_STATE_DIM,), np.float32)}
+        self._renderer: CameraRenderer | None = None
+        if self.images:
+            for c in self.cameras:
+                obs_spaces[f"observation.images.{c}"] = spaces.Box(0, 255, (*self.image_hw, 3), np.uint8)
+            self._renderer = CameraRenderer(model, *self.image_hw, **self._render_kw)
+        self.observation_space = spaces.Dict(obs_spaces)
+        self.action_space = spaces.Box(-1.0, 1.0, (ACTION_DIM,), np.float32)
+        self._t, self._done, self._first_success = 0, True, None
+        self._queue: deque = deque()
+        self._monitor = StepMonitor()
+        self._noise_rng = np.random.default_rng(0)
+
+    def _start_episode(self, latency_steps: int) -> None:
+        """A new episode: step 0, no success yet, ``latency_steps`` hold actions queued."""
+        self._queue = deque([HOLD_ACTION.copy() for _ in range(latency_steps)])
+        self._t, self._first_success, self._done = 0, None, False
+
+    def _command(self, action) -> tuple[np.ndarray, np.ndarray]:
+        """Check, clip and queue ``action``: returns ``(command, executed)``, both (4,) float32: the command
+        taken this step (clipped to [-1, 1]; what the store keeps) and the one the unit's latency lets execute
+        now.
+
+        Raises:
+            RuntimeError: no episode running (``reset()`` not called since the last one ended).
+            ValueError: action not of shape (4,) or not finite.
+        """
+        if self._done:
+            raise RuntimeError(f"{self.task} unit {self.unit.unit_id}: call reset() before step() "
+                               "(no episode running, or the last one ended)")
+        a = np.asarray(action, dtype=np.float32)
+        if a.shape != (ACTION_DIM,):
+            raise ValueError(f"action: expected shape (4,) [dx, dy, dz, gripper], given {a.shape}")
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"action: expected finite values, given {a}")
+        command = np.clip(a, -1.0, 1.0)
+        self._queue.append(command)
+        return command, self._queue.popleft()
+
+    def _render_first_camera(self, model, data) -> np.ndarray | None:
+        """``render()``: (H, W, 3) uint8 image of the first configured camera (``corner`` when none) with
+        ``render_mode='rgb_array'``, else None."""
+        if self.render_mode != "rgb_array":
+            return None
+        if self._renderer is None:
+            self._renderer = CameraRenderer(model, *self.image_hw, **self._render_kw)
+        return self._renderer.render(data, (self.cameras or ["corner"])[0])
+
+    def _close_renderer(self) -> None:
+        if self._renderer is not None:
+            self._renderer.close()
+            self._renderer = None
+
+    @property
+    def pending_actions(self) -> np.ndarray:
+        """Actions given but not yet executed because of the unit's latency, oldest first; (L, 4) float32."""
+        return np.array(list(self._queue), dtype=np.float32).reshape(-1, ACTION_DIM)
