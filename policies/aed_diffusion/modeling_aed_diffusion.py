@@ -27,22 +27,20 @@ Batches are dicts from ``experience_dict.sampler.WindowDataset`` with the window
 
 from __future__ import annotations
 
-import json
 import math
-from collections import deque
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import DDIMScheduler, DDPMScheduler
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from experience_dict.aed import ActionExperienceDictionary
 from experience_dict.tokenizer import ActionTokenizer
 from policies.aed_diffusion.configuration_aed_diffusion import AEDDiffusionConfig, migrate_checkpoint_config
 from policies.aed_diffusion.normalization import Normalizer, normalize_image
+from policies.base import PreTrainedPolicy
 
 CONFIG_NAME, WEIGHTS_NAME, STATS_NAME, TOKENIZER_NAME = "config.json", "model.safetensors", "stats.json", "tokenizer.json"
 
@@ -452,7 +450,7 @@ def action_clip_range(stats: dict, mode: str, given: float | None) -> float:
     return float(given)
 
 
-class AEDDiffusionPolicy(nn.Module):
+class AEDDiffusionPolicy(PreTrainedPolicy):
     """AED-conditioned diffusion policy (see module docstring).
 
     Args:
@@ -466,6 +464,7 @@ class AEDDiffusionPolicy(nn.Module):
 
     name = "aed_diffusion"
     denoising = True   # samples chunks from noise: takes the sampling keywords of policies.base.Policy
+    REQUIRED_FILES = (CONFIG_NAME, WEIGHTS_NAME, STATS_NAME)
 
     def __init__(self, config: AEDDiffusionConfig, stats: dict, tokenizer: ActionTokenizer | None = None):
         super().__init__()
@@ -780,8 +779,8 @@ class AEDDiffusionPolicy(nn.Module):
         """Clear the deployment history and action queue (call at every episode start)."""
         from policies.history import WindowHistory
 
+        super().reset()
         self.history = WindowHistory(self.inference_window_spec(), self.config.action_dim)
-        self._queue: deque = deque()
 
     @torch.no_grad()
     def select_action(self, obs: dict, generator: torch.Generator | None = None,
@@ -813,7 +812,8 @@ class AEDDiffusionPolicy(nn.Module):
                 raise ValueError(f"observation {k!r}: expected (B, {', '.join(map(str, shape))}), given {tuple(x.shape)}")
             cur[k] = x
         self.history.push_obs(cur)
-        if not self._queue:
+
+        def chunk() -> torch.Tensor:
             noise = None
             if generators is not None:
                 B = next(iter(cur.values())).shape[0]
@@ -821,10 +821,11 @@ class AEDDiffusionPolicy(nn.Module):
                     raise ValueError(f"generators: expected {B} (one per batch row), given {len(generators)}")
                 shape = (self.config.horizon, self.config.action_dim)
                 noise = torch.stack([torch.randn(shape, generator=g, device=g.device) for g in generators])
-            chunk = (self.chunk_sampler or self.predict_action_chunk)(self.history.batch(), noise=noise,
-                                                                      generator=generator, noise_scale=noise_scale)
-            self._queue.extend(chunk[:, : self.config.n_action_steps].transpose(0, 1).cpu())
-        a = self._queue.popleft()
+            out = (self.chunk_sampler or self.predict_action_chunk)(self.history.batch(), noise=noise,
+                                                                    generator=generator, noise_scale=noise_scale)
+            return out[:, : self.config.n_action_steps].cpu()
+
+        a = self._next_action(chunk)
         self.history.push_action(a)
         return a[0].numpy().astype(np.float32) if unbatched else a
 
@@ -840,60 +841,22 @@ class AEDDiffusionPolicy(nn.Module):
         """
         return build_policy(config_from_hydra(cfg, reader), reader, episodes)
 
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Write ``config.json``, ``model.safetensors``, ``stats.json`` and (AED on) ``tokenizer.json``."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / CONFIG_NAME).write_text(json.dumps({"type": self.name, **self.config.to_dict()}, indent=2))
-        (d / STATS_NAME).write_text(json.dumps(self.stats))
+    def _save_extra(self, directory: Path) -> None:
+        """``tokenizer.json`` (AED on): the action tokenizer the history tokens come from."""
         if self.tokenizer is not None:
-            self.tokenizer.save(d / TOKENIZER_NAME)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, str(d / WEIGHTS_NAME))
-        return d
+            self.tokenizer.save(directory / TOKENIZER_NAME)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> AEDDiffusionPolicy:
-        """Load a checkpoint written by ``save_pretrained`` (no training code needed); returns it in eval mode.
+    def _from_saved(cls, directory: Path, cfg: dict, stats: dict | None) -> AEDDiffusionPolicy:
+        """The untrained policy of a checkpoint (``from_pretrained``: files, type and weights are checked there).
 
         A ``config.json`` saved before a config field existed is migrated: the field gets the value of those
         checkpoints (``configuration_aed_diffusion.CHECKPOINT_MIGRATION``: ``action_patch`` 1, ``condition_layers``
         None), not the dataclass default.
-
-        Raises:
-            FileNotFoundError: a checkpoint file is missing.
-            ValueError: config type is not this policy, or a weight is missing, unexpected or of the wrong
-                shape (naming the tensor, the expected and the given shape).
         """
-        d = Path(directory)
-        for name in (CONFIG_NAME, WEIGHTS_NAME, STATS_NAME):
-            if not (d / name).is_file():
-                raise FileNotFoundError(f"checkpoint {d} lacks {name}")
-        cfg_d = json.loads((d / CONFIG_NAME).read_text())
-        if cfg_d.get("type", cls.name) != cls.name:
-            raise ValueError(f"checkpoint {d}: config type {cfg_d.get('type')!r}, expected {cls.name!r}")
-        config = AEDDiffusionConfig.from_dict(migrate_checkpoint_config(cfg_d))  # fields it predates: their old values
-        tok = ActionTokenizer.load(d / TOKENIZER_NAME) if config.aed.enabled else None
-        policy = cls(config, json.loads((d / STATS_NAME).read_text()), tok)
-        policy.load_weights(d / WEIGHTS_NAME)
-        return policy.to(device).eval()
-
-    def load_weights(self, path: str | Path) -> None:
-        """Load a ``model.safetensors`` into this policy, checking every name and shape first.
-
-        Raises:
-            ValueError: missing/unexpected tensors or a shape mismatch (tensor name, expected, given).
-        """
-        sd = load_file(str(path))
-        own = self.state_dict()
-        missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {path} does not match the model: missing tensors {missing[:10]}, "
-                             f"unexpected tensors {unexpected[:10]}")
-        for k, v in sd.items():
-            if tuple(v.shape) != tuple(own[k].shape):
-                raise ValueError(f"checkpoint {path}: tensor {k!r} has shape {tuple(v.shape)}, the model "
-                                 f"expects {tuple(own[k].shape)}")
-        self.load_state_dict(sd, strict=True)
+        config = AEDDiffusionConfig.from_dict(migrate_checkpoint_config(cfg))  # fields it predates: their old values
+        tok = ActionTokenizer.load(directory / TOKENIZER_NAME) if config.aed.enabled else None
+        return cls(config, stats, tok)
 
     def compile_for_inference(self) -> None:
         """Compile the denoising step (``Denoiser.denoise``, the per-DDIM-step work) with ``torch.compile``

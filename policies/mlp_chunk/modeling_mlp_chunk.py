@@ -8,8 +8,6 @@ loaded through ``policies.factory`` (``type: mlp_chunk``; ``scripts/train.py pol
 
 from __future__ import annotations
 
-import json
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from policies.base import PreTrainedPolicy
 
 
 @dataclass
@@ -55,7 +55,7 @@ class MLPChunkConfig:
                              f"{self.horizon}")
 
 
-class MLPChunkPolicy(nn.Module):
+class MLPChunkPolicy(PreTrainedPolicy):
     """A tiny torch policy: normalised state -> ``(horizon, action_dim)`` action chunk (MSE regression).
 
     Batch format (``WindowDataset`` / LeRobot style): ``batch[k]`` is ``(B, 1, D_k)`` or ``(B, D_k)`` float32 for
@@ -86,7 +86,7 @@ class MLPChunkPolicy(nn.Module):
             std += list(s.get("std", [1.0] * n))
         self.register_buffer("in_mean", torch.tensor(mean, dtype=torch.float32))
         self.register_buffer("in_std", torch.tensor(std, dtype=torch.float32).clamp_min(1e-6))
-        self._queue: deque[np.ndarray] = deque()
+        self.reset()
         self.tokenizer = None   # no action-history tokens (policies.base.Policy)
 
     @classmethod
@@ -111,9 +111,6 @@ class MLPChunkPolicy(nn.Module):
             raise ValueError(f"policy (mlp_chunk): unknown keys {unknown}; known: {sorted(known)} and input_keys")
         config = MLPChunkConfig(state_keys=list(keys), state_dims=[int(feats[k][0]) for k in keys], **cfg)
         return cls(config, reader.stats(list(keys), episodes=episodes))
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 
     def window_spec(self) -> dict[str, tuple[str, list[int]]]:
         """Windows a ``WindowDataset`` must produce for training (current state, future action chunk)."""
@@ -158,9 +155,6 @@ class MLPChunkPolicy(nn.Module):
         out = self.net(self._inputs(batch)).view(-1, self.config.horizon, self.config.action_dim)
         return out if self.training else out.clamp(-1.0, 1.0)
 
-    def reset(self) -> None:
-        self._queue.clear()
-
     @torch.no_grad()
     def select_action(self, obs: dict[str, Any]):
         """One action from one step's observations: ``{name: (B, D) tensor}`` -> ``(B, action_dim)`` tensor, or
@@ -168,52 +162,11 @@ class MLPChunkPolicy(nn.Module):
         unbatched = all(isinstance(v, np.ndarray) for v in obs.values())
         if unbatched:
             obs = {k: torch.as_tensor(obs[k]).unsqueeze(0) for k in self.config.state_keys if k in obs}
-        if not self._queue:
-            chunk = self.predict_action_chunk(obs)[:, : self.config.n_action_steps]  # (B, n, A)
-            self._queue.extend(chunk.transpose(0, 1))
-        a = self._queue.popleft()
+        a = self._next_action(lambda: self.predict_action_chunk(obs)[:, : self.config.n_action_steps])  # (B, A)
         return a[0].cpu().numpy().astype(np.float32) if unbatched else a
 
-    def save_pretrained(self, out_dir: str | Path) -> Path:
-        """Write ``model.safetensors``, ``config.json`` (with ``"type": "mlp_chunk"``) and ``stats.json``."""
-        from safetensors.torch import save_file
-
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(out_dir / "model.safetensors"))
-        (out_dir / "config.json").write_text(json.dumps(asdict(self.config), indent=1))
-        (out_dir / "stats.json").write_text(json.dumps(self.stats, indent=1))
-        return out_dir
-
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu") -> MLPChunkPolicy:
-        """Load a ``save_pretrained`` directory in eval mode.
+    def _from_saved(cls, directory: Path, cfg: dict, stats: dict | None) -> MLPChunkPolicy:
+        """The untrained policy of a checkpoint (``from_pretrained`` checks its files, type and weights)."""
+        return cls(MLPChunkConfig(**cfg), stats)
 
-        Raises:
-            FileNotFoundError: ``config.json`` or ``model.safetensors`` missing.
-            ValueError: a tensor missing, unexpected or of the wrong shape (named).
-        """
-        path = Path(path)
-        for name in ("config.json", "model.safetensors"):
-            if not (path / name).is_file():
-                raise FileNotFoundError(f"checkpoint {path} lacks {name}")
-        cfg = MLPChunkConfig(**json.loads((path / "config.json").read_text()))
-        stats_file = path / "stats.json"
-        stats = json.loads(stats_file.read_text()) if stats_file.is_file() else None
-        model = cls(cfg, stats)
-        model.load_weights(path / "model.safetensors")
-        return model.to(device).eval()
-
-    def load_weights(self, path: str | Path) -> None:
-        """Load a ``model.safetensors`` into this policy, checking every name and shape first.
-
-        Raises:
-            ValueError: a tensor missing, unexpected or of the wrong shape (named, with this config).
-        """
-        from safetensors.torch import load_file
-
-        sd, own = load_file(str(path)), self.state_dict()
-        bad = sorted(set(sd) ^ set(own)) + [k for k in sd if k in own and sd[k].shape != own[k].shape]
-        if bad:
-            raise ValueError(f"checkpoint {path} does not match MLPChunkConfig {asdict(self.config)}: tensors {bad[:10]}")
-        self.load_state_dict(sd)
