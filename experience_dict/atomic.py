@@ -1,4 +1,5 @@
-"""Atomic replacement of a local file: write a temp file beside it, then ``os.replace`` it into place.
+"""Atomic replacement of a local file or directory: write a temp file (or build a temp directory) beside it, then
+rename it into place (:func:`atomic_write_bytes`, :func:`atomic_write_text`, :func:`atomic_dir`).
 
 A leaf module (standard library only) so every package (``experience_dict``, ``fleet``, ``policies``,
 ``scripts``) can import it without import cycles or the store's dependencies.
@@ -6,8 +7,12 @@ A leaf module (standard library only) so every package (``experience_dict``, ``f
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool = False) -> None:
@@ -55,3 +60,36 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, *, encoding: str 
         OSError: as :func:`atomic_write_bytes`.
     """
     atomic_write_bytes(path, text.encode(encoding), fsync=fsync)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike[str], *, replace: bool = True) -> Iterator[Path]:
+    """Build a local directory out of sight, then put it at ``path`` in one rename.
+
+    Yields a fresh hidden sibling (``.<name>.<uuid hex>.tmp``, created) to fill; when the block ends without an
+    error it is renamed to ``path``, so a reader sees no directory or a whole one, never a half-written one. On
+    any error the temp directory is removed and ``path`` is left as it was.
+
+    Args:
+        path: the directory to create (its parent is created if missing).
+        replace: an existing ``path`` is removed just before the rename (a reader may then find no directory
+            for that moment, never a partial one). False: if ``path`` exists by then (another process made it),
+            the new one is discarded and ``path`` kept.
+    Raises:
+        OSError: the temp directory could not be created, or the rename failed.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.exists():
+            if not replace:
+                shutil.rmtree(tmp)
+                return
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

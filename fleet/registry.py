@@ -36,6 +36,8 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from experience_dict.atomic import atomic_dir
+
 MANIFEST = "MANIFEST.json"
 FORMAT = "fleetmind-checkpoint/1"
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".bin", ".joblib")
@@ -188,9 +190,7 @@ class CheckpointRegistry:
             except RegistryError:
                 pass
             shutil.rmtree(local_dir)
-        tmp = local_dir.with_name(f".{local_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
-        tmp.mkdir(parents=True)
-        try:
+        with atomic_dir(local_dir, replace=False) as tmp:   # another process fetching it meanwhile: theirs is kept
             for rel, entry in manifest["files"].items():
                 src = f"{self._vdir(version)}/{rel}"
                 if not self.fs.exists(src):
@@ -205,13 +205,6 @@ class CheckpointRegistry:
                         fo.write(chunk)
                 _check(version, rel, entry, h.hexdigest(), n)
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            if local_dir.exists():  # another process fetched it meanwhile
-                shutil.rmtree(tmp)
-                return local_dir
-            os.rename(tmp, local_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return local_dir
 
     # ------------------------------------------------------------------ writing
@@ -321,15 +314,11 @@ def checkpoint_with_critic(src: str | Path, out_dir: str | Path, critic_from: st
         raise ValueError(f"checkpoint {str(critic_from)!r} has no success critic ({CRITIC_FILES}; "
                          "fert.critic.enabled is false?)")
     out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.is_file() and f.name not in (*CRITIC_FILES, MANIFEST):
-            shutil.copy2(f, tmp / f.name)
-    if critic_from is not None:
-        for f in CRITIC_FILES:
-            shutil.copy2(Path(critic_from) / f, tmp / f)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with atomic_dir(out) as tmp:
+        for f in src.iterdir():
+            if f.is_file() and f.name not in (*CRITIC_FILES, MANIFEST):
+                shutil.copy2(f, tmp / f.name)
+        if critic_from is not None:
+            for f in CRITIC_FILES:
+                shutil.copy2(Path(critic_from) / f, tmp / f)
     return str(out)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from experience_dict.atomic import atomic_dir
 from policies.runtime import EXPORT_FORMAT, EXPORT_META, MODEL_CARD, sha256_file
 
 # the policy's files, and the success critic FERT ships beside them (policies/critic.py) and a noise actor
@@ -152,9 +153,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, contro
     policy = load_policy(src)  # any registered type; validates names, shapes, stats (and tokenizer)
     cfg = policy.config
     files = [f for f in CHECKPOINT_FILES if (src / f).is_file()]
-    tmp = out.with_name(f".{out.name}.tmp-{time.time_ns()}")
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out) as tmp:
         for f in files:
             shutil.copy2(src / f, tmp / f)
         graphs = []
@@ -183,10 +182,4 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, contro
             meta["onnx"] = graphs
         (tmp / EXPORT_META).write_text(json.dumps(meta, indent=1))
         (tmp / MODEL_CARD).write_text(model_card(meta, success_table))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

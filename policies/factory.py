@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from experience_dict.atomic import atomic_dir
+
 # config.json / Hydra "type" -> "module:Class" (imported lazily: expert and random workers never import torch)
 POLICY_TYPES: dict[str, str] = {
     "aed_diffusion": "policies.aed_diffusion.modeling_aed_diffusion:AEDDiffusionPolicy",
@@ -130,12 +132,9 @@ def interpolate_checkpoint(init_dir: str | Path, tuned_dir: str | Path, alpha: f
             out[k] = (a32 + alpha * (t.to(torch.float32) - a32)).to(t.dtype).contiguous()
         else:
             out[k] = t.contiguous()
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(tuned_dir, tmp, ignore=shutil.ignore_patterns("model.safetensors"))
-    save_file(out, str(tmp / "model.safetensors"))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        shutil.copytree(tuned_dir, tmp, ignore=shutil.ignore_patterns("model.safetensors"), dirs_exist_ok=True)
+        save_file(out, str(tmp / "model.safetensors"))
     return out_dir
 
 

@@ -57,3 +57,27 @@ def test_missing_parent_directory_raises_and_creates_nothing(tmp_path):
     with pytest.raises(FileNotFoundError):
         atomic_write_bytes(tmp_path / "absent" / "f.json", b"x")
     assert os.listdir(tmp_path) == []
+
+
+def test_atomic_dir_appears_whole_or_not_at_all(tmp_path):
+    """atomic_dir: the directory appears only when its block ends; an error leaves the old one and no temp
+    directory; replace=False keeps a directory another process made meanwhile."""
+    from experience_dict.atomic import atomic_dir
+
+    out = tmp_path / "sub" / "ckpt"
+    with atomic_dir(out) as d:
+        (d / "a.json").write_text("1")
+        assert not out.exists() and d.parent == out.parent and d.name.startswith(".ckpt.")
+    assert (out / "a.json").read_text() == "1"
+    with pytest.raises(RuntimeError, match="killed"):
+        with atomic_dir(out) as d:
+            (d / "a.json").write_text("2")
+            raise RuntimeError("killed mid-write")
+    assert (out / "a.json").read_text() == "1" and sorted(p.name for p in out.parent.iterdir()) == ["ckpt"]
+    with atomic_dir(out) as d:
+        (d / "b.json").write_text("3")
+    assert sorted(p.name for p in out.iterdir()) == ["b.json"]          # replaced, not merged
+    with atomic_dir(out, replace=False) as d:
+        (d / "c.json").write_text("4")
+    assert sorted(p.name for p in out.iterdir()) == ["b.json"]          # kept: it existed
+    assert sorted(p.name for p in out.parent.iterdir()) == ["ckpt"]

@@ -58,7 +58,7 @@ def test_tampered_checkpoint_refused(tmp_path, ckpt):
     with pytest.raises(ChecksumMismatchError, match="model.safetensors.*refusing a tampered"):
         reg.fetch(v, tmp_path / "local")
     assert not (tmp_path / "local").exists()  # nothing unverified left behind
-    assert not list(tmp_path.glob(".local.tmp-*"))
+    assert not list(tmp_path.glob(".local.*.tmp"))
     # a tampered local copy is refused by the loader too
     good = CheckpointRegistry(tmp_path / "reg2")
     local = good.fetch(good.publish(path), tmp_path / "local2")

@@ -20,8 +20,6 @@ import hashlib
 import json
 import logging
 import math
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from experience_dict.atomic import atomic_write_text
+from experience_dict.atomic import atomic_dir, atomic_write_text
 from experience_dict.tokenizer import ActionTokenizer
 from policies.aed_diffusion.configuration_aed_diffusion import AEDDiffusionConfig
 from policies.aed_diffusion.modeling_aed_diffusion import AEDDiffusionPolicy, build_policy
@@ -130,21 +128,19 @@ def save_checkpoint(out_dir: Path, step: int, policy: AEDDiffusionPolicy, ema: E
     """Write ``checkpoints/<step>`` atomically and point ``last.json`` at it; returns the pretrained_model dir."""
     ckpt_root = out_dir / "checkpoints"
     final = ckpt_root / f"{step:07d}"
-    tmp = ckpt_root / f".tmp-{step:07d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    (ema.model if ema is not None else policy).save_pretrained(tmp / "pretrained_model")
-    ts = tmp / "training_state"
-    ts.mkdir(parents=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()}, str(ts / "model.safetensors"))
-    if ema is not None:
-        save_file({k: v.detach().cpu().contiguous() for k, v in ema.model.state_dict().items()},
-                  str(ts / "ema.safetensors"))
-    save_optimizer(opt, ts)
-    (ts / "state.json").write_text(json.dumps({
-        "step": step, "ema_step": ema.step_count if ema is not None else None,
-        "scheduler": {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}}))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    with atomic_dir(final) as tmp:
+        (ema.model if ema is not None else policy).save_pretrained(tmp / "pretrained_model")
+        ts = tmp / "training_state"
+        ts.mkdir(parents=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()},
+                  str(ts / "model.safetensors"))
+        if ema is not None:
+            save_file({k: v.detach().cpu().contiguous() for k, v in ema.model.state_dict().items()},
+                      str(ts / "ema.safetensors"))
+        save_optimizer(opt, ts)
+        (ts / "state.json").write_text(json.dumps({
+            "step": step, "ema_step": ema.step_count if ema is not None else None,
+            "scheduler": {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}}))
     atomic_write_text(ckpt_root / "last.json", json.dumps({"step": step, "path": final.name}))
     return final / "pretrained_model"
 
