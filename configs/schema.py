@@ -61,9 +61,6 @@ RULES: dict[str, Rule] = {
     "fleet.torch_threads": POS, "fleet.head_lost_after_s": number(0), "fleet.shard_wait_s": number(0), "fleet.placement": one_of("pack", "spread"),
     "fleet.policy_server": lambda v: None if v in (True, False, "auto") else "true, false or 'auto'",
     "robot.stratify_block": optional(integer(0)),
-    "deploy.export.onnx_steps": lambda v: None if v is None or (isinstance(v, list | tuple) and all(
-        integer(1)(x) is None for x in v)) else "null or a list of integers >= 1",
-    "deploy.export.onnx_batch_size": POS, "deploy.run.backend": one_of("auto", "torch", "onnx"),
     # what reaches a model: the policy's shape and sampler (policies.aed_diffusion.AEDDiffusionConfig, mlp_chunk)
     "policy.action_dim": POS, "policy.n_obs_steps": POS, "policy.horizon": POS, "policy.n_action_steps": POS,
     "policy.dim": POS, "policy.n_layers": POS, "policy.n_heads": POS, "policy.mlp_ratio": number(0, open_lo=True),
@@ -76,11 +73,6 @@ RULES: dict[str, Rule] = {
     "policy.mt_loss.decoder_layers": POS, "policy.mt_loss.image_feature_dim": POS,
     # what reaches a robot (real or simulated): episode length, safety limits, variation, the policy server
     "task.max_episode_steps": POS, "task.steps_after_success": integer(0),
-    "deploy.run.episodes": POS, "deploy.run.max_steps": POS, "deploy.run.steps_after_success": integer(0),
-    "deploy.run.num_threads": optional(POS), "deploy.run.seed": integer(0), "deploy.run.unit_id": integer(0),
-    "deploy.safety.max_step_deg": number(0, open_lo=True), "deploy.safety.max_step_gripper": number(0, open_lo=True),
-    "deploy.safety.deadline_s": optional(number(0, open_lo=True)), "deploy.safety.max_misses": integer(0),
-    "deploy.safety.hang_s": optional(number(0, open_lo=True)),
     "robot.variation.action_gain": number(0, 1), "robot.variation.action_latency_max": integer(0),
     "robot.variation.obs_noise_std": number(0), "robot.variation.mass_scale": number(0, 1),
     "robot.variation.friction_scale": number(0, 1), "robot.variation.camera_pos_mm": number(0),

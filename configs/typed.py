@@ -11,7 +11,7 @@ imports it first (``import configs.typed`` in each Hydra script, ``tests/conftes
 Migrated so far: ``learner`` (:class:`fleet.fert.learner_config.LearnerConfig`), ``train``
 (:class:`policies.train_config.TrainConfig`), ``fert`` (:class:`fleet.fert.config.FertConfig`), ``eval`` (:class:`fleet.experiment.eval_config.EvalConfig`), ``job``
 (:class:`fleet.experiment.job_config.JobConfig`), the scripts' ``sim``, ``chaos``, ``async_run``, ``ablate`` and ``compare``
-(:mod:`configs.scripts`); new groups are typed from the start: ``steer``
+(:mod:`configs.scripts`), ``deploy`` (:class:`fleet.deploy.config.DeployConfig`); new groups are typed from the start: ``steer``
 (:class:`policies.noise_actor.SteerConfig`).
 """
 
@@ -23,6 +23,7 @@ from typing import Any
 
 from configs.rules import ConfigError
 from configs.scripts import AblateConfig, AsyncRunConfig, ChaosConfig, CompareConfig, SimConfig
+from fleet.deploy.config import DeployConfig
 from fleet.experiment.eval_config import EvalConfig
 from fleet.experiment.job_config import JobConfig
 from fleet.fert.config import FertConfig
@@ -33,7 +34,7 @@ from policies.train_config import TrainConfig
 TYPED_GROUPS: dict[str, type] = {"learner": LearnerConfig, "steer": SteerConfig, "train": TrainConfig,
                                  "fert": FertConfig, "eval": EvalConfig,
                                  "job": JobConfig, "sim": SimConfig, "chaos": ChaosConfig, "async_run": AsyncRunConfig,
-                                 "ablate": AblateConfig, "compare": CompareConfig}
+                                 "ablate": AblateConfig, "compare": CompareConfig, "deploy": DeployConfig}
 
 
 def register() -> None:

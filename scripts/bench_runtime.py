@@ -29,7 +29,7 @@ from pathlib import Path
 import hydra
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
 
@@ -117,7 +117,9 @@ def time_onnx(export_dir: Path, base: AEDDiffusionPolicy, batch: dict, steps: in
 def main(cfg: DictConfig) -> None:
     if "deploy" not in cfg:
         raise SystemExit("compose the deploy group: python scripts/bench_runtime.py")
-    bc = OmegaConf.to_container(cfg.deploy.bench, resolve=True)
+    from fleet.deploy.config import BenchConfig
+
+    bc = BenchConfig.from_dict(cfg.deploy.bench).to_dict()
     tmp = tempfile.TemporaryDirectory()
     export_dir = bc["export_dir"]
     if export_dir is None:

@@ -34,12 +34,12 @@ except ImportError as e:  # pragma: no cover - the core environment
                      "Python 3.12, `make install-lerobot06`) and run with that venv's python") from e
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
+from fleet.deploy.config import DeployConfig
 from fleet.deploy.deployer import (
     Deployer,
-    RunConfig,
     build_robot_config,
     export_path,
     make_robot,
@@ -73,29 +73,24 @@ def main(cfg: DictConfig) -> None:
     from configs.schema import check_or_exit
 
     check_or_exit(cfg)   # every value against its rule, before any work
-    d = cfg.deploy
-    run_fields = OmegaConf.to_container(d.run, resolve=True)
     try:
-        export = export_path(run_fields.pop("export_dir"))
+        d = DeployConfig.from_dict(cfg.deploy)
+        run, b = d.run, d.bridge
+        export = export_path(run.export_dir)
         from policies.runtime import PolicyRuntime
 
-        rt = PolicyRuntime.load(export, device=run_fields.pop("device"),
-                                num_inference_steps=run_fields.pop("num_inference_steps"),
-                                num_threads=run_fields.pop("num_threads"), compile=bool(run_fields.pop("compile", False)),
-                                backend=run_fields.pop("backend", "auto"))
-        report_path = Path(run_fields.pop("report") or Path(cfg.output_dir) / "deploy_report.json")
-        robot_fields = OmegaConf.to_container(d.robot, resolve=True)
+        rt = PolicyRuntime.load(export, device=run.device, num_inference_steps=run.num_inference_steps,
+                                num_threads=run.num_threads, compile=run.compile, backend=run.backend)
+        report_path = Path(run.report or Path(cfg.output_dir) / "deploy_report.json")
+        robot_fields = dict(d.robot)
         if robot_fields.get("type") == SIM_TYPE:
             robot_fields = sim_robot_defaults(robot_fields, rt.input_shapes, rt.meta)
         robot = make_robot(build_robot_config(robot_fields))
-        run = RunConfig(**run_fields)
-        b = d.bridge
         joint_map = JointMap(list(b.joint_signs), list(b.joint_offsets_deg), float(b.gripper_closed_pos),
                              float(b.gripper_open_pos))
-        safety = OmegaConf.to_container(d.safety, resolve=True)
-        deployer = Deployer(rt, robot, run, safety_limits(safety, joint_map), joint_map,
-                            cameras=dict(b.cameras or {}), export_dir=str(export), hang_s=float(safety["hang_s"]),
-                            robot_type=robot_fields["type"], embodiment=str(b.get("embodiment") or "so100"))
+        deployer = Deployer(rt, robot, run, safety_limits(d.safety, joint_map), joint_map,
+                            cameras=dict(b.cameras or {}), export_dir=str(export), hang_s=d.safety.hang_s,
+                            robot_type=robot_fields["type"], embodiment=b.embodiment)
     except (FileNotFoundError, ValueError, TypeError) as e:
         raise SystemExit(f"deploy: {e}") from e
     log.info("deploying %s (policy version %s) on %s at %.1f Hz, label=%s", export, deployer.policy_version,

@@ -18,6 +18,7 @@ import hydra
 from omegaconf import DictConfig
 
 import configs.typed  # noqa: F401 - registers the typed config groups before Hydra composes
+from fleet.deploy.config import ExportConfig
 from fleet.progress import calm_progress
 from fleet.refusals import one_line_refusals
 from policies.threads import passive_wait
@@ -81,7 +82,7 @@ def main(cfg: DictConfig) -> None:
     check_or_exit(cfg)   # every value against its rule, before any work
     if "deploy" not in cfg:
         raise SystemExit("compose the deploy group: python scripts/export.py deploy.export....")
-    ecfg = cfg.deploy.export
+    ecfg = ExportConfig.from_dict(cfg.deploy.export)
     table = json.loads(Path(ecfg.success_table).read_text()) if ecfg.success_table else None
     with tempfile.TemporaryDirectory() as tmp:
         if ecfg.checkpoint:

@@ -32,12 +32,12 @@ from typing import Any
 import lerobot.robots  # noqa: F401 - before sim (EGL) is imported, see the module doc
 import numpy as np
 
+from fleet.deploy.config import RunConfig, SafetyConfig
 from fleet.deploy.lerobot_bridge import MOTOR_KEYS, JointMap, make_bridge
 from fleet.deploy.safety import EventLog, SafetyEvent, SafetyFilter, SafetyLimits, Watchdog
 
 log = logging.getLogger("fleetmind.deploy")
 EMBODIMENT = "so100"
-LABELS = ("sim", "operator", "classifier", "none")
 
 
 # ---------------------------------------------------------------------------------------------- robot types
@@ -115,48 +115,6 @@ def load_classifier(spec: str | None) -> Callable[[Any, Mapping[str, Any]], bool
     return getattr(importlib.import_module(mod), fn)
 
 
-# ---------------------------------------------------------------------------------------------- config
-@dataclasses.dataclass
-class RunConfig:
-    """``deploy.run``: how episodes run (see ``configs/deploy/default.yaml`` for every field's meaning).
-
-    Raises:
-        ValueError: an unknown label, non-positive steps/episodes, a label that needs what is missing.
-    """
-
-    episodes: int = 1
-    max_steps: int = 300
-    steps_after_success: int = 10
-    stop_on_success: bool = True
-    seed: int = 0
-    label: str = "operator"
-    success_classifier: str | None = None
-    realtime: bool = True
-    control_hz: float | None = None
-    wait_for_reset: bool = True
-    task: str | None = None
-    store_url: str | None = None
-    unit_id: int = 1000
-    writer_id: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.label not in LABELS:
-            raise ValueError(f"deploy.run.label: expected one of {LABELS}, given {self.label!r}")
-        if int(self.episodes) < 1 or int(self.max_steps) < 1 or int(self.steps_after_success) < 0:
-            raise ValueError(f"deploy.run: episodes >= 1, max_steps >= 1, steps_after_success >= 0 expected, "
-                             f"given {self.episodes}, {self.max_steps}, {self.steps_after_success}")
-
-
-# The conservative limits of configs/deploy/default.yaml's ``safety`` section: what the Python API applies for
-# every key it is not given (tests/test_safety.py checks that the two agree).
-SAFETY_DEFAULTS: dict[str, Any] = {
-    "joint_limits_deg": None,          # None: the SO-100 MJCF joint ranges
-    "max_step_deg": 15.0,              # degrees per control step, arm joints
-    "max_step_gripper": 50.0,          # gripper.pos units (0..100) per control step
-    "workspace_m": [[-0.05, 0.39, 0.005], [0.29, 0.81, 0.28]],   # tcp box, twin frame, metres
-    "deadline_s": 0.25,                # seconds per policy call before the watchdog holds the arm
-    "max_misses": 1,
-}
 # keys whose explicit null switches a protection off (logged as a warning)
 _SWITCHABLE = ("max_step_deg", "max_step_gripper", "workspace_m", "deadline_s")
 
@@ -164,8 +122,8 @@ _SWITCHABLE = ("max_step_deg", "max_step_gripper", "workspace_m", "deadline_s")
 def safety_limits(cfg: Mapping[str, Any] | None, joint_map: JointMap) -> SafetyLimits:
     """``deploy.safety`` -> ``SafetyLimits`` in LeRobot units (``MOTOR_KEYS`` order).
 
-    Every key not given takes its value from ``SAFETY_DEFAULTS`` (the conservative limits of
-    ``configs/deploy/default.yaml``), so ``safety_limits({}, ...)`` is safe. ``joint_limits_deg``:
+    Every key not given takes its value from :class:`fleet.deploy.config.SafetyConfig` (the conservative limits
+    every composed config has), so ``safety_limits({}, ...)`` is safe. ``joint_limits_deg``:
     ``{joint: [low, high]}`` overrides (others: the SO-100 MJCF ranges through ``joint_map``); ``max_step_deg``
     (arm joints, degrees) and ``max_step_gripper`` (0..100 units) per control step; ``workspace_m`` (metres);
     ``deadline_s`` (seconds); ``max_misses``. Switching a protection off takes an explicit ``null`` for it and is
@@ -175,12 +133,12 @@ def safety_limits(cfg: Mapping[str, Any] | None, joint_map: JointMap) -> SafetyL
         ValueError: an unknown key or joint name; a step limit of 0 (it is not "no limit": give a positive limit,
             or null to switch the limit off); and everything ``SafetyLimits`` checks (negative or NaN limits).
     """
-    cfg = dict(cfg or {})
-    known = set(SAFETY_DEFAULTS) | {"hang_s"}
-    unknown = sorted(set(cfg) - known)
-    if unknown:
-        raise ValueError(f"deploy.safety: unknown keys {unknown}; known: {sorted(known)}")
-    c = {**SAFETY_DEFAULTS, **cfg}
+    cfg = dict(cfg.to_dict() if isinstance(cfg, SafetyConfig) else cfg or {})
+    for key in ("max_step_deg", "max_step_gripper"):
+        if cfg.get(key) is not None and float(cfg[key]) == 0.0:
+            raise ValueError(f"deploy.safety.{key}=0: a step limit of 0 would hold the arm forever and is not "
+                             "'no limit'; give a positive limit, or null to switch the limit off (logged)")
+    c = SafetyConfig.from_dict(cfg).to_dict()   # unknown keys and values out of range refused, naming them
     off = [k for k in _SWITCHABLE if c[k] is None]
     if off:
         log.warning("deploy.safety: protections switched off by an explicit null: %s", off)
@@ -192,14 +150,7 @@ def safety_limits(cfg: Mapping[str, Any] | None, joint_map: JointMap) -> SafetyL
         limits[names.index(j)] = [float(rng[0]), float(rng[1])]
 
     def step_limit(key: str) -> float:
-        v = c[key]
-        if v is None:
-            return math.inf
-        v = float(v)
-        if v == 0.0:
-            raise ValueError(f"deploy.safety.{key}=0: a step limit of 0 would hold the arm forever and is not "
-                             "'no limit'; give a positive limit, or null to switch the limit off (logged)")
-        return v
+        return math.inf if c[key] is None else float(c[key])
 
     step = [step_limit("max_step_deg")] * 5 + [step_limit("max_step_gripper")]
     ws = c["workspace_m"]
@@ -272,7 +223,7 @@ class Deployer:
             (``export.json``); normally ``policies.runtime.PolicyRuntime``.
         robot: a LeRobot ``Robot`` (connected by ``run``/``connect`` here if it is not yet).
         run: ``RunConfig``; safety: ``SafetyLimits`` (None: ``safety_limits({}, joint_map)``, the conservative
-            ``SAFETY_DEFAULTS``, the same as ``configs/deploy/default.yaml``);
+            defaults of ``fleet.deploy.config.SafetyConfig``);
         joint_map / cameras: the bridge's convention (``deploy.bridge``).
         export_dir: recorded in the report and the store.
         input_fn: the operator prompt (``input``; tests pass a scripted one).

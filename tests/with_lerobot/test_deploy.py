@@ -24,7 +24,6 @@ import torch
 from lerobot.robots import make_robot_from_config
 
 from fleet.deploy.deployer import (
-    SAFETY_DEFAULTS,
     Deployer,
     RunConfig,
     build_robot_config,
@@ -394,15 +393,21 @@ def test_deploy_script_runs_an_export_on_the_simulated_robot(export_dir, tmp_pat
 
 
 def test_safety_defaults_are_the_yaml_limits_and_off_needs_an_explicit_null(export_dir, tmp_path, caplog):
-    """The Python API's defaults are configs/deploy/default.yaml's; 0 is refused (it is not "no limit"); NaN and
+    """The Python API's defaults are a composed config's (fleet.deploy.config.SafetyConfig, their one source); 0
+    is refused (it is not "no limit"); NaN and
     negative limits are refused; switching a limit off takes an explicit null, which is logged; the limits in
     force are logged before the first action."""
     import logging
 
+    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    yaml = OmegaConf.to_container(OmegaConf.load(REPO / "configs/deploy/default.yaml"))["safety"]
-    assert {k: v for k, v in yaml.items() if k != "hang_s"} == SAFETY_DEFAULTS
+    import configs.typed  # noqa: F401 - registers the typed groups
+    from fleet.deploy.config import SafetyConfig
+
+    with initialize_config_dir(str(REPO / "configs"), version_base=None):
+        yaml = OmegaConf.to_container(compose("config").deploy.safety, resolve=True)   # what a composed run gets
+    assert yaml == SafetyConfig().to_dict() and yaml["max_step_deg"] == 15.0 and yaml["deadline_s"] == 0.25
     jm = JointMap()
     d, y = safety_limits({}, jm), safety_limits(yaml, jm)
     assert d.to_dict() == y.to_dict()
