@@ -55,12 +55,6 @@ RULES: dict[str, Rule] = {
     "store.on_corrupt": one_of("raise", "skip"),
     "store.storage_options": lambda v: None if v is None or isinstance(v, Mapping) else "a mapping of fsspec options",
     "policy.type": one_of(*POLICY_TYPES, "expert", "random"),   # learned types: policies.factory
-    "fleet.units": POS, "fleet.episodes_per_unit": optional(POS), "fleet.wall_time_s": optional(number(0, open_lo=True)),
-    "fleet.episode_timeout_s": optional(number(0, open_lo=True)), "fleet.max_restarts": integer(-1),
-    "fleet.max_recreates": integer(0), "fleet.max_trial_faults": POS, "fleet.trial_retries": integer(0),
-    "fleet.torch_threads": POS, "fleet.head_lost_after_s": number(0), "fleet.shard_wait_s": number(0), "fleet.placement": one_of("pack", "spread"),
-    "fleet.policy_server": lambda v: None if v in (True, False, "auto") else "true, false or 'auto'",
-    "robot.stratify_block": optional(integer(0)),
     # what reaches a model: the policy's shape and sampler (policies.aed_diffusion.AEDDiffusionConfig, mlp_chunk)
     "policy.action_dim": POS, "policy.n_obs_steps": POS, "policy.horizon": POS, "policy.n_action_steps": POS,
     "policy.dim": POS, "policy.n_layers": POS, "policy.n_heads": POS, "policy.mlp_ratio": number(0, open_lo=True),
@@ -72,14 +66,6 @@ RULES: dict[str, Rule] = {
     "policy.aed.tokenizer_vocab_size": POS, "policy.mt_loss.weight": number(0),
     "policy.mt_loss.decoder_layers": POS, "policy.mt_loss.image_feature_dim": POS,
     # what reaches a robot (real or simulated): episode length, safety limits, variation, the policy server
-    "task.max_episode_steps": POS, "task.steps_after_success": integer(0),
-    "robot.variation.action_gain": number(0, 1), "robot.variation.action_latency_max": integer(0),
-    "robot.variation.obs_noise_std": number(0), "robot.variation.mass_scale": number(0, 1),
-    "robot.variation.friction_scale": number(0, 1), "robot.variation.camera_pos_mm": number(0),
-    "robot.variation.camera_rot_deg": number(0), "robot.variation.light": number(0), "robot.variation.color": number(0),
-    "obs.image_size": POS,
-    "fleet.server_max_batch": POS, "fleet.server_max_wait_ms": number(0), "fleet.server_retry_s": number(0),
-    "fleet.expert_noise_std": number(0),
 }
 
 

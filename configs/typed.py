@@ -11,7 +11,9 @@ imports it first (``import configs.typed`` in each Hydra script, ``tests/conftes
 Migrated so far: ``learner`` (:class:`fleet.fert.learner_config.LearnerConfig`), ``train``
 (:class:`policies.train_config.TrainConfig`), ``fert`` (:class:`fleet.fert.config.FertConfig`), ``eval`` (:class:`fleet.experiment.eval_config.EvalConfig`), ``job``
 (:class:`fleet.experiment.job_config.JobConfig`), the scripts' ``sim``, ``chaos``, ``async_run``, ``ablate`` and ``compare``
-(:mod:`configs.scripts`), ``deploy`` (:class:`fleet.deploy.config.DeployConfig`); new groups are typed from the start: ``steer``
+(:mod:`configs.scripts`), ``deploy`` (:class:`fleet.deploy.config.DeployConfig`), ``fleet``
+(:class:`fleet.fleet_config.FleetConfig`), ``robot``, ``obs`` and ``task`` (:mod:`sim.config`; their presets extend
+the dataclass); new groups are typed from the start: ``steer``
 (:class:`policies.noise_actor.SteerConfig`).
 """
 
@@ -28,13 +30,16 @@ from fleet.experiment.eval_config import EvalConfig
 from fleet.experiment.job_config import JobConfig
 from fleet.fert.config import FertConfig
 from fleet.fert.learner_config import LearnerConfig
+from fleet.fleet_config import FleetConfig
 from policies.noise_actor import SteerConfig
 from policies.train_config import TrainConfig
+from sim.config import ObsConfig, RobotConfig, TaskConfig
 
 TYPED_GROUPS: dict[str, type] = {"learner": LearnerConfig, "steer": SteerConfig, "train": TrainConfig,
                                  "fert": FertConfig, "eval": EvalConfig,
                                  "job": JobConfig, "sim": SimConfig, "chaos": ChaosConfig, "async_run": AsyncRunConfig,
-                                 "ablate": AblateConfig, "compare": CompareConfig, "deploy": DeployConfig}
+                                 "ablate": AblateConfig, "compare": CompareConfig, "deploy": DeployConfig,
+                                 "fleet": FleetConfig, "robot": RobotConfig, "obs": ObsConfig, "task": TaskConfig}
 
 
 def register() -> None:

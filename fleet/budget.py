@@ -20,6 +20,8 @@ import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 
+from fleet.fleet_config import FleetConfig
+
 
 class Budget:
     """Base of the strategies: the wall-time deadline and the graceful stop.
@@ -139,7 +141,7 @@ class UnitBudget(Budget):
             self.left[unit] -= 1
 
 
-def make_budget(unit_tasks: Mapping[int, Sequence[str]], fleet_cfg: Mapping, episodes_per_unit: int | None = None,
+def make_budget(unit_tasks: Mapping[int, Sequence[str]], fleet_cfg: FleetConfig | Mapping, episodes_per_unit: int | None = None,
                 wall_time_s: float | None = None, episodes_per_task: int | None = None,
                 plan: Sequence[Mapping] | None = None) -> Budget:
     """The strategy ``Fleet.run``'s arguments ask for: a plan first, else ``episodes_per_task``, else
@@ -150,8 +152,8 @@ def make_budget(unit_tasks: Mapping[int, Sequence[str]], fleet_cfg: Mapping, epi
         ValueError: no budget given or configured; a plan trial this fleet cannot run (``PlanBudget``).
     """
     if plan is None and episodes_per_unit is None and wall_time_s is None and episodes_per_task is None:
-        episodes_per_unit = fleet_cfg.get("episodes_per_unit")
-        wall_time_s = fleet_cfg.get("wall_time_s")
+        fleet_cfg = FleetConfig.from_dict(fleet_cfg)
+        episodes_per_unit, wall_time_s = fleet_cfg.episodes_per_unit, fleet_cfg.wall_time_s
         if episodes_per_unit is None and wall_time_s is None:
             raise ValueError("Fleet.run: give episodes_per_unit, episodes_per_task or wall_time_s")
     deadline = time.monotonic() + float(wall_time_s) if wall_time_s is not None else None

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.budget import make_budget
+from fleet.fleet_config import FleetConfig
 from fleet.result import FleetResult
 from fleet.supervisor import RunSupervisor
 from fleet.worker import RobotWorker, writer_id
@@ -54,13 +55,13 @@ def _plain(cfg) -> dict:
     return out
 
 
-def ensure_ray(fleet_cfg: dict) -> None:
+def ensure_ray(fleet_cfg: FleetConfig | Mapping) -> None:
     """Start or join Ray once per process.
 
-    ``fleet_cfg["ray_address"]``: ``None`` starts a new local instance (even when a ``ray start`` cluster runs
+    ``fleet_cfg.ray_address``: ``None`` starts a new local instance (even when a ``ray start`` cluster runs
     on this machine) with ``num_cpus`` (``None``: all cores), no
     dashboard, ``RAY_AUTH_MODE=disabled`` unless set, and the repo on the workers' ``PYTHONPATH``; ``"auto"``
-    or ``"ray://host:port"`` joins a cluster (``fleet_cfg["runtime_env"]`` is passed through, e.g.
+    or ``"ray://host:port"`` joins a cluster (``fleet_cfg.runtime_env`` is passed through, e.g.
     ``{"working_dir": "."}`` when the nodes lack the code).
     """
     import ray
@@ -70,9 +71,10 @@ def ensure_ray(fleet_cfg: dict) -> None:
     from policies.threads import passive_wait
 
     passive_wait()   # the workers Ray starts inherit it: their OpenMP threads sleep when idle (policies/threads.py)
-    address = fleet_cfg.get("ray_address")
+    fleet_cfg = FleetConfig.from_dict(fleet_cfg)
+    address = fleet_cfg.ray_address
     if address:
-        ray.init(address=address, runtime_env=fleet_cfg.get("runtime_env") or None, logging_level="WARNING")
+        ray.init(address=address, runtime_env=fleet_cfg.runtime_env or None, logging_level="WARNING")
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -80,17 +82,17 @@ def ensure_ray(fleet_cfg: dict) -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, *paths])
     # address="local": always a new instance of this process's own, never a cluster that another job on this
     # machine started with `ray start` (which a bare ray.init() would join)
-    ray.init(address="local", num_cpus=fleet_cfg.get("num_cpus"), include_dashboard=False, logging_level="WARNING",
-             log_to_driver=bool(fleet_cfg.get("log_to_driver", True)))
+    ray.init(address="local", num_cpus=fleet_cfg.num_cpus, include_dashboard=False, logging_level="WARNING",
+             log_to_driver=bool(fleet_cfg.log_to_driver))
 
 
 HEAD_LOST_EXIT = 3   # the process's exit status when the Ray head of a joined cluster is lost (HeadWatch)
 
 
-def head_address(fleet_cfg: dict) -> str | None:
+def head_address(fleet_cfg: FleetConfig | Mapping) -> str | None:
     """``host:port`` of the joined cluster's head to watch (its GCS; for ``ray://host:port`` the client server's
     port), or None for a local instance. Call after ``ensure_ray``."""
-    address = fleet_cfg.get("ray_address")
+    address = FleetConfig.from_dict(fleet_cfg).ray_address
     if not address:
         return None
     if str(address).startswith("ray://"):
@@ -201,7 +203,7 @@ def policy_spec(cfg: dict, policy: Any = None) -> dict:
                      "existing checkpoint directory")
 
 
-def server_wanted(fleet_cfg: dict) -> bool:
+def server_wanted(fleet_cfg: FleetConfig | Mapping) -> bool:
     """Whether a fleet serves its trained policy from one batched ``PolicyServer`` (``fleet.policy_server``):
     ``true`` / ``false`` as given; ``"auto"``: when the server's device (``fleet.server_device``) resolves to
     CUDA, i.e. a GPU is visible here. On CPU the default stays per-worker inference: it draws each episode's
@@ -211,13 +213,14 @@ def server_wanted(fleet_cfg: dict) -> bool:
     Raises:
         ValueError: any other value.
     """
-    v = fleet_cfg.get("policy_server", False)
+    fleet_cfg = FleetConfig.from_dict(fleet_cfg)
+    v = fleet_cfg.policy_server
     if isinstance(v, bool):
         return v
     if v == "auto":
         from fleet.acting import resolve_device
 
-        return resolve_device(fleet_cfg.get("server_device", "auto")) == "cuda"
+        return resolve_device(fleet_cfg.server_device) == "cuda"
     raise ValueError(f"fleet.policy_server: expected true, false or 'auto', given {v!r}")
 
 
@@ -256,12 +259,12 @@ class Fleet:
                  use_server: bool | None = None,
                  on_head_lost: Callable[[FleetResult | None, str, float], None] | None = None):
         self.cfg = _plain(cfg)
-        self.fcfg = self.cfg["fleet"]
+        self.fcfg = FleetConfig.from_dict(self.cfg["fleet"])
         if units is None:
             from sim import unit_lists
 
             train_units, _ = unit_lists(self.cfg["robot"])
-            n = int(self.fcfg.get("units") or len(train_units))
+            n = int(self.fcfg.units or len(train_units))
             if n > len(train_units):
                 raise ValueError(f"fleet.units={n} but robot.train_units has only {len(train_units)} units "
                                  f"({train_units}); list more, e.g. robot.train_units='0:{n}'")
@@ -274,7 +277,7 @@ class Fleet:
         self.policy = policy_spec(self.cfg, policy)
         self.is_demo, self.faults = is_demo, faults or {}
         self.use_server = server_wanted(self.fcfg) if use_server is None else bool(use_server)
-        self.unit_tasks = {u: unit_tasks(i, self.tasks, self.fcfg.get("tasks_per_unit")) for i, u in enumerate(self.units)}
+        self.unit_tasks = {u: unit_tasks(i, self.tasks, self.fcfg.tasks_per_unit) for i, u in enumerate(self.units)}
         self.actors: dict[int, Any] = {}
         self.pids: dict[int, int] = {}  # unit -> worker process id (a restarted worker has a new one)
         self.server = None
@@ -298,7 +301,7 @@ class Fleet:
         import ray
 
         ensure_ray(self.fcfg)
-        address, lost_after = head_address(self.fcfg), float(self.fcfg.get("head_lost_after_s", 10) or 0)
+        address, lost_after = head_address(self.fcfg), float(self.fcfg.head_lost_after_s or 0)
         if address and lost_after > 0 and self.head_watch is None:
             self.head_watch = HeadWatch(address, lambda down_s: self._head_lost(address, down_s), lost_after).start()
         self._prepare_store()
@@ -308,10 +311,10 @@ class Fleet:
             self.server = make_policy_server(self.fcfg, registry_url=self.policy.get("registry_url"),
                                              path=self.policy.get("path"),
                                              cache_dir=str(Path(self.policy.get("cache_dir") or "/tmp/fleet_cache") / "server"),
-                                             device=self.fcfg.get("server_device", "auto"))
+                                             device=self.fcfg.server_device)
             self.policy = {**self.policy, "server": self.server}
         total = ray.cluster_resources().get("CPU", 1.0)
-        self.worker_cpus = float(self.fcfg.get("worker_cpus") or min(1.0, total / len(self.units)))
+        self.worker_cpus = float(self.fcfg.worker_cpus or min(1.0, total / len(self.units)))
         try:
             for u in self.units:
                 self.actors[u] = self._make_actor(u)
@@ -340,14 +343,14 @@ class Fleet:
     def _make_actor(self, unit: int):
         import ray
 
-        placement = str(self.fcfg.get("placement") or "pack")
+        placement = str(self.fcfg.placement or "pack")
         if placement not in ("pack", "spread"):
             raise ValueError(f"fleet.placement={placement!r}: expected 'pack' or 'spread'")
         opts = {"scheduling_strategy": "SPREAD"} if placement == "spread" else {}
-        if self.fcfg.get("worker_resources"):
-            opts["resources"] = {str(k): float(v) for k, v in dict(self.fcfg["worker_resources"]).items()}
+        if self.fcfg.worker_resources:
+            opts["resources"] = {str(k): float(v) for k, v in dict(self.fcfg.worker_resources).items()}
         cls = ray.remote(RobotWorker).options(
-            max_restarts=int(self.fcfg.get("max_restarts", 3)), max_task_retries=0, num_cpus=self.worker_cpus,
+            max_restarts=int(self.fcfg.max_restarts), max_task_retries=0, num_cpus=self.worker_cpus,
             max_concurrency=2, **opts,
         )
         return cls.remote(unit, self.unit_tasks[unit], self.cfg, self.store_url, self.policy, self.is_demo,
@@ -387,7 +390,7 @@ class Fleet:
             ray.kill(self.actors[unit], no_restart=True)
         except Exception:  # noqa: BLE001 - already dead
             pass
-        if self.recreates[unit] >= int(self.fcfg.get("max_recreates", 2)):
+        if self.recreates[unit] >= int(self.fcfg.max_recreates):
             result.dropped_units.append(unit)
             return False
         self.recreates[unit] += 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from fleet.acting import load_checkpoint, policy_input_shapes, resolve_device
+from fleet.fleet_config import FleetConfig
 
 
 class PolicyServer:
@@ -198,17 +200,18 @@ class PolicyServer:
         return os.getpid()
 
 
-def make_policy_server(fleet_cfg: dict, registry_url: str | None = None, path: str | None = None,
+def make_policy_server(fleet_cfg: FleetConfig | Mapping, registry_url: str | None = None, path: str | None = None,
                        cache_dir: str = "/tmp/fleet_cache", device: str = "auto"):
-    """Start a ``PolicyServer`` Ray actor (restarted by Ray up to ``fleet_cfg["max_restarts"]`` times; asks
+    """Start a ``PolicyServer`` Ray actor (restarted by Ray up to ``fleet_cfg.max_restarts`` times; asks
     for one GPU when ``device`` resolves to cuda and the cluster has one)."""
     import ray
 
+    fleet_cfg = FleetConfig.from_dict(fleet_cfg)
     num_gpus = 1 if resolve_device(device) == "cuda" and ray.cluster_resources().get("GPU", 0) >= 1 else 0
     actor = ray.remote(PolicyServer).options(
-        max_restarts=int(fleet_cfg.get("max_restarts", 3)), max_task_retries=0, num_cpus=0, num_gpus=num_gpus,
+        max_restarts=int(fleet_cfg.max_restarts), max_task_retries=0, num_cpus=0, num_gpus=num_gpus,
         max_concurrency=1000,
     )
     return actor.remote(registry_url=registry_url, path=path, cache_dir=cache_dir, device=device,
-                        max_batch=int(fleet_cfg.get("server_max_batch", 64)),
-                        max_wait_ms=float(fleet_cfg.get("server_max_wait_ms", 1.0)))
+                        max_batch=int(fleet_cfg.server_max_batch),
+                        max_wait_ms=float(fleet_cfg.server_max_wait_ms))

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from fleet.budget import Budget
+from fleet.fleet_config import FleetConfig
 from fleet.result import FleetResult
 
 
@@ -26,7 +27,7 @@ class SupervisedFleet(Protocol):
     supervisor, so the supervisor does not import the coordinator.
     """
 
-    fcfg: dict
+    fcfg: FleetConfig
     units: list[int]
     actors: dict[int, Any]
     pids: dict[int, int]
@@ -58,9 +59,9 @@ class RunSupervisor:
                  should_stop: Callable[[], bool] | None = None, on_episode: Callable[[dict], None] | None = None):
         self.fleet, self.budget, self.result = fleet, budget, result
         self.should_stop, self.on_episode = should_stop, on_episode
-        self.timeout_s = float(fleet.fcfg.get("episode_timeout_s") or 1e9)
-        self.max_faults = int(fleet.fcfg.get("max_trial_faults", 3))
-        self.trial_retries = int(fleet.fcfg.get("trial_retries", 1))
+        self.timeout_s = float(fleet.fcfg.episode_timeout_s or 1e9)
+        self.max_faults = int(fleet.fcfg.max_trial_faults)
+        self.trial_retries = int(fleet.fcfg.trial_retries)
         self.t_start = time.monotonic()
         self.inflight: dict[Any, tuple[int, str, dict | None, float]] = {}   # ref -> (unit, "episode"|"ping", trial, t0)
         self.ping_at: dict[int, float] = {}            # recovering unit -> when to ask whether it is back

@@ -32,6 +32,7 @@ from fleet.acting import (
     policy_input_shapes,
     resolve_device,
 )
+from fleet.fleet_config import FleetConfig
 from fleet.rollout import rollout
 
 
@@ -161,6 +162,7 @@ class RobotWorker:
         if not tasks:
             raise ValueError(f"RobotWorker unit {unit_id}: empty task list")
         self.unit_id, self.tasks, self.cfg = int(unit_id), list(tasks), cfg
+        self.fleet_cfg = FleetConfig.from_dict(cfg.get("fleet"))
         self.policy_cfg, self.is_demo = dict(policy), bool(is_demo)
         self.faults = [fault] if isinstance(fault, dict) else list(fault or [])
         self.max_steps = int(cfg["task"]["max_episode_steps"])
@@ -193,7 +195,7 @@ class RobotWorker:
         configure_storage({**dict(self.cfg.get("store") or {}), "url": store_url})   # this process's storage options
         spec = self._env(self.tasks[0]).spec_dict()
         self.store = ExperienceStore.create_or_open(store_url, spec=spec, control_hz=spec.get("control_hz"))
-        self.writer = self._open_writer(float(self.cfg["fleet"].get("shard_wait_s", 30.0)))  # recovers a crashed shard
+        self.writer = self._open_writer(float(self.fleet_cfg.shard_wait_s))  # recovers a crashed shard
         # resume the episode count (and so the seeds) from the shard's committed episodes, as they are now that
         # this process holds the shard (another process may have committed while this one waited for the lock)
         self.store.refresh()
@@ -223,7 +225,7 @@ class RobotWorker:
         import ray
         from ray.exceptions import RayActorError
 
-        deadline = time.monotonic() + float(self.cfg["fleet"].get("server_retry_s", 60))
+        deadline = time.monotonic() + float(self.fleet_cfg.server_retry_s)
         while True:
             try:
                 return ray.get(getattr(self.policy_cfg["server"], method).remote(*args))
@@ -324,13 +326,13 @@ class RobotWorker:
         if server is not None:
             info = self._server_call("info", version)
             self.policy = ChunkQueuePolicy(server, info["version"], info["window_spec"], info["n_action_steps"],
-                                           info["action_dim"], retry_s=float(self.cfg["fleet"].get("server_retry_s", 60)))
+                                           info["action_dim"], retry_s=float(self.fleet_cfg.server_retry_s))
             self.policy.input_shapes = info.get("input_shapes") or {}   # what _check_fits compares with the env
             self.policy_version = info["version"]
             return
         import torch
 
-        torch.set_num_threads(int(self.cfg["fleet"].get("torch_threads", 1)))
+        torch.set_num_threads(int(self.fleet_cfg.torch_threads))
         device = resolve_device(self.policy_cfg.get("device", "cpu"))
         if version is None:
             model, self.policy_version = load_checkpoint(self.policy_cfg["path"], device)

@@ -14,11 +14,21 @@ import sim
 from sim.units import ModelVariation, RobotUnit, parse_units
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-ROBOT = OmegaConf.load(CONFIGS / "robot" / "default.yaml")
-NOMINAL = OmegaConf.merge(ROBOT, OmegaConf.load(CONFIGS / "robot" / "nominal.yaml"))
-QUICK = OmegaConf.load(CONFIGS / "task" / "mw_quick.yaml")
-STATE = OmegaConf.load(CONFIGS / "obs" / "state.yaml")
-VISION = OmegaConf.load(CONFIGS / "obs" / "vision.yaml")
+
+
+def group(name: str, option: str):
+    """The composed ``name`` group with ``option`` selected (its typed defaults, then the preset)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        return compose("config", overrides=[f"{name}={option}"])[name]
+
+
+ROBOT = group("robot", "default")
+NOMINAL = group("robot", "nominal")
+QUICK = group("task", "mw_quick")
+STATE = group("obs", "state")
+VISION = group("obs", "vision")
 
 
 def rollout(env, seed: int, steps: int, action_seed: int = 0) -> list:
@@ -249,9 +259,9 @@ def test_bad_names_list_valid_choices():
 
 def test_suites():
     assert len(sim.list_tasks()) == 50
-    mw50 = OmegaConf.load(CONFIGS / "task" / "mw50.yaml")
+    mw50 = group("task", "mw50")
     assert sorted(sim.list_tasks(mw50)) == sorted(sim.list_tasks())
-    mw10 = OmegaConf.load(CONFIGS / "task" / "mw10.yaml")
+    mw10 = group("task", "mw10")
     assert len(set(sim.list_tasks(mw10))) == 10 and len(sim.list_tasks(QUICK)) == 3
 
 
