@@ -15,15 +15,7 @@ Per FERT round the learner calls (:class:`FertData` bundles these)::
     retrieval = retrieve(index, embed_contexts(reader, index.embedder, contexts), contexts, priority, ...)
     dataset = FertDataset(reader, retrieval, demo_episodes, policy.window_spec(), replay_ratio)
 
-Priority (the choice, documented): per-task *learnability* ``p (1 - p)`` with ``p`` the task's success rate
-over its most recent episodes (Beta(1, 1)-smoothed), plus a small floor. It is largest for tasks the policy
-solves about half the time, small for tasks it already solves and for tasks it never solves (where the
-retrieved supervision has least chance to help), after the learnability curricula of Tzannetos et al.,
-"Proximal Curriculum for RL Agents" (TMLR 2023) and Foster & Foerster, "Learning to Reason at the Frontier of
-Learnability" (2025). UCB over individual failure contexts was not chosen: a context is never re-tried, so
-it has no reward of its own to estimate; a task's success rate is observed with every episode. Within a
-task, contexts from newer policy versions weigh more (``2 ** -(v_max - v)``): those are the failures the
-current policy still makes.
+Task priority (which tasks' failures weigh most): :mod:`fleet.fert.priority`.
 """
 
 from __future__ import annotations
