@@ -52,8 +52,6 @@ RULES: dict[str, Rule] = {
     "seed": integer(0),
     "device": one_of("auto", "cpu", "cuda"),
     "store.url": store_url,
-    "store.on_corrupt": one_of("raise", "skip"),
-    "store.storage_options": lambda v: None if v is None or isinstance(v, Mapping) else "a mapping of fsspec options",
     "policy.type": one_of(*POLICY_TYPES, "expert", "random"),   # learned types: policies.factory
     # what reaches a model: the policy's shape and sampler (policies.aed_diffusion.AEDDiffusionConfig, mlp_chunk)
     "policy.action_dim": POS, "policy.n_obs_steps": POS, "policy.horizon": POS, "policy.n_action_steps": POS,

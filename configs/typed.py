@@ -13,7 +13,7 @@ Migrated so far: ``learner`` (:class:`fleet.fert.learner_config.LearnerConfig`),
 (:class:`fleet.experiment.job_config.JobConfig`), the scripts' ``sim``, ``chaos``, ``async_run``, ``ablate`` and ``compare``
 (:mod:`configs.scripts`), ``deploy`` (:class:`fleet.deploy.config.DeployConfig`), ``fleet``
 (:class:`fleet.fleet_config.FleetConfig`), ``robot``, ``obs`` and ``task`` (:mod:`sim.config`; their presets extend
-the dataclass); new groups are typed from the start: ``steer``
+the dataclass), ``store`` (:class:`experience_dict.store.config.StoreConfig`); new groups are typed from the start: ``steer``
 (:class:`policies.noise_actor.SteerConfig`).
 """
 
@@ -25,6 +25,7 @@ from typing import Any
 
 from configs.rules import ConfigError
 from configs.scripts import AblateConfig, AsyncRunConfig, ChaosConfig, CompareConfig, SimConfig
+from experience_dict.store.config import StoreConfig
 from fleet.deploy.config import DeployConfig
 from fleet.experiment.eval_config import EvalConfig
 from fleet.experiment.job_config import JobConfig
@@ -39,7 +40,8 @@ TYPED_GROUPS: dict[str, type] = {"learner": LearnerConfig, "steer": SteerConfig,
                                  "fert": FertConfig, "eval": EvalConfig,
                                  "job": JobConfig, "sim": SimConfig, "chaos": ChaosConfig, "async_run": AsyncRunConfig,
                                  "ablate": AblateConfig, "compare": CompareConfig, "deploy": DeployConfig,
-                                 "fleet": FleetConfig, "robot": RobotConfig, "obs": ObsConfig, "task": TaskConfig}
+                                 "fleet": FleetConfig, "robot": RobotConfig, "obs": ObsConfig, "task": TaskConfig,
+                                 "store": StoreConfig}
 
 
 def register() -> None:

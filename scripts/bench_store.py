@@ -260,8 +260,11 @@ def bench_rows_check(url: str, cfg: dict, repeats: int = 3) -> list[dict]:
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    scfg = {k: cfg.store[k] for k in ("chunk_bytes", "max_chunk_rows", "image_clevel")}
-    bcfg = dict(cfg.store.bench)
+    from experience_dict.store.config import StoreConfig
+
+    store_cfg = StoreConfig.from_dict(cfg.store)
+    scfg = {k: getattr(store_cfg, k) for k in ("chunk_bytes", "max_chunk_rows", "image_clevel")}
+    bcfg = store_cfg.bench.to_dict()
     root = Path(bcfg["dir"] or Path(cfg.output_dir) / "bench_store")
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)

@@ -37,6 +37,7 @@ passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of sp
 calm_progress()  # off a terminal, a progress bar redraws every 30 s, not 15 times a second (fleet/progress.py)
 
 from experience_dict.store import ExperienceStore
+from experience_dict.store.config import StoreConfig
 
 DEMO_POLICY_VERSION = -1  # the scripted expert
 
@@ -67,9 +68,10 @@ def main(cfg: DictConfig) -> None:
     check_or_exit(cfg)   # every value against its rule, before any work
     from sim import make_env, make_expert
 
-    dcfg = cfg.store.demos
+    scfg = StoreConfig.from_dict(cfg.store)
+    dcfg = scfg.demos
     tasks = list(cfg.task.tasks)
-    if dcfg.get("on_fleet", False):
+    if dcfg.on_fleet:
         return collect_on_fleet(cfg)
     units = demo_units(cfg)
     if not units or not tasks:
@@ -85,9 +87,8 @@ def main(cfg: DictConfig) -> None:
 
     spec = env_of(tasks[0], units[0])[0].spec_dict()
     store = ExperienceStore.create_or_open(str(cfg.store.url), spec=spec, control_hz=spec.get("control_hz"),
-                                           chunk_bytes=int(cfg.store.chunk_bytes),
-                                           max_chunk_rows=int(cfg.store.max_chunk_rows),
-                                           image_clevel=int(cfg.store.image_clevel))
+                                           chunk_bytes=scfg.chunk_bytes, max_chunk_rows=scfg.max_chunk_rows,
+                                           image_clevel=scfg.image_clevel)
     writers = {u: store.writer(f"{dcfg.writer_id}-unit-{u}") for u in units}
     summary = {t: {"committed": 0, "successes": 0, "discarded": 0, "steps": 0} for t in tasks}
     t0 = time.time()
@@ -140,9 +141,11 @@ def demo_units(cfg: DictConfig) -> list[int]:
     """The units the demonstrations run on: ``store.demos.units``, else ``robot.demo_units``, else the training
     units (``sim.demo_unit_list``)."""
     from sim import demo_unit_list
+    from sim.units import parse_units
 
-    if cfg.store.demos.get("units") is not None:
-        return [int(u) for u in cfg.store.demos.units]
+    units = StoreConfig.from_dict(cfg.store).demos.units
+    if units is not None:
+        return parse_units(units, "store.demos.units")
     return demo_unit_list(OmegaConf.to_container(cfg.robot, resolve=True))
 
 
@@ -150,7 +153,7 @@ def collect_on_fleet(cfg: DictConfig) -> None:
     """Collect the demonstrations on the Ray fleet (one worker per unit, in parallel)."""
     from fleet.coordinator import collect
 
-    dcfg = cfg.store.demos
+    dcfg = StoreConfig.from_dict(cfg.store).demos
     t0 = time.time()
     res = collect(cfg, policy={"kind": "expert", "noise_std": float(dcfg.noise_std)}, is_demo=True,
                   episodes_per_task=int(dcfg.per_task),
