@@ -212,20 +212,20 @@ def test_learner_replays_demos_or_every_fleet_success(setup, tmp_path):
     assert demos and fleet_ok
     cfg = learner_cfg(3)
     lrn = FertLearner(cfg, setup["store"], None, str(tmp_path / "a"), setup["base"], run_id="a", publish=False)
-    lrn._setup()
-    assert {m.episode_id for m in lrn.replay_episodes()} == demos
+    lrn.algorithm.setup()
+    assert {m.episode_id for m in lrn.algorithm.replay_episodes()} == demos
     cfg["fert"]["replay"] = "successes"
     lrn = FertLearner(cfg, setup["store"], None, str(tmp_path / "b"), setup["base"], run_id="b", publish=False)
-    lrn._setup()
-    got = lrn.replay_episodes()
+    lrn.algorithm.setup()
+    got = lrn.algorithm.replay_episodes()
     assert {m.episode_id for m in got} == demos | fleet_ok and len(got) == len(demos | fleet_ok)
     assert all(m.success for m in got)
     cfg["robot"] = {**cfg["robot"], "heldout_units": [1]}             # held-out units' successes never replay
     lrn = FertLearner(cfg, setup["store"], None, str(tmp_path / "c"), setup["base"], run_id="c", publish=False)
-    lrn._setup()
-    assert all(m.is_demo or int(m.unit_id) != 1 for m in lrn.replay_episodes())
+    lrn.algorithm.setup()
+    assert all(m.is_demo or int(m.unit_id) != 1 for m in lrn.algorithm.replay_episodes())
     with pytest.raises(ValueError, match="fert.replay"):
-        lrn.replay_episodes("everything")
+        lrn.algorithm.replay_episodes("everything")
     cfg["fert"]["replay"] = "everything"      # refused when the learner is made (FertConfig), before any work
     with pytest.raises(ValueError, match="fert.replay: expected one of \\['demos', 'successes'\\], given 'everything'"):
         FertLearner(cfg, setup["store"], None, str(tmp_path / "d"), setup["base"], run_id="d", publish=False)

@@ -22,8 +22,10 @@ Modules, in the order a round uses them:
 - ``critic_fit``: fitting the success critic on the store (the critic model is ``policies.critic``);
 - ``audit``: the per-round retrieval audit;
 - ``gate``: the validation gate (``make_validator``) and its per-task loss rule;
-- ``learner_config`` / ``learner``: ``FertLearner``, which runs rounds of the above, waits for fleet data,
-  publishes versions and keeps its state.
+- ``algorithm``: ``FertAlgorithm``, one round's learning from a given checkpoint (``update``: retrieval, the
+  critic's fit beside the distillation's candidates, the round's mix, fine-tuning, the audit) into a candidate;
+- ``learner_config`` / ``learner``: ``FertLearner``, which decides when a round runs and from which weights,
+  gates and publishes its candidate and keeps its state.
 
 Importing the package loads nothing: import the module you need.
 """

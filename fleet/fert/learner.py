@@ -1,6 +1,9 @@
 """The asynchronous FERT learner: trains from the growing store and publishes policy versions.
 
-One round, read top to bottom in :meth:`FertLearner.run_round`:
+The learner decides when a round runs, which weights it starts from, whether the validation gate lets its
+candidate out, and what it publishes, and keeps its state; what a round learns and how is the algorithm's
+(:class:`fleet.fert.algorithm.FertAlgorithm`, ``update``). One round, read top to bottom in
+:meth:`FertLearner.run_round`:
 
 1. wait until the fleet has committed ``min_new_episodes`` episodes since the last round (collection never
    waits for training; training waits only for *fleet* data, never for one unit);
@@ -24,7 +27,6 @@ Runs in-process (tests, notebooks) or as a Ray actor (``ray.remote(FertLearner)`
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from experience_dict.atomic import atomic_write_text
+from fleet.fert.algorithm import FertAlgorithm
 from fleet.fert.config import FertConfig
 from fleet.fert.learner_config import ROUND_INIT, LearnerConfig
 
@@ -88,9 +91,7 @@ class FertLearner:
             torch.set_num_threads(int(self.lcfg.torch_threads))
         self.state_path = self.work_dir / "learner_state.json"
         self.state = self._load_state()
-        self._fert = None
-        self._reader = None
-        self._range_seen: set[str] = set()   # fleet episodes whose actions tokenizer_range has counted
+        self.algorithm = FertAlgorithm(cfg, store_url, self.init_checkpoint, self.heldout, run_id, self.fcfg, self.lcfg)
 
     # ------------------------------------------------------------------ state
     def _load_state(self) -> dict:
@@ -103,87 +104,13 @@ class FertLearner:
         return json.loads(json.dumps(self.state))
 
     # ------------------------------------------------------------------ data
-    def _setup(self):
-        if self._fert is not None:
-            return
-        from experience_dict.store import ExperienceStore, configure_storage
-        from fleet.fert.data import FertData
-
-        configure_storage({**dict(self.cfg.get("store") or {}), "url": self.store_url})
-        self._reader = ExperienceStore.open(self.store_url)
-        demos = self._reader.episodes(is_demo=True)
-        if not demos:
-            raise RuntimeError(f"store {self.store_url!r} holds no demonstrations to replay")
-        stats = self._reader.stats(["observation.state", "observation.environment_state"], episodes=demos)
-        fert_cfg = self.fcfg
-        if fert_cfg.gate.tail_steps is None:   # the steps a successful episode runs on after its first success
-            tail = int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0)
-            fert_cfg = dataclasses.replace(fert_cfg, gate=dataclasses.replace(fert_cfg.gate, tail_steps=tail))
-        aed_key = None
-        if fert_cfg.key == "relative+aed":   # the key's AED part: the (fixed) initial policy's dictionary
-            from fleet.fert.keys import aed_history_encoder
-            from policies.factory import load_policy
-
-            self._key_policy = load_policy(self.init_checkpoint)
-            aed_key = aed_history_encoder(self._key_policy, float(fert_cfg.aed_key_scale_m))
-        self._fert = FertData(self._reader, fert_cfg, stats=stats, exclude_units=self.heldout, aed_key=aed_key)
-
-    def tokenizer_range(self, policy) -> dict | None:
-        """How many of the fleet's new action groups (training units, episodes not counted by an earlier round
-        of this process) fall outside the range the policy's AED tokenizer was fitted on: those are clipped
-        before tokenization, so their history tokens no longer round-trip within the tokenizer's tolerance.
-        Logged as a warning past ``fert.tokenizer_range_warn`` (a share of groups). The token vocabulary is the
-        AED embedding table's, so it is not refitted mid-fine-tuning: a share that stays high calls for a new
-        base (``job.base_steps``' tokenizer fitted on data that covers the fleet's actions).
-
-        Returns:
-            :meth:`experience_dict.tokenizer.ActionTokenizer.range_report` plus ``"episodes"``; None without a
-            tokenizer (AED off).
-        """
-        tok = getattr(policy, "tokenizer", None)
-        if tok is None:
-            return None
-        new = [m for m in self._reader.episodes(is_demo=False)
-               if int(m.unit_id) not in self.heldout and m.episode_id not in self._range_seen]
-        rep = tok.range_report([self._reader.load_episode(m.episode_id, ["action"])["action"] for m in new])
-        self._range_seen.update(m.episode_id for m in new)
-        rep["episodes"] = len(new)
-        warn = float(self.fcfg.tokenizer_range_warn)
-        if rep["groups"] and rep["share"] > warn:
-            log.warning("learner %s: %d of %d new fleet action groups (%.1f %%) lie outside the AED tokenizer's "
-                        "fitted range (per dimension %s; fitted low %s, high %s; seen %s .. %s) and are clipped "
-                        "(fert.tokenizer_range_warn %.2f); a base whose tokenizer covers them needs new demos or "
-                        "a wider fit", self.run_id, rep["outside"], rep["groups"], 100 * rep["share"],
-                        rep["outside_per_dim"], [round(x, 3) for x in rep["low"]],
-                        [round(x, 3) for x in rep["high"]], [round(x, 3) for x in rep["seen_low"]],
-                        [round(x, 3) for x in rep["seen_high"]], warn)
-        return rep
-
-    def replay_episodes(self, mode: str | None = None) -> list:
-        """The episodes a round replays beside its retrieved windows (``fert.replay``): ``demos`` (default),
-        the demonstrations; ``successes``, the demonstrations plus every successful episode of the training
-        units (the successful failure retries too when ``fert.include_retries``), i.e. filtered BC's data.
-
-        Raises:
-            ValueError: an unknown ``fert.replay``.
-        """
-        from fleet.fert.contexts import retry_of
-
-        mode = str(mode or self.fcfg.replay)
-        if mode not in ("demos", "successes"):
-            raise ValueError(f"fert.replay: expected 'demos' or 'successes', given {mode!r}")
-        demos = self._reader.episodes(is_demo=True)
-        if mode == "demos":
-            return demos
-        retries = bool(self.fcfg.include_retries)
-        ids = {m.episode_id for m in demos}
-        fleet = [m for m in self._reader.episodes(success=True) if m.episode_id not in ids
-                 and int(m.unit_id) not in self.heldout and (retries or not retry_of(m))]
-        return demos + fleet
+    def _setup(self) -> None:
+        self.algorithm.setup()
 
     def _n_fleet_episodes(self) -> int:
-        self._reader.refresh()
-        return len([m for m in self._reader.episodes(is_demo=False) if int(m.unit_id) not in self.heldout])
+        reader = self.algorithm.reader
+        reader.refresh()
+        return len([m for m in reader.episodes(is_demo=False) if int(m.unit_id) not in self.heldout])
 
     def _wait_for_data(self, should_stop: Callable[[], bool] | None) -> int:
         need = self.state["episodes_seen"] + int(self.lcfg.min_new_episodes)
@@ -203,7 +130,7 @@ class FertLearner:
         every round from the version the fleet runs now (:meth:`round_init_checkpoint`), fits the success
         critic first and, with ``fert.distill.enabled``, fine-tunes the policy on the chunks that critic ranks
         best among the policy's own samples at the fleet's states (``policies.distill``, PA-RL), mixed with the
-        retrieved segments and per-task replay (:meth:`round_dataset`): each round's version improves on the
+        retrieved segments and per-task replay (``FertAlgorithm.round_dataset``): each round's version improves on the
         last, and the validation gate compares the policies alone (K = 1)."""
         self._setup()
         r = int(self.state["round"])
@@ -214,21 +141,22 @@ class FertLearner:
         from policies.aed_diffusion.training import train_policy
         from policies.factory import load_policy
 
+        alg = self.algorithm
         t0 = time.perf_counter()
-        upd = self._fert.update()
-        retrieval = self._fert.retrieve()
+        upd = alg.data.update()
+        retrieval = alg.data.retrieve()
         policy = load_policy(self.init_checkpoint).train()
-        tok_range = self.tokenizer_range(policy)
-        demos = self.replay_episodes()
+        tok_range = alg.tokenizer_range(policy)
+        demos = alg.replay_episodes()
         round_seed = 1000 * self.lcfg.seed + r
-        dataset = self._fert.dataset(retrieval, demos, policy.window_spec(), seed=round_seed)
-        out = train_policy(self._train_cfg(round_seed, (r + 1) * int(self.lcfg.updates_per_version)),
+        dataset = alg.data.dataset(retrieval, demos, policy.window_spec(), seed=round_seed)
+        out = train_policy(alg.train_cfg(round_seed, (r + 1) * int(self.lcfg.updates_per_version)),
                            self.work_dir / "train", policy=policy, dataset=dataset, device=str(self.lcfg.device))
         ckpt = self.deployed_checkpoint(out["checkpoint"], r)
-        critic = self.fit_critic(ckpt, policy, round_seed)
+        critic = alg.fit_critic(ckpt, policy, round_seed)
         audit = None
         if self.fcfg.audit and len(retrieval):
-            audit = write_retrieval_audit(retrieval, self._fert.index, self.work_dir / "audits", r,
+            audit = write_retrieval_audit(retrieval, alg.data.index, self.work_dir / "audits", r,
                                           tokenizer_range=tok_range)
         validation, chosen, candidates = None, "finetuned", {"finetuned": ckpt}
         if self.validator is not None and self.publish_versions:
@@ -258,15 +186,6 @@ class FertLearner:
         if mode not in ROUND_INIT:
             raise ValueError(f"learner.round_init: expected one of {list(ROUND_INIT)}, given {mode!r}")
         return mode != "continue"
-
-    def _train_cfg(self, seed: int, steps: int) -> dict:
-        return {**dict(self.cfg.get("train") or {}), "seed": seed, "steps": int(steps), "resume": True,
-                "lr": float(self.lcfg.lr), "warmup_steps": int(self.lcfg.warmup_steps),
-                "batch_size": int(self.lcfg.batch_size), "save_every": int(self.lcfg.updates_per_version),
-                # the learner's own thread count (learner.torch_threads), not the base training's train.num_threads
-                **({"num_threads": int(self.lcfg.torch_threads)} if self.lcfg.torch_threads else {}),
-                "progress": False, "wandb": {**dict((self.cfg.get("train") or {}).get("wandb") or {}),
-                                             "name": f"learner-{self.run_id}"}}
 
     def _finish_round(self, r: int, n_eps: int, rec: dict, retrieval) -> dict:
         self.state["round"] = r + 1
@@ -312,48 +231,15 @@ class FertLearner:
         return str(hist[-1]["checkpoint"]) if hist else self.init_checkpoint
 
     def _run_iterative_round(self, r: int, n_eps: int) -> dict:
-        """One round of the ``published`` mode (see :meth:`run_round`)."""
-        from fleet.fert.audit import write_retrieval_audit
+        """One round of the ``published`` mode (see :meth:`run_round`): the algorithm's update from
+        :meth:`round_init_checkpoint`, then the gate and the publication."""
         from fleet.registry import checkpoint_with_critic
-        from policies.aed_diffusion.training import train_policy
-        from policies.critic import save_critic
-        from policies.factory import deployed_checkpoint, load_policy
 
-        times: dict[str, float] = {}
         t0 = time.perf_counter()
-        upd = self._fert.update()
-        retrieval = self._fert.retrieve()
-        times["retrieval_s"] = time.perf_counter() - t0
         init = self.round_init_checkpoint()
-        policy = load_policy(init)
-        tok_range = self.tokenizer_range(policy)
-        round_seed = 1000 * self.lcfg.seed + r
         rdir = self.work_dir / "rounds" / f"round_{r:03d}"
-        # the critic is fitted in a process of its own while this one samples the policy's candidate chunks for
-        # the distillation (neither needs the other; one thread each, so the 2-core machine's second core works)
-        t = time.perf_counter()
-        finish_critic = self.start_critic_fit(policy, round_seed, rdir / "critic_fit")
-        sampled = None
-        if self._distill_on():
-            sampled = self.distill_candidates(policy.eval(), round_seed)
-            times["candidates_s"] = time.perf_counter() - t
-        critic, crit_rec, candidates_k = finish_critic()
-        times["critic_s"] = time.perf_counter() - t   # the fit, and the candidates' sampling beside it
-        t = time.perf_counter()
-        dataset, mix = self.round_dataset(retrieval, policy.eval(), critic, candidates_k, round_seed, sampled=sampled)
-        times["distill_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        out = train_policy(self._train_cfg(round_seed, int(self.lcfg.updates_per_version)), rdir / "train",
-                           policy=policy.train(), dataset=dataset, device=str(self.lcfg.device))
-        times["train_s"] = time.perf_counter() - t
-        ckpt = deployed_checkpoint(self.lcfg.wise_alpha, init, out["checkpoint"], rdir / "wise")
-        ckpt = checkpoint_with_critic(ckpt, rdir / "policy", None)   # the round's weights, without any critic
-        if critic is not None:
-            save_critic(critic, ckpt, candidates_k)
-        audit = None
-        if self.fcfg.audit and len(retrieval):
-            audit = write_retrieval_audit(retrieval, self._fert.index, self.work_dir / "audits", r,
-                                          tokenizer_range=tok_range)
+        res = self.algorithm.update(init, r, 1000 * self.lcfg.seed + r, rdir, self.work_dir / "audits")
+        ckpt, out, retrieval, times = res["checkpoint"], res["train"], res["retrieval"], res["record"]["times"]
         validation, chosen = None, "finetuned"
         candidates = {"finetuned": ckpt}
         if self.validator is not None and self.publish_versions:
@@ -363,176 +249,15 @@ class FertLearner:
             times["validation_s"] = time.perf_counter() - t
             if name is None:   # rejected: the fleet keeps the current weights, with the new critic
                 self.state.setdefault("rejected", []).append(r)
-                chosen = "critic_only" if critic is not None else None
+                chosen = "critic_only" if res["has_critic"] else None
                 if chosen:
                     candidates["critic_only"] = checkpoint_with_critic(self.current_checkpoint(), rdir / "critic_only",
                                                                        ckpt)
         version = self._publish_once(candidates[chosen], r, out) if chosen else None
         rec = {"validation": validation, "round": r, "version": version, "init": init,
                "published_candidate": chosen if version is not None else None, "step": int(out["step"]),
-               "fleet_episodes": n_eps, "contexts": len(retrieval.contexts), "retrieved": len(retrieval),
-               "dataset": len(dataset), "mix": mix, "update": upd, "loss": (out.get("metrics") or {}).get("loss"),
-               "train_s": time.perf_counter() - t0, "times": times, "audit": (audit or {}).get("files"),
-               "critic": crit_rec, "checkpoint": str(ckpt), "tokenizer_range": tok_range}
+               "fleet_episodes": n_eps, **res["record"], "train_s": time.perf_counter() - t0}
         return self._finish_round(r, n_eps, rec, retrieval)
-
-    def _distill_on(self) -> bool:
-        """Whether a round trains on critic targets: ``fert.distill.enabled``, a critic with K >= 2 candidates and
-        a positive ``fert.mix.distill`` share."""
-        fc = self.fcfg
-        return bool(fc.distill.enabled and fc.critic.enabled and fc.critic.candidates > 1 and fc.mix.distill > 0)
-
-    def distill_candidates(self, policy, seed: int) -> list[dict]:
-        """The critic targets' first half (``policies.distill.sample_candidates``): ``policy`` (eval mode, the
-        round's starting weights) samples ``fert.critic.candidates`` chunks at ``fert.distill.states_per_task``
-        states per task of :meth:`critic_episodes` (``policies.distill.balanced_anchors``), for
-        :meth:`round_dataset` to rank with the round's critic."""
-        from experience_dict.sampler import WindowDataset
-        from policies.distill import balanced_anchors, sample_candidates
-
-        fc = self.fcfg
-        windows = WindowDataset(self._reader, self.critic_episodes(), windows=policy.window_spec())
-        anchors = balanced_anchors(windows, fc.distill.states_per_task, seed)
-        return sample_candidates(policy, windows, anchors, fc.critic.candidates, critic_state_keys(policy), seed,
-                                 fc.distill.batch_size)
-
-    def round_dataset(self, retrieval, policy, critic, candidates: int, seed: int, sampled: list | None = None):
-        """The training windows of an iterative round: a ``experience_dict.sampler.MixtureDataset`` of
-        ``learner.updates_per_version x learner.batch_size`` slots with shares ``fert.mix``:
-
-        * ``retrieved``: FERT's retrieved segments (``FertDataset`` without replay; the similarity and advantage
-          weights as ``sample_weight``);
-        * ``distill``: critic targets (``policies.distill.critic_targets``) at ``fert.distill.states_per_task``
-          states per task drawn from every training-unit episode in the store (demonstrations, fleet episodes
-          successful or not, failure retries), relabelled by ``policy`` (the round's starting weights) and
-          ``critic`` among ``candidates`` samples; only with ``fert.distill.enabled`` and a critic;
-        * ``replay``: per-task balanced replay, each task an equal share, over its demonstrations and its
-          successful training-unit episodes (the fleet's and the retries').
-
-        ``sampled``: :meth:`distill_candidates`' output, already drawn (only ranked here); None: drawn here.
-
-        Returns ``(dataset, record)``; record: ``{"slots": {part: slots}, "distill": critic_targets' record}``.
-        """
-        from experience_dict.sampler import MixtureDataset, WindowDataset
-        from fleet.fert.dataset import FertDataset
-        from policies.distill import choose_targets
-
-        shares = dataclasses.asdict(self.fcfg.mix)
-        spec = policy.window_spec()
-        keys = list(spec) + [f"{n}_is_pad" for n in spec]
-        parts = []
-        if len(retrieval):
-            parts.append(("retrieved", FertDataset(self._reader, retrieval, [], spec, replay_ratio=0.0,
-                                                   weighting=self.fcfg.weighting, seed=seed,
-                                                   segment_steps=self.fcfg.segment_steps),
-                          shares["retrieved"]))
-        rec: dict = {}
-        if critic is not None and candidates > 1 and self._distill_on():   # the same rule the round sampled by
-            if sampled is None:
-                sampled = self.distill_candidates(policy, seed)
-            targets, rec["distill"] = choose_targets(critic, sampled)
-            parts.append(("distill", targets, shares["distill"]))
-        ok = self.replay_episodes(mode="successes")
-        tasks = sorted({m.task for m in ok})
-        for task in tasks:
-            parts.append((f"replay:{task}", WindowDataset(self._reader, [m for m in ok if m.task == task], windows=spec),
-                          shares["replay"] / len(tasks)))
-        size = int(self.lcfg.updates_per_version) * int(self.lcfg.batch_size)
-        ds = MixtureDataset(parts, keys, size, seed)
-        rec["slots"] = ds.slots
-        log.info("learner %s: round data %s", self.run_id, ds.slots)
-        return ds, rec
-
-    def critic_episodes(self) -> list:
-        """The episodes the round's success critic learns from: every committed, unquarantined episode of the
-        training units (demonstrations, fleet successes and failures; the failure retries when
-        ``fert.include_retries``)."""
-        from fleet.fert.contexts import retry_of
-
-        retries = bool(self.fcfg.include_retries)
-        return [m for m in self._reader.episodes() if int(m.unit_id) not in self.heldout
-                and not getattr(m, "quarantined", False) and (retries or not retry_of(m))]
-
-    def start_critic_fit(self, policy, seed: int, out_dir: Path) -> Callable[[], tuple]:
-        """Start :meth:`fit_critic_model`'s fit and return a function that waits for it and returns its
-        ``(critic, record, candidates)``. On the CPU with ``fert.critic.fit_process`` (default), the fit runs in a
-        spawned process with ``learner.torch_threads`` threads (the critic handed back through
-        ``<out_dir>/critic.safetensors``), so this process can sample the distillation's candidates meanwhile;
-        otherwise the returned function fits here. Either way the critic is the same: :func:`fit_critic` seeds
-        itself and the thread count is the same.
-
-        Raises (from the returned function):
-            RuntimeError: the fitting process failed (its error chained)."""
-        ccfg = self.fcfg.critic
-        from fleet.acting import resolve_device
-
-        device = resolve_device(str(self.lcfg.device))
-        if not ccfg.enabled or not ccfg.fit_process or str(device) != "cpu":
-            return lambda: self.fit_critic_model(policy, seed)
-        import concurrent.futures
-        import multiprocessing
-
-        import torch
-
-        from policies.critic import load_critic
-
-        keys = critic_state_keys(policy)
-        args = (self.store_url, [m.episode_id for m in self.critic_episodes()], keys, int(policy.config.action_dim),
-                int(policy.config.n_action_steps), int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
-                dataclasses.asdict(ccfg), int(seed), int(self.lcfg.torch_threads or torch.get_num_threads()),
-                str(out_dir), ccfg.candidates)
-        ex = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        fut = ex.submit(fit_critic_process, *args)
-        t0 = time.perf_counter()
-
-        def finish() -> tuple:
-            try:
-                rec = fut.result()
-            except Exception as e:
-                raise RuntimeError(f"learner {self.run_id}: fitting the success critic in its process failed: "
-                                   f"{type(e).__name__}: {e}") from e
-            finally:
-                ex.shutdown()
-            critic, k = load_critic(out_dir)
-            rec["wait_s"] = time.perf_counter() - t0
-            log.info("learner %s: success critic on %d episodes (%d steps), validation BCE %s, %.0f s (own process)",
-                     self.run_id, rec["episodes"], rec["steps"], rec["val_loss"], rec["fit_s"])
-            return critic, rec, k
-
-        return finish
-
-    def fit_critic_model(self, policy, seed: int):
-        """With ``fert.critic.enabled``: a success critic (``fleet.fert.critic_fit.fit_critic``) fitted on
-        :meth:`critic_episodes` for ``policy``'s state keys and chunk; returns ``(critic, record with "fit_s",
-        candidates)``, or ``(None, None, 1)`` when disabled."""
-        ccfg = self.fcfg.critic
-        if not ccfg.enabled:
-            return None, None, 1
-        from fleet.acting import resolve_device
-        from fleet.fert.critic_fit import fit_critic
-
-        keys = critic_state_keys(policy)
-        t0 = time.perf_counter()
-        critic, rec = fit_critic(self._reader, self.critic_episodes(), keys, int(policy.config.action_dim),
-                                 int(policy.config.n_action_steps),
-                                 int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
-                                 dataclasses.asdict(ccfg), seed=seed, device=resolve_device(str(self.lcfg.device)))
-        critic = critic.cpu()
-        rec["fit_s"] = time.perf_counter() - t0
-        log.info("learner %s: success critic on %d episodes (%d steps), validation BCE %s, %.0f s", self.run_id,
-                 rec["episodes"], rec["steps"], rec["val_loss"], rec["fit_s"])
-        return critic, rec, ccfg.candidates
-
-    def fit_critic(self, checkpoint: str | Path, policy, seed: int) -> dict | None:
-        """:meth:`fit_critic_model`, the critic saved into ``checkpoint`` (validated and published with the
-        weights, so the fleet and the evaluation choose chunks with it); returns the fit's record, or None when
-        disabled."""
-        from policies.critic import save_critic
-
-        critic, rec, k = self.fit_critic_model(policy, seed)
-        if critic is not None:
-            save_critic(critic, checkpoint, k)
-        return rec
 
     def critic_only_candidate(self, checkpoint: str | Path, r: int) -> str:
         """Round ``r``'s second candidate: the weights of the version the fleet runs now (the registry's newest)
@@ -615,33 +340,3 @@ class FertLearner:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
-def critic_state_keys(policy) -> list[str]:
-    """The observation keys a success critic scores for ``policy``: its state vectors (1-D input shapes), no
-    images."""
-    return [k for k, shape in policy.config.input_shapes.items() if len(shape) == 1]
-
-
-def fit_critic_process(store_url: str, episode_ids: list[str], state_keys: list[str], action_dim: int,
-                       chunk_steps: int, steps_after_success: int, cfg: dict, seed: int, threads: int,
-                       out_dir: str, candidates: int) -> dict:
-    """:meth:`FertLearner.start_critic_fit`'s process: ``fleet.fert.critic_fit.fit_critic`` on the episodes
-    ``episode_ids`` of the store at ``store_url`` with ``threads`` torch threads on the CPU; the critic is saved
-    to ``out_dir`` (``policies.critic.save_critic``). Returns the fit's record with ``fit_s``.
-
-    Raises:
-        KeyError: an episode id the store does not hold (the store was replaced under the learner)."""
-    import torch
-
-    from experience_dict.store import ExperienceStore
-    from fleet.fert.critic_fit import fit_critic
-    from policies.critic import save_critic
-
-    torch.set_num_threads(int(threads))
-    t0 = time.perf_counter()
-    reader = ExperienceStore.open(store_url)
-    by_id = {m.episode_id: m for m in reader.episodes()}
-    critic, rec = fit_critic(reader, [by_id[i] for i in episode_ids], state_keys, action_dim, chunk_steps,
-                             steps_after_success, cfg, seed=seed, device="cpu")
-    save_critic(critic, out_dir, candidates)
-    rec["fit_s"] = time.perf_counter() - t0
-    return rec
