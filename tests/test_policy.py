@@ -86,6 +86,22 @@ def test_config_defaults_are_the_policy_yaml():
     assert AEDDiffusionConfig.from_dict({}).action_patch == 4
 
 
+def test_every_policy_yaml_value_is_its_config_class_default():
+    """configs/policy/<type>.yaml mirrors its config class (AEDDiffusionConfig, MLPChunkConfig): every key the
+    class has holds the class's default (the YAML adds only the Hydra-side keys: type, input_keys, images), so a
+    policy built from a partial dict and one composed by Hydra agree. The presets (aed_diffusion_image) override."""
+    from dataclasses import asdict
+
+    from omegaconf import OmegaConf
+
+    from policies.mlp_chunk.modeling_mlp_chunk import MLPChunkConfig
+
+    for name, defaults in (("aed_diffusion", AEDDiffusionConfig().to_dict()), ("mlp_chunk", asdict(MLPChunkConfig()))):
+        yaml = OmegaConf.to_container(OmegaConf.load(REPO / f"configs/policy/{name}.yaml"))
+        assert set(yaml) - set(defaults) <= {"type", "input_keys", "images"}, name
+        assert {k: v for k, v in yaml.items() if k in defaults} == {k: defaults[k] for k in yaml if k in defaults}, name
+
+
 def test_checkpoint_saved_before_action_patch_and_condition_layers_loads_with_their_old_values(store, tmp_path):
     """A config.json without ``action_patch``/``condition_layers`` (saved before the fields existed) is read
     with 1 / None, the model it was saved from, not the dataclass defaults (4 / 0)."""

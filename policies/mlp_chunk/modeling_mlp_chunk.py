@@ -31,8 +31,8 @@ class MLPChunkConfig:
     state_keys: list[str] = field(default_factory=lambda: ["observation.state", "observation.environment_state"])
     state_dims: list[int] = field(default_factory=lambda: [4, 17])
     action_dim: int = 4
-    horizon: int = 8
-    n_action_steps: int = 4
+    horizon: int = 16
+    n_action_steps: int = 8
     hidden_dim: int = 256
     n_layers: int = 3
 
