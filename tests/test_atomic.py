@@ -69,10 +69,9 @@ def test_atomic_dir_appears_whole_or_not_at_all(tmp_path):
         (d / "a.json").write_text("1")
         assert not out.exists() and d.parent == out.parent and d.name.startswith(".ckpt.")
     assert (out / "a.json").read_text() == "1"
-    with pytest.raises(RuntimeError, match="killed"):
-        with atomic_dir(out) as d:
-            (d / "a.json").write_text("2")
-            raise RuntimeError("killed mid-write")
+    with pytest.raises(RuntimeError, match="killed"), atomic_dir(out) as d:
+        (d / "a.json").write_text("2")
+        raise RuntimeError("killed mid-write")
     assert (out / "a.json").read_text() == "1" and sorted(p.name for p in out.parent.iterdir()) == ["ckpt"]
     with atomic_dir(out) as d:
         (d / "b.json").write_text("3")
