@@ -154,7 +154,7 @@ class FertAlgorithm:
         rep["episodes"] = len(new)
         warn = float(self.fcfg.tokenizer_range_warn)
         if rep["groups"] and rep["share"] > warn:
-            log.warning("fert %s: %d of %d new fleet action groups (%.1f %%) lie outside the AED tokenizer's "
+            log.warning("learner %s: %d of %d new fleet action groups (%.1f %%) lie outside the AED tokenizer's "
                         "fitted range (per dimension %s; fitted low %s, high %s; seen %s .. %s) and are clipped "
                         "(fert.tokenizer_range_warn %.2f); a base whose tokenizer covers them needs new demos or "
                         "a wider fit", self.run_id, rep["outside"], rep["groups"], 100 * rep["share"],
@@ -258,7 +258,7 @@ class FertAlgorithm:
         size = int(self.lcfg.updates_per_version) * int(self.lcfg.batch_size)
         ds = MixtureDataset(parts, keys, size, seed)
         rec["slots"] = ds.slots
-        log.info("fert %s: round data %s", self.run_id, ds.slots)
+        log.info("learner %s: round data %s", self.run_id, ds.slots)
         return ds, rec
 
     def critic_episodes(self) -> list:
@@ -313,7 +313,7 @@ class FertAlgorithm:
                 ex.shutdown()
             critic, k = load_critic(out_dir)
             rec["wait_s"] = time.perf_counter() - t0
-            log.info("fert %s: success critic on %d episodes (%d steps), validation BCE %s, %.0f s (own process)",
+            log.info("learner %s: success critic on %d episodes (%d steps), validation BCE %s, %.0f s (own process)",
                      self.run_id, rec["episodes"], rec["steps"], rec["val_loss"], rec["fit_s"])
             return critic, rec, k
 
@@ -337,7 +337,7 @@ class FertAlgorithm:
                                  dataclasses.asdict(ccfg), seed=seed, device=resolve_device(str(self.lcfg.device)))
         critic = critic.cpu()
         rec["fit_s"] = time.perf_counter() - t0
-        log.info("fert %s: success critic on %d episodes (%d steps), validation BCE %s, %.0f s", self.run_id,
+        log.info("learner %s: success critic on %d episodes (%d steps), validation BCE %s, %.0f s", self.run_id,
                  rec["episodes"], rec["steps"], rec["val_loss"], rec["fit_s"])
         return critic, rec, ccfg.candidates
 
