@@ -202,7 +202,7 @@ def run(cfg) -> dict:
                             stderr=subprocess.STDOUT,
                             env={**os.environ, LEARNER_ENV: str(spec), "PYTHONPATH": str(REPO)})
     stop = threading.Event()
-    fleet = FollowingFleet(c, reg, out / "cache" / "fleet", int(a["wave"]), t0, should_stop=stop.is_set)
+    fleet = FollowingFleet(c, reg, out / "cache" / "fleet", a.wave, t0, should_stop=stop.is_set)
     fleet_rounds: list[dict] = []
     box: dict = {}
 
@@ -218,7 +218,7 @@ def run(cfg) -> dict:
     published = {1: {"version": 1, "t_s": 0.0, "fleet_episodes": 0}}
     reader = ExperienceStore.open(c["store"]["url"])
     try:
-        while proc.poll() is None and time.perf_counter() - t0 < float(a["max_wall_s"]) and not stop.is_set():
+        while proc.poll() is None and time.perf_counter() - t0 < a.max_wall_s and not stop.is_set():
             time.sleep(3.0)
             for v in reg.versions():
                 if v not in published:
