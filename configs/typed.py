@@ -12,7 +12,7 @@ Migrated so far: ``learner`` (:class:`fleet.fert.learner_config.LearnerConfig`),
 (:class:`policies.train_config.TrainConfig`), ``fert`` (:class:`fleet.fert.config.FertConfig`), ``eval`` (:class:`fleet.experiment.eval_config.EvalConfig`), ``job``
 (:class:`fleet.experiment.job_config.JobConfig`), the scripts' ``sim``, ``chaos``, ``async_run``, ``ablate`` and ``compare``
 (:mod:`configs.scripts`), ``deploy`` (:class:`fleet.deploy.config.DeployConfig`), ``fleet``
-(:class:`fleet.fleet_config.FleetConfig`), ``robot``, ``obs`` and ``task`` (:mod:`sim.config`; their presets extend
+(:class:`fleet.fleet_config.FleetConfig`), ``robot``, ``obs`` and ``task`` (:mod:`configs.sim_groups`; their presets extend
 the dataclass), ``store`` (:class:`experience_dict.store.config.StoreConfig`); new groups are typed from the start: ``steer``
 (:class:`policies.noise_actor.SteerConfig`).
 """
@@ -25,6 +25,7 @@ from typing import Any
 
 from configs.rules import ConfigError
 from configs.scripts import AblateConfig, AsyncRunConfig, ChaosConfig, CompareConfig, SimConfig
+from configs.sim_groups import ObsConfig, RobotConfig, TaskConfig
 from experience_dict.store.config import StoreConfig
 from fleet.deploy.config import DeployConfig
 from fleet.experiment.eval_config import EvalConfig
@@ -34,7 +35,6 @@ from fleet.fert.learner_config import LearnerConfig
 from fleet.fleet_config import FleetConfig
 from policies.noise_actor import SteerConfig
 from policies.train_config import TrainConfig
-from sim.config import ObsConfig, RobotConfig, TaskConfig
 
 TYPED_GROUPS: dict[str, type] = {"learner": LearnerConfig, "steer": SteerConfig, "train": TrainConfig,
                                  "fert": FertConfig, "eval": EvalConfig,

@@ -1,7 +1,7 @@
 """Robot units: one physical robot of the fleet per integer id, with its own deterministic variation.
 
 A unit's variation is drawn from ``numpy.random.default_rng([fleet_seed, unit_id])`` within the ranges of the
-``robot`` config (:class:`sim.config.RobotConfig`); every quantity is drawn, in a fixed order, as a unit-free
+``robot`` config (:class:`configs.sim_groups.RobotConfig`); every quantity is drawn, in a fixed order, as a unit-free
 uniform sample and then multiplied by its range, so a range of zero gives the nominal value and changing one
 range never changes the others. ``ModelVariation`` writes a unit onto a MuJoCo model from nominal values
 stored once, so applying units again and again never compounds.

@@ -99,6 +99,22 @@ def test_typed_groups_are_the_one_source_of_their_defaults():
         cfg("train.wandb.nmae=x")
 
 
+def test_composing_and_checking_the_config_imports_neither_sim_nor_mujoco():
+    """Registering the typed groups, composing and checking the config load no ``sim``, MuJoCo or Meta-World:
+    ``sim``'s import probes the GL backend, which in the LeRobot environments must come after LeRobot's imports
+    (tests/with_lerobot/conftest.py; the other order segfaults there), and a refused config stays quick."""
+    code = ("import sys, configs.typed\n"
+            "from hydra import compose, initialize_config_dir\n"
+            "from configs.schema import check\n"
+            f"with initialize_config_dir(config_dir={str(REPO / 'configs')!r}, version_base=None):\n"
+            "    c = compose('config', overrides=['task=mw10', 'robot=shifted', 'obs=vision'])\n"
+            "check(c)\n"
+            "print(sorted(m for m in ('sim', 'mujoco', 'metaworld') if m in sys.modules))\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_train_config_partial_and_nested_values():
     """A trainer's partial dict takes TrainConfig's defaults, a partial nested mapping the nested defaults; every
     bad value, nested ones included, is named at once; train_policy refuses an unknown key before any work."""

@@ -7,6 +7,10 @@ command line is refused while composing, a value out of range by ``configs.schem
 
 The envs and ``sim.units`` keep accepting ``None`` or a partial mapping for each (``None``: the nominal robot,
 state only, the env family's own episode length), as their docstrings say.
+
+They live here, not in the ``sim`` package, so that composing or checking a config never imports ``sim``: its
+``__init__`` loads MuJoCo and Meta-World and probes the GL backend, which in the LeRobot environments must come
+after LeRobot's own imports (``tests/with_lerobot/conftest.py``), and a refused config stays quick.
 """
 
 from __future__ import annotations
