@@ -57,15 +57,23 @@ def optional(rule: Rule) -> Rule:
     return lambda v: None if v is None else (None if rule(v) is None else f"null or {rule(v)}")
 
 
-def int_list(lo: int = 0) -> Rule:
+def int_list(lo: int = 0, empty: bool = False) -> Rule:
+    """A list of integers >= ``lo``; non-empty unless ``empty``."""
     def rule(v):
-        if isinstance(v, list | tuple) and v and all(integer(lo)(x) is None for x in v):
+        if isinstance(v, list | tuple) and (v or empty) and all(integer(lo)(x) is None for x in v):
             return None
-        return f"a non-empty list of integers >= {lo}"
+        return f"a {'' if empty else 'non-empty '}list of integers >= {lo}"
     return rule
 
 
+def names(v) -> str | None:
+    """A non-empty list of non-empty strings (task, arm or variant names)."""
+    return None if isinstance(v, list | tuple) and v and all(isinstance(x, str) and x for x in v) \
+        else "a non-empty list of names"
+
+
 POS = integer(1)
+POS_NUMBER = number(0, open_lo=True)
 
 
 def check_fields(obj: Any, rules: Mapping[str, Rule], prefix: str) -> list[str]:

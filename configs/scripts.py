@@ -12,16 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from configs.rules import POS, TypedConfig, boolean, int_list, integer, number, optional
+from configs.rules import POS, POS_NUMBER, TypedConfig, boolean, int_list, integer, names, number, optional
 
-POS_NUMBER = number(0, open_lo=True)
 CHAOS_POLICY = {"dim": 64, "n_layers": 2, "n_heads": 2, "state_hidden": 64, "num_inference_steps": 4}
 ABLATE_ARMS = ("filtered_bc_retries", "fert", "fert_no_retries", "fert_no_gate", "fert_abs_key")
-
-
-def _names(v) -> str | None:
-    return None if isinstance(v, list | tuple) and v and all(isinstance(x, str) and x for x in v) \
-        else "a non-empty list of names"
 
 
 @dataclass
@@ -56,7 +50,7 @@ class ChaosConfig(TypedConfig):
 
 
 ChaosConfig._group, ChaosConfig._rules = "chaos", {
-    "kills": integer(0), "interval_s": POS_NUMBER, "max_wall_s": POS_NUMBER, "units": POS, "tasks": _names,
+    "kills": integer(0), "interval_s": POS_NUMBER, "max_wall_s": POS_NUMBER, "units": POS, "tasks": names,
     "targets": lambda v: None if isinstance(v, Mapping) and v and set(v) <= {"worker", "learner", "server"}
     and all(isinstance(x, int | float) and x >= 0 for x in v.values()) and sum(v.values()) > 0
     else "a mapping of worker / learner / server to odds >= 0, not all 0",
@@ -115,7 +109,7 @@ class AblateConfig(TypedConfig):
 
 
 AblateConfig._group, AblateConfig._rules = "ablate", {
-    "arms": _names, "seeds": int_list(0), "eval_seed": optional(integer(0)), "pool": optional(_names),
+    "arms": names, "seeds": int_list(0), "eval_seed": optional(integer(0)), "pool": optional(names),
     "reexplore": boolean}
 
 

@@ -13,9 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from configs.rules import POS, TypedConfig, boolean, integer, number, one_of, optional
-
-POS_NUMBER = number(0, open_lo=True)
+from configs.rules import POS, POS_NUMBER, TypedConfig, boolean, integer, number, one_of, optional
 
 
 @dataclass

@@ -14,18 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from configs.rules import POS, TypedConfig, boolean, integer, number, one_of, optional
+from configs.rules import POS, POS_NUMBER, TypedConfig, boolean, int_list, integer, one_of, optional
 
 LABELS = ("sim", "operator", "classifier", "none")
-POS_NUMBER = number(0, open_lo=True)
 WORKSPACE_M = ((-0.05, 0.39, 0.005), (0.29, 0.81, 0.28))   # tcp box, twin frame, metres: its target box + 3 cm
 ROBOT = {"type": "fleetmind_so100_sim", "id": None, "calibration_dir": None, "port": None, "cameras": None,
          "max_relative_target": None, "task": None, "render_cameras": None, "image_size": None, "object_state": None}
-
-
-def _int_list(lo: int):
-    return lambda v: None if isinstance(v, list | tuple) and all(integer(lo)(x) is None for x in v) \
-        else f"a list of integers >= {lo}"
 
 
 @dataclass
@@ -57,7 +51,7 @@ class ExportConfig(TypedConfig):
 
 ExportConfig._group, ExportConfig._rules = "deploy.export", {
     "version": lambda v: None if v == "latest" or integer(1)(v) is None else "'latest' or an integer >= 1",
-    "overwrite": boolean, "control_hz": optional(POS_NUMBER), "onnx_steps": optional(_int_list(1)),
+    "overwrite": boolean, "control_hz": optional(POS_NUMBER), "onnx_steps": optional(int_list(1, empty=True)),
     "onnx_batch_size": POS, "onnx_optimize": boolean}
 
 
@@ -84,7 +78,7 @@ class BenchConfig(TypedConfig):
 
 
 BenchConfig._group, BenchConfig._rules = "deploy.bench", {
-    "threads": _int_list(1), "num_inference_steps": _int_list(1), "onnx": boolean, "chunks": POS}
+    "threads": int_list(1, empty=True), "num_inference_steps": int_list(1, empty=True), "onnx": boolean, "chunks": POS}
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from configs.rules import POS, TypedConfig, boolean, int_list, integer, number, one_of, optional
+from configs.rules import POS, TypedConfig, boolean, int_list, integer, names, number, one_of, optional
 
 DEFAULT_ARMS = ("base", "filtered_bc_retries", "fert", "fert_critic", "fert_onnx")
 
@@ -81,8 +81,7 @@ JobConfig._group, JobConfig._rules = "job", {
     "seeds": int_list(0), "demos_per_task": POS, "demo_noise_std": number(0), "base_steps": POS,
     "base_select": one_of("val_loss", "success"), "base_select_trials_per_task": POS,
     "val_demos_per_task": integer(0), "fleet_episodes_per_unit": POS,
-    "arms": lambda v: None if isinstance(v, list | tuple) and v and all(isinstance(a, str) for a in v)
-    else "a non-empty list of arm names",
+    "arms": names,
     "fleet_backend": one_of("vector", "ray"), "fleet_critic": boolean, "overlap_offline_arms": boolean,
     "curve_trials_per_task": integer(0), "background_curve": boolean, "videos": integer(0),
     "video_episodes": integer(0), "fleet_sizes": optional(int_list(1)), "sweep_episodes_per_unit": POS}

@@ -87,13 +87,12 @@ def record_videos(seed_run: dict, c: dict, out: Path, heldout: list[int]) -> Non
     state = seed_run["state"]
     if state.done("videos"):
         return
-    vids = []
+    job, vids = JobConfig.from_dict(c["job"]), []
     for arm in ("fert", "base"):
         if arm in seed_run["checkpoints"]:
             vids += [str(p) for p in record_rollouts(seed_run["config"], seed_run["checkpoints"][arm],
                                                      out / "videos" / arm, heldout, list(c["task"]["tasks"]),
-                                                     max_videos=JobConfig.from_dict(c["job"]).videos,
-                                                     max_episodes=JobConfig.from_dict(c["job"]).video_episodes)]
+                                                     max_videos=job.videos, max_episodes=job.video_episodes)]
     state.mark("videos", vids)
 
 
