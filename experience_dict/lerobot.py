@@ -11,7 +11,7 @@ Both print a JSON summary on stdout (progress bars on stderr). Datasets are writ
 ``LeRobotDataset.create`` / ``add_frame`` / ``save_episode`` / ``finalize`` and read with
 ``LeRobotDataset(repo_id, root=DIR)``, offline (the CLI sets ``HF_HUB_OFFLINE=1``; nothing is downloaded).
 lerobot is imported only inside these functions, so ``import experience_dict`` never imports it; without it
-they raise ``ImportError`` naming the extra (``pip install 'fleetmind[lerobot]'`` / ``make install-lerobot``).
+they raise ``ImportError`` naming the extra (``pip install 'fleetmind[lerobot]'`` / ``make install``).
 
 Mapping (store -> dataset; import is the inverse):
 
@@ -53,13 +53,13 @@ What a plain LeRobot dataset lacks on import (no ``meta/fleetmind.json``):
   seed ``-1``, demonstration ``True`` with policy version ``-1`` (the scripted-expert / teleoperation convention);
   command-line values override these and the sidecar's.
 
-Video decoding: LeRobot 0.4.4 decodes with torchcodec (needs FFmpeg shared libraries on the system) or with
-torchvision's ``VideoReader`` (backend ``pyav``; removed from torchvision >= 0.24, absent in 0.29). Neither works
-beside torch 2.14 here, so each episode's frames are decoded with PyAV (a lerobot dependency that bundles FFmpeg
-with libdav1d for AV1) in one pass from the episode's ``from_timestamp``, matched to the frame timestamps with
-the dataset's ``tolerance_s``, as LeRobot's decoders do. (LeRobot 0.6.1 has a PyAV decoder of its own,
-``lerobot.datasets.video_utils.decode_video_frames_pyav``; this one-pass decoder serves both releases.) Frames come back as RGB uint8 (FFmpeg's swscale
-yuv420p -> rgb24); AV1 at LeRobot's default CRF 30 costs about 3 grey levels of mean absolute error.
+Video decoding: LeRobot 0.6.1's default decoder is torchcodec when it imports, which then fails at decode time
+without the system's FFmpeg libraries, so each episode's frames are decoded with PyAV (a lerobot dependency that
+bundles FFmpeg with libdav1d for AV1) in one pass from the episode's ``from_timestamp``, matched to the frame
+timestamps with the dataset's ``tolerance_s``, as LeRobot's decoders do (LeRobot's per-frame
+``lerobot.datasets.video_utils.decode_video_frames_pyav`` gives the same frames). Frames come back as RGB uint8
+(FFmpeg's swscale yuv420p -> rgb24); AV1 at LeRobot's default CRF 30 costs about 3 grey levels of mean absolute
+error.
 
 Import is resumable: episodes already in the writer's shard with the same (repo id, episode index, length) are
 skipped, so re-running after an interruption adds only what is missing. Everything (dataset format, fps vs the
@@ -95,7 +95,7 @@ from experience_dict.store import (
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "install it with `pip install 'fleetmind[lerobot]'` or `make install-lerobot`"
+INSTALL_HINT = "install it with `pip install 'fleetmind[lerobot]'` (Python 3.12) or `make install`"
 SIDECAR = "meta/fleetmind.json"
 SIDECAR_FORMAT = "fleetmind-lerobot/1"
 EXTERNAL_UNIT_ID = -1  # unit id of imported episodes that come from no fleet unit (override with --unit-id)
@@ -123,18 +123,14 @@ def _lerobot_dataset_cls():
     try:
         from lerobot.datasets.lerobot_dataset import LeRobotDataset
     except ImportError as e:
-        raise ImportError(f"LeRobotDataset interop needs lerobot (0.6.1, or 0.4.4), which cannot be imported here "
+        raise ImportError(f"LeRobotDataset interop needs lerobot 0.6.1, which cannot be imported here "
                           f"({e}); {INSTALL_HINT}") from e
     return LeRobotDataset
 
 
-def _codec_kwargs(dataset_cls, vcodec: str) -> dict:
-    """``LeRobotDataset.create``'s video codec argument: ``vcodec=`` (0.4) or ``rgb_encoder=RGBEncoderConfig``
-    (0.6, ``lerobot.configs.video``; its other defaults, CRF 30 and GOP 2, are 0.4's)."""
-    import inspect
-
-    if "vcodec" in inspect.signature(dataset_cls.create).parameters:
-        return {"vcodec": vcodec}
+def _codec_kwargs(vcodec: str) -> dict:
+    """``LeRobotDataset.create``'s video codec argument: ``rgb_encoder=RGBEncoderConfig(vcodec=...)``
+    (``lerobot.configs.video``, LeRobot 0.6; its other defaults are CRF 30 and GOP 2)."""
     from lerobot.configs.video import RGBEncoderConfig
 
     return {"rgb_encoder": RGBEncoderConfig(vcodec=vcodec)}
@@ -459,7 +455,7 @@ def export_dataset(store_url: str, out_dir: str | Path, repo_id: str | None = No
         out_dir.rmdir()  # empty: LeRobot creates the root itself
     ds = LeRobotDataset.create(repo_id=repo_id, fps=round(fps), features=features, root=out_dir,
                                robot_type=embodiments[0] if len(embodiments) == 1 else None, use_videos=video,
-                               **_codec_kwargs(LeRobotDataset, vcodec))
+                               **_codec_kwargs(vcodec))
     frames = 0
     try:
         bar = tqdm(eps, desc="export", unit="ep", disable=not progress)

@@ -20,12 +20,10 @@ Writes ``<output_dir>/bench_policy.json``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import platform
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -210,15 +208,12 @@ def bench_pair(cfgs: dict[str, AEDDiffusionConfig], dev, bc: dict, extra: dict |
 
 
 class LeRobotSetup:
-    """LeRobot 0.4.4's ``DiffusionPolicy`` (U-Net denoiser, DDIM ``num_inference_steps`` 10, horizon 16, 2 obs
+    """LeRobot 0.6.1's ``DiffusionPolicy`` (U-Net denoiser, DDIM ``num_inference_steps`` 10, horizon 16, 2 obs
     steps) on the same batch size and shapes, with the ``down_dims`` of ``candidates`` whose parameter count is
     closest to ``match_params``; same ``train_step()`` / ``chunk(nb)`` interface as :class:`Setup` so
     :func:`bench_pair` times it interleaved with ours. Raises ImportError when lerobot is not installed."""
 
     def __init__(self, dev, bc: dict, image_size: int | None, match_params: int):
-        for mod in ("transformers", "peft"):  # lerobot 0.4.4 does not use them (docs/DEPENDENCIES.md)
-            if importlib.util.find_spec(mod) is None:  # block only a missing one; an installed one imports
-                sys.modules.setdefault(mod, None)
         from lerobot.configs.types import FeatureType, PolicyFeature
         from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig
         from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy

@@ -10,8 +10,7 @@
 Runs at the export's ``control_hz``; maps LeRobot features to the policy's and the policy's end-effector actions to
 joint targets through the twin's IK (``fleet/deploy/lerobot_bridge.py``); checks every action (``fleet/deploy/safety.py``);
 writes ``deploy_report.json`` (steps, actions sent, safety events, latency per step, success) into the Hydra run
-dir. Needs a LeRobot environment (``make install-lerobot``: ``.venv-lerobot``, LeRobot 0.4.4; or
-``make install-lerobot06``: ``.venv-lerobot06``, LeRobot 0.6.1). See ``fleet/deploy/deployer.py``.
+dir. Needs LeRobot 0.6.1 (the ``[lerobot]`` extra; ``make install`` installs it). See ``fleet/deploy/deployer.py``.
 """
 
 from __future__ import annotations
@@ -27,11 +26,11 @@ from policies.threads import passive_wait
 passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of spinning (policies/threads.py)
 calm_progress()  # off a terminal, a progress bar redraws every 30 s, not 15 times a second (fleet/progress.py)
 
-try:  # LeRobot first: it must load triton before sim initialises EGL (see fleet/deploy/so100_sim_robot/__init__.py)
+try:
     import lerobot.robots  # noqa: F401
-except ImportError as e:  # pragma: no cover - the core environment
-    raise SystemExit(f"scripts/deploy.py needs LeRobot ({e}); install it with `make install-lerobot` (or, on "
-                     "Python 3.12, `make install-lerobot06`) and run with that venv's python") from e
+except ImportError as e:  # pragma: no cover - an install without the [lerobot] extra
+    raise SystemExit(f"scripts/deploy.py needs LeRobot 0.6.1 ({e}); install it with `make install` or "
+                     "`pip install 'fleetmind[lerobot]'` (Python 3.12)") from e
 
 import hydra
 from omegaconf import DictConfig

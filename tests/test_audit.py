@@ -7,7 +7,6 @@ import math
 
 import numpy as np
 import pytest
-from test_retrieval import FERT_CFG, HELDOUT, build_store
 
 from experience_dict.store import ExperienceStore
 from fleet.fert.audit import (
@@ -19,6 +18,7 @@ from fleet.fert.audit import (
 )
 from fleet.fert.data import FertData
 from fleet.fert.keys import STATE_KEYS
+from tests.test_retrieval import FERT_CFG, HELDOUT, build_store
 
 
 def test_concentration_hand_computed():

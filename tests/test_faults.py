@@ -25,8 +25,7 @@ from fleet.worker import PolicyLoadError, RobotWorker
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = str(REPO / "configs")
-sys.path.insert(0, str(REPO / "tests"))
-from test_fleet import tiny_aed_checkpoint
+from tests.test_fleet import tiny_aed_checkpoint
 
 torch.set_num_threads(1)
 

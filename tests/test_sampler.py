@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_store import expected_episode, new_store, write_episode
-
 from experience_dict.sampler import WindowDataset
 from experience_dict.store import ExperienceStore
+from tests.test_store import expected_episode, new_store, write_episode
 
 torch.set_num_threads(1)
 WINDOWS = {"observation.state": ("observation.state", [-1, 0]),

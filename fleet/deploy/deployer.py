@@ -251,7 +251,7 @@ class Deployer:
         self.bridge.check_robot(robot.observation_features, robot.action_features, rtype)
         if getattr(getattr(robot, "config", None), "use_degrees", True) is False:
             # so10x_follower: arm joints then read -100..100, which the bridge would take for degrees. LeRobot
-            # 0.4.4 and 0.6.1 default so_follower to use_degrees=True (koch, omx and lekiwi followers to False).
+            # 0.6.1 defaults so_follower to use_degrees=True (koch, omx and lekiwi followers to False).
             raise ValueError(f"robot type {rtype!r} is configured with use_degrees=false, but the bridge reads and "
                              "sends arm joints in degrees: set +deploy.robot.use_degrees=true")
         hz = run.control_hz if run.control_hz is not None else runtime.control_hz

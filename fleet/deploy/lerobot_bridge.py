@@ -3,7 +3,7 @@
 Plain dicts in, plain dicts out: this module does not import LeRobot (``fleet.deploy.deployer`` and
 ``fleet.deploy.so100_sim_robot`` do), only numpy, MuJoCo and mink (through the SO-100 twin's model and IK).
 
-LeRobot side (``so100_follower`` / ``so101_follower`` with ``use_degrees=True``, lerobot 0.4.4 and 0.6.1
+LeRobot side (``so100_follower`` / ``so101_follower`` with ``use_degrees=True``, LeRobot 0.6.1's
 ``lerobot/robots/so_follower/so_follower.py``): observation and action features ``<joint>.pos`` for
 ``shoulder_pan, shoulder_lift, elbow_flex, wrist_flex, wrist_roll`` in degrees and ``gripper.pos`` in 0..100,
 plus one ``(H, W, 3)`` uint8 image per camera name. The simulated robot ``fleetmind_so100_sim`` also gives the

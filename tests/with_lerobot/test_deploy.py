@@ -1,8 +1,7 @@
 """Deployment through LeRobot's Robot API on the SO-100 twin (robot type fleetmind_so100_sim): the same loop as on
 a real arm (fleet/deploy/deployer.py), a real exported policy, real safety limits, a real experience store.
 
-Run with a LeRobot environment: ``.venv-lerobot/bin/python -m pytest -q tests/with_lerobot/test_deploy.py`` (0.4.4) or
-``.venv-lerobot06/bin/python ...`` (0.6.1).
+LeRobot 0.6.1 is installed by ``make install``; ``make test`` runs these.
 """
 
 import json
@@ -16,10 +15,8 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.lerobot
-# "lerobot.robots", not "lerobot": with tests/ on sys.path this folder is a namespace package named lerobot
 pytest.importorskip("lerobot.robots")
 
-# LeRobot (torchvision -> triton) before anything imports sim: see fleet/deploy/so100_sim_robot/__init__.py
 import torch
 from lerobot.robots import make_robot_from_config
 

@@ -1,14 +1,13 @@
 """A LeRobot ``Robot`` backed by the SO-100 MuJoCo twin: robot type ``fleetmind_so100_sim``.
 
 Importing this package (needs ``lerobot``) registers the config with ``RobotConfig.register_subclass``, so
-``lerobot.robots.make_robot_from_config`` builds the robot: for a type it does not name, LeRobot (0.4.4 and
-0.6.1 alike) falls back to ``lerobot.utils.import_utils.make_device_from_device_class``, which finds
+``lerobot.robots.make_robot_from_config`` builds the robot: for a type it does not name, LeRobot 0.6.1
+falls back to ``lerobot.utils.import_utils.make_device_from_device_class``, which finds
 ``FleetmindSO100Sim`` (the config class name without ``Config``) in this package, the parent of the config's
 module.
 
-It lives in ``fleet/``, not ``sim/``, on purpose: it imports LeRobot (hence torchvision, torch._dynamo and
-triton) before ``sim`` (imported lazily) probes EGL. With Mesa's EGL (llvmpipe, CPU machines) loading
-libLLVM first and triton's libtriton second segfaults the process; the other order works.
+It lives in ``fleet/``, not ``sim/``, and imports ``sim`` lazily: importing it loads LeRobot, and ``sim``
+(MuJoCo, EGL) stays unloaded until a robot is made.
 
     import fleet.deploy.so100_sim_robot  # registers "fleetmind_so100_sim"
     from lerobot.robots import make_robot_from_config
