@@ -1,0 +1,72 @@
+"""The LeRobot config of a fleetmind policy: ``--policy.type=fleetmind`` (LeRobot 0.6.1 ``PreTrainedConfig``).
+
+A LeRobot policy folder of this type holds LeRobot's ``config.json`` (this class, draccus-encoded with its
+``type``), the two processor pipelines (``policy_preprocessor.json`` / ``policy_postprocessor.json``) and, in
+``fleetmind/``, a fleetmind export (``policies.export``: safetensors weights, ``config.json`` of the fleetmind
+policy, statistics, tokenizer, ``export.json``; optionally the success critic and ONNX graphs), which
+:class:`lerobot_policy_fleetmind.FleetmindPolicy` loads with fleetmind's lean runtime
+(``policies.runtime.PolicyRuntime``). ``python -m lerobot_policy_fleetmind.export`` writes such a folder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lerobot.configs.policies import PreTrainedConfig
+from lerobot.optim.optimizers import AdamWConfig
+
+POLICY_TYPE = "fleetmind"
+EXPORT_SUBDIR = "fleetmind"
+
+
+@PreTrainedConfig.register_subclass(POLICY_TYPE)
+@dataclass
+class FleetmindConfig(PreTrainedConfig):
+    """A fleetmind export run inside LeRobot (evaluation and deployment; training is fleetmind's own).
+
+    Attributes:
+        export_subdir: the fleetmind export's folder, relative to the LeRobot policy folder.
+        backend: ``PolicyRuntime``'s backend: ``torch`` (the default; any batch size), ``onnx`` (the export's ONNX
+            graph; its batch size only) or ``auto`` (ONNX when the export has a graph, else torch).
+        num_inference_steps: DDIM denoising steps per chunk (None: the export's); diffusion policies only.
+        num_threads: ONNX Runtime's intra-op threads (None: torch's setting).
+        use_critic: let the export's success critic choose each chunk among its samples, when the export has one
+            (``policies.critic``; as ``fert_critic`` in fleetmind's evaluation). False: the policy alone.
+    """
+
+    export_subdir: str = EXPORT_SUBDIR
+    backend: str = "torch"
+    num_inference_steps: int | None = None
+    num_threads: int | None = None
+    use_critic: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.backend not in ("torch", "onnx", "auto"):
+            raise ValueError(f"policy.backend: expected torch, onnx or auto, given {self.backend!r}")
+        if self.num_inference_steps is not None and self.num_inference_steps < 1:
+            raise ValueError(f"policy.num_inference_steps: expected >= 1, given {self.num_inference_steps}")
+
+    # LeRobot's training-time windows: fleetmind trains its policies itself (scripts/train.py, the fleet job)
+    @property
+    def observation_delta_indices(self) -> None:
+        return None
+
+    @property
+    def action_delta_indices(self) -> None:
+        return None
+
+    @property
+    def reward_delta_indices(self) -> None:
+        return None
+
+    def get_optimizer_preset(self) -> AdamWConfig:
+        """The optimiser fleetmind's trainer uses (AdamW); LeRobot's trainer is refused by the policy's ``forward``."""
+        return AdamWConfig(lr=1e-4, weight_decay=1e-6)
+
+    def get_scheduler_preset(self) -> None:
+        return None
+
+    def validate_features(self) -> None:
+        """Nothing to check here: the runtime checks every observation's name and shape against the export's
+        ``export.json`` features when it acts (a ValueError names the feature, the expected and given shape)."""

@@ -1,0 +1,141 @@
+"""fleetmind as LeRobot 0.6 plugins (plugins/): discovery by LeRobot's own mechanism, ``lerobot-eval`` running a
+real exported fleetmind policy on fleetmind's robot units, the plugin acting exactly as fleetmind's runtime, and the
+refusals. Real parts: a tiny real AED diffusion policy (random weights), a real export, real Meta-World units,
+LeRobot's own command in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.lerobot
+pytest.importorskip("lerobot.robots")
+
+import torch
+
+from tests.test_fleet import tiny_aed_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def lerobot_policy_dir(tmp_path_factory) -> tuple[Path, Path]:
+    """(the fleetmind export, the LeRobot policy folder written from it) of a tiny real AED policy."""
+    from lerobot_policy_fleetmind.export import export_for_lerobot
+
+    from policies.export import export_checkpoint
+
+    root = tmp_path_factory.mktemp("plugins")
+    ckpt = tiny_aed_checkpoint(root / "ckpt", seed=3, perturb=0.05)
+    export = export_checkpoint(ckpt, root / "export", control_hz=80.0)
+    return export, export_for_lerobot(export, root / "lerobot_policy")
+
+
+def test_lerobot_discovers_the_three_plugins_by_distribution_name():
+    code = ("from lerobot.utils.import_utils import register_third_party_plugins as r; r()\n"
+            "from lerobot.configs.policies import PreTrainedConfig\n"
+            "from lerobot.envs.configs import EnvConfig\n"
+            "from lerobot.robots import RobotConfig\n"
+            "print(PreTrainedConfig.get_known_choices().get('fleetmind'), EnvConfig.get_known_choices().get('fleetmind'),"
+            " RobotConfig.get_known_choices().get('fleetmind_so100_sim'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "FleetmindConfig" in out.stdout and "FleetmindEnv" in out.stdout and "FleetmindSO100SimConfig" in out.stdout
+
+
+def test_the_plugin_acts_as_fleetmind_runtime_does(lerobot_policy_dir):
+    """Same observations, same seed: the LeRobot policy's actions are the runtime's, step for step (history,
+    action queue and all), and LeRobot's factory builds it from the folder with its processors."""
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.factory import get_policy_class, make_pre_post_processors
+    from lerobot_policy_fleetmind import FleetmindPolicy
+
+    from policies.runtime import PolicyRuntime
+
+    export, folder = lerobot_policy_dir
+    cfg = PreTrainedConfig.from_pretrained(folder)
+    assert cfg.type == "fleetmind" and get_policy_class("fleetmind") is FleetmindPolicy
+    policy = FleetmindPolicy.from_pretrained(folder, config=cfg)
+    pre, post = make_pre_post_processors(cfg, pretrained_path=str(folder))
+    runtime = PolicyRuntime.load(export, backend="torch")
+    policy.reset()
+    runtime.reset()
+    rng = np.random.default_rng(0)
+    for t in range(10):
+        state = rng.uniform(-0.2, 0.6, (2, 4)).astype(np.float32)
+        env = rng.uniform(-1, 1, (2, 17)).astype(np.float32)
+        batch = pre({"observation.state": torch.from_numpy(state), "observation.environment_state": torch.from_numpy(env)})
+        torch.manual_seed(t)
+        a = post(policy.select_action(batch))
+        torch.manual_seed(t)
+        b = runtime.policy.select_action({"observation.state": torch.from_numpy(state),
+                                          "observation.environment_state": torch.from_numpy(env)})
+        assert a.shape == (2, 4) and a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert policy.predict_action_chunk(batch).shape == (2, 8, 4)
+    with pytest.raises(ValueError, match="observation lacks"):
+        policy.select_action({"observation.state": torch.zeros(1, 4)})
+
+
+def test_lerobot_eval_runs_a_fleetmind_export_on_fleetmind_units(lerobot_policy_dir, tmp_path):
+    """LeRobot's own lerobot-eval, the plugins found by name: two held-out units, two episodes each."""
+    _, folder = lerobot_policy_dir
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
+    cmd = [str(Path(sys.executable).with_name("lerobot-eval")), f"--policy.path={folder}", "--policy.device=cpu",
+           "--env.type=fleetmind", "--env.task=reach-v3", "--env.units=[100,101]", "--env.episode_length=20",
+           "--eval.n_episodes=4", "--eval.batch_size=2", f"--output_dir={tmp_path / 'eval'}"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    info = json.loads((tmp_path / "eval" / "eval_info.json").read_text())
+    per_task = info["per_task"][0]["metrics"]
+    assert len(per_task["successes"]) == 4 and len(per_task["sum_rewards"]) == 4
+    assert all(r > 0 for r in per_task["sum_rewards"])             # Meta-World's shaped reward, 20 real steps
+    assert len(set(per_task["sum_rewards"])) == 4                  # four different episodes, not one repeated
+    assert info["overall"]["n_episodes"] == 4 and 0.0 <= info["overall"]["pc_success"] <= 100.0
+    assert list((tmp_path / "eval" / "videos").rglob("*.mp4"))     # LeRobot's videos, from the env's render()
+
+
+def test_env_plugin_builds_fleetmind_units_with_lerobot_names():
+    import lerobot_env_fleetmind  # noqa: F401 - registers --env.type=fleetmind (as LeRobot's commands do by name)
+    from lerobot.envs.factory import make_env_config
+    from lerobot.envs.utils import env_to_policy_features, preprocess_observation
+
+    cfg = make_env_config("fleetmind", task="push-v3", units=[100, 102], episode_length=30, cameras=["corner"],
+                          image_size=32)
+    assert cfg.fps == 80
+    feats = env_to_policy_features(cfg)
+    assert feats["observation.state"].shape == (4,) and feats["observation.environment_state"].shape == (17,)
+    assert feats["observation.images.corner"].shape == (3, 32, 32)
+    vec = cfg.create_envs(n_envs=3)["fleetmind"][0]
+    try:
+        obs, _ = vec.reset(seed=[5, 6, 7])
+        assert list(vec.get_attr("unit_id")) == [100, 102, 100]
+        assert vec.get_attr("task_description")[1] == "push-v3 on robot unit 102"
+        batch = preprocess_observation(obs)
+        assert batch["observation.images.corner"].shape == (3, 3, 32, 32)
+        _, _, _, _, info = vec.step(np.zeros((3, 4), np.float32))
+        assert info["is_success"].dtype == bool
+    finally:
+        vec.close()
+    with pytest.raises(ValueError, match="unknown preset"):
+        make_env_config("fleetmind", task="push-v3", robot="nope")
+
+
+def test_training_through_lerobot_is_refused_with_the_way_to_train(lerobot_policy_dir):
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot_policy_fleetmind import FleetmindPolicy
+
+    cfg = PreTrainedConfig.from_pretrained(lerobot_policy_dir[1])
+    with pytest.raises(NotImplementedError, match="trained by fleetmind"):
+        FleetmindPolicy(cfg)
+    with pytest.raises(FileNotFoundError, match="local folder"):
+        FleetmindPolicy.from_pretrained("no/such/folder", config=cfg)
