@@ -25,10 +25,12 @@ record (checked / unchecked windows per second, alternating runs in this process
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import hydra
@@ -40,27 +42,61 @@ import configs.typed  # noqa: F401 - registers the typed config groups before Hy
 from experience_dict.sampler import WindowDataset
 from experience_dict.store import DEFAULT_PROGRESS_KEYS, ExperienceStore
 
+SAMPLING_WINDOWS = {"observation.state": ("observation.state", [-1, 0]),
+                    "observation.images.corner": ("observation.images.corner", [-1, 0]),
+                    "action": ("action", list(range(16))), "history.action": ("action", list(range(-8, 0)))}
+"""The sampling benchmark's windows (``WindowDataset``'s ``{name: (key, step offsets)}``)."""
+
+
+def sim_episodes(episodes: int, steps: int, size: int, task: str = "push-v3",
+                 seed: int = 0) -> tuple[dict, list[dict]]:
+    """Real Meta-World expert episodes with ``size`` x ``size`` RGB renders of the ``corner`` camera.
+
+    Episode ``e`` resets the env with seed ``seed + e`` and records exactly ``steps`` steps (if the env ends the
+    episode earlier, it is reset and recording goes on, so every episode has ``steps`` steps); one scripted
+    expert (``sim.make_expert``, seed ``seed``) acts throughout.
+
+    Returns:
+        ``(spec, episodes)``: the env's ``spec_dict()`` and, per episode, ``{"obs": [per-step observation dict],
+        "actions": (steps, A) float32, "rewards": (steps,) float32, "progress": [per-step {key: float}],
+        "success": bool (succeeded at some step)}``.
+
+    Raises:
+        whatever the simulator raises (no MuJoCo / EGL, unknown task).
+    """
+    from sim import make_env, make_expert
+
+    env = make_env(task, unit_id=0, obs_cfg={"images": True, "cameras": ["corner"], "image_size": size},
+                   task_cfg={"max_episode_steps": steps, "steps_after_success": steps})
+    try:
+        expert = make_expert(env, seed=seed)
+        out = []
+        for e in range(episodes):
+            obs, _ = env.reset(seed=seed + e)
+            ep = {"obs": [], "actions": [], "rewards": [], "progress": [], "success": False}
+            for _ in range(steps):
+                a = expert.act(obs)
+                ep["obs"].append(obs)
+                ep["actions"].append(a)
+                obs, r, term, trunc, info = env.step(a)
+                ep["rewards"].append(r)
+                ep["progress"].append({k: float(v) for k, v in (info.get("progress") or {}).items()})
+                ep["success"] = ep["success"] or bool(info.get("success", False))
+                if term or trunc:
+                    obs, _ = env.reset(seed=seed + e * steps + len(ep["obs"]))
+            ep["actions"] = np.stack(ep["actions"]).astype(np.float32)
+            ep["rewards"] = np.asarray(ep["rewards"], np.float32)
+            out.append(ep)
+        return env.spec_dict(), out
+    finally:
+        env.close()
+
 
 def sim_frames(steps: int, size: int) -> tuple[dict, list[dict], np.ndarray] | None:
     """One real push-v3 expert episode with 96x96 renders: (spec, observations, actions); None if sim fails."""
     try:
-        from sim import make_env, make_expert
-
-        env = make_env("push-v3", unit_id=0, obs_cfg={"images": True, "cameras": ["corner"], "image_size": size},
-                       task_cfg={"max_episode_steps": steps, "steps_after_success": steps})
-        expert = make_expert(env, seed=0)
-        obs, _ = env.reset(seed=0)
-        out, acts = [], []
-        for _ in range(steps):
-            a = expert.act(obs)
-            out.append(obs)
-            acts.append(a)
-            obs, _, term, trunc, _ = env.step(a)
-            if term or trunc:
-                obs, _ = env.reset(seed=len(out))
-        spec = env.spec_dict()
-        env.close()
-        return spec, out, np.stack(acts).astype(np.float32)
+        spec, (ep,) = sim_episodes(1, steps, size)
+        return spec, ep["obs"], ep["actions"]
     except Exception as e:  # noqa: BLE001 - fall back to synthetic frames, recorded in the JSON
         print(f"sim frames unavailable ({type(e).__name__}: {e}); using synthetic frames")
         return None
@@ -86,6 +122,31 @@ def synthetic_frames(steps: int, size: int) -> tuple[dict, list[dict], np.ndarra
     return spec, obs, rng.uniform(-1, 1, (steps, 4)).astype(np.float32)
 
 
+@contextlib.contextmanager
+def timed(wall: list[float], cpu: list[float] | None = None) -> Iterator[None]:
+    """Append the block's wall time (``time.perf_counter``, seconds) to ``wall`` and, if given, the whole
+    process's CPU time over it (``time.process_time``, seconds, all threads) to ``cpu``."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    try:
+        yield
+    finally:
+        wall.append(time.perf_counter() - t0)
+        if cpu is not None:
+            cpu.append(time.process_time() - c0)
+
+
+def write_store_episode(w, obs: list[dict], actions: np.ndarray, rewards, progress: list[dict], seed: int,
+                        task: str = "push-v3", success: bool = True) -> str:
+    """One episode through the store's ``EpisodeWriter`` ``w``: ``begin_episode`` + ``add_step`` per step +
+    ``commit`` (unit 0, embodiment ``sawyer``, policy version 0); ``rewards``: a float per step (or one float
+    for every step). Returns the episode id."""
+    w.begin_episode(unit_id=0, embodiment="sawyer", task=task, policy_version=0, seed=seed)
+    per_step = np.ndim(rewards) > 0
+    for t, o in enumerate(obs):
+        w.add_step(o, actions[t], float(rewards[t]) if per_step else float(rewards), progress[t])
+    return w.commit(success=success)
+
+
 def bench_write(cfg: dict, root: Path, spec: dict, obs: list[dict], actions: np.ndarray, scfg: dict) -> tuple[dict, str]:
     r"""One write run: every episode through ``EpisodeWriter`` and, right after, through ``numpy.save``.
 
@@ -105,27 +166,20 @@ def bench_write(cfg: dict, root: Path, spec: dict, obs: list[dict], actions: np.
     nbytes = 0
 
     def store_side(e: int) -> None:
-        t0, c0 = time.perf_counter(), time.process_time()
-        w.begin_episode(unit_id=0, embodiment="sawyer", task="push-v3", policy_version=0, seed=e)
-        for t, o in enumerate(obs):
-            w.add_step(o, actions[t], 0.5, progress[t])
-        w.commit(success=True)
-        t_zarr.append(time.perf_counter() - t0)
-        c_zarr.append(time.process_time() - c0)
+        with timed(t_zarr, c_zarr):
+            write_store_episode(w, obs, actions, 0.5, progress, seed=e)
 
     def numpy_side(e: int) -> int:  # numpy.save of the same arrays (stacked per key, one file each), same disk
-        t0, c0 = time.perf_counter(), time.process_time()
-        arrays = {k: np.stack([o[k] for o in obs]) for k in obs[0]}
-        arrays["action"] = actions
-        arrays["reward"] = np.full(len(obs), 0.5, np.float32)
-        for k in DEFAULT_PROGRESS_KEYS:
-            arrays[f"progress.{k}"] = np.array([p[k] for p in progress], np.float32)
-        d = root / "npy" / f"ep{e:04d}"
-        d.mkdir(parents=True, exist_ok=True)
-        for k, v in arrays.items():
-            np.save(d / f"{k}.npy", v)
-        t_np.append(time.perf_counter() - t0)
-        c_np.append(time.process_time() - c0)
+        with timed(t_np, c_np):
+            arrays = {k: np.stack([o[k] for o in obs]) for k in obs[0]}
+            arrays["action"] = actions
+            arrays["reward"] = np.full(len(obs), 0.5, np.float32)
+            for k in DEFAULT_PROGRESS_KEYS:
+                arrays[f"progress.{k}"] = np.array([p[k] for p in progress], np.float32)
+            d = root / "npy" / f"ep{e:04d}"
+            d.mkdir(parents=True, exist_ok=True)
+            for k, v in arrays.items():
+                np.save(d / f"{k}.npy", v)
         return sum(v.nbytes for v in arrays.values())
 
     for e in tqdm(range(cfg["episodes"]), desc="write episodes"):
@@ -150,28 +204,47 @@ def bench_write(cfg: dict, root: Path, spec: dict, obs: list[dict], actions: np.
     }, url
 
 
-def paired_write_ratio(t_zarr: list[float], t_np: list[float], seed: int = 0, n_boot: int = 2000) -> dict:
-    """Per-episode paired statistics of write wall times (seconds) of the store and of ``numpy.save``.
+def paired_ratio_stats(base: list[float], other: list[float], seed: int = 0, n_boot: int = 2000) -> dict:
+    """Paired ratio of two equal-length lists of times (seconds) measured back to back, pair by pair.
 
-    ``paired_ratio_median``: the median over episodes of ``t_np[i] / t_zarr[i]`` (each episode's two sides ran
-    back to back, so machine-wide slowdowns hit both), with a 95 % bootstrap interval over episodes.
-    ``ratio_vs_fast_numpy``: ``numpy.save``'s 10th-percentile episode time over the store's median: the store
-    against ``numpy.save`` at its fastest (a conservative figure for a shared VM whose page cache makes
-    ``numpy.save``'s cost swing several-fold between runs).
+    Returns ``{"median": median of base[i] / other[i], "ci95": 95 % bootstrap interval of that median over
+    pairs, "p10_p90": the ratios' 10th and 90th percentiles, "n": pairs}``. With ``base`` the baseline's times,
+    a ratio above 1 means ``other`` is faster.
 
     Raises:
         ValueError: the lists differ in length or are empty.
     """
-    a, b = np.asarray(t_zarr, np.float64), np.asarray(t_np, np.float64)
+    a, b = np.asarray(other, np.float64), np.asarray(base, np.float64)
     if a.shape != b.shape or a.size == 0:
-        raise ValueError(f"paired_write_ratio: expected two equal non-empty lists, given {a.size} and {b.size}")
+        raise ValueError(f"paired ratio: expected two equal non-empty lists, given {b.size} and {a.size}")
     r = b / a
     boot = np.random.default_rng(seed).choice(r, (n_boot, r.size)) if r.size > 1 else r[None]
     lo, hi = np.quantile(np.median(boot, 1), [0.025, 0.975])
-    return {"paired_ratio_median": float(np.median(r)), "paired_ratio_ci95": [float(lo), float(hi)],
-            "paired_ratio_p10_p90": [float(np.quantile(r, 0.1)), float(np.quantile(r, 0.9))],
+    return {"median": float(np.median(r)), "ci95": [float(lo), float(hi)],
+            "p10_p90": [float(np.quantile(r, 0.1)), float(np.quantile(r, 0.9))], "n": int(r.size)}
+
+
+def paired_write_ratio(t_zarr: list[float], t_np: list[float], seed: int = 0, n_boot: int = 2000) -> dict:
+    """Per-episode paired statistics of write wall times (seconds) of the store and of ``numpy.save``.
+
+    ``paired_ratio_median``: the median over episodes of ``t_np[i] / t_zarr[i]`` (each episode's two sides ran
+    back to back, so machine-wide slowdowns hit both), with a 95 % bootstrap interval over episodes
+    (:func:`paired_ratio_stats`). ``ratio_vs_fast_numpy``: ``numpy.save``'s 10th-percentile episode time over
+    the store's median: the store against ``numpy.save`` at its fastest (a conservative figure for a shared VM
+    whose page cache makes ``numpy.save``'s cost swing several-fold between runs).
+
+    Raises:
+        ValueError: the lists differ in length or are empty.
+    """
+    if len(t_zarr) != len(t_np) or not t_zarr:
+        raise ValueError(f"paired_write_ratio: expected two equal non-empty lists, given {len(t_zarr)} and "
+                         f"{len(t_np)}")
+    p = paired_ratio_stats(t_np, t_zarr, seed=seed, n_boot=n_boot)
+    a, b = np.asarray(t_zarr, np.float64), np.asarray(t_np, np.float64)
+    return {"paired_ratio_median": p["median"], "paired_ratio_ci95": p["ci95"],
+            "paired_ratio_p10_p90": p["p10_p90"],
             "ratio_vs_fast_numpy": float(np.quantile(b, 0.1) / np.median(a)),
-            "episodes": int(r.size), "zarr_ms_median": 1e3 * float(np.median(a)),
+            "episodes": p["n"], "zarr_ms_median": 1e3 * float(np.median(a)),
             "numpy_save_ms_median": 1e3 * float(np.median(b)), "numpy_save_ms_p10": 1e3 * float(np.quantile(b, 0.1))}
 
 
@@ -209,20 +282,19 @@ def bench_write_repeated(cfg: dict, root: Path, spec: dict, obs: list[dict], act
 
 
 def bench_sampling(url: str, cfg: dict, workers: int, cache_bytes: int, batched: bool,
-                   check_rows: bool = True) -> dict:
+                   check_rows: bool = True, windows: dict | None = None) -> dict:
     """Windows per second of ``WindowDataset`` through a DataLoader; ``check_rows=False`` turns off the rows
     check against the commit records (``ExperienceStore.check_rows``, the integrity check a reader cannot skip
-    in production) so that its cost can be measured beside it."""
+    in production) so that its cost can be measured beside it. ``cfg``: ``windows`` (how many are timed, after
+    one warm-up batch) and ``batch_size``; ``windows``: ``WindowDataset``'s windows (default
+    :data:`SAMPLING_WINDOWS`); ``cache_bytes``: the decoded-chunk cache (bytes, 0 = off)."""
     import torch
 
     torch.set_num_threads(1)
     reader = ExperienceStore.open(url)
     if not check_rows:
         reader.check_rows = lambda *a, **k: None   # the instance only (the forked workers inherit it)
-    windows = {"observation.state": ("observation.state", [-1, 0]),
-               "observation.images.corner": ("observation.images.corner", [-1, 0]),
-               "action": ("action", list(range(16))), "history.action": ("action", list(range(-8, 0)))}
-    ds = WindowDataset(reader, windows=windows, cache_bytes=cache_bytes)
+    ds = WindowDataset(reader, windows=windows or SAMPLING_WINDOWS, cache_bytes=cache_bytes)
     gen = torch.Generator().manual_seed(0)
     sampler = torch.utils.data.RandomSampler(ds, replacement=True, num_samples=cfg["windows"] + cfg["batch_size"],
                                              generator=gen)
