@@ -8,7 +8,7 @@ reward and 6 progress signals) is written once through ``EpisodeWriter`` (add_st
 crc32c, statistics sketch, atomic commit record) and once with ``numpy.save`` (stack each key, one .npy per
 key per episode, the same arrays) to the same disk, back to back episode by episode (the side going first
 alternates), in this process. The run is repeated ``store.bench.repeats`` times (default 3,
-``+store.bench.repeats=N``) after an untimed warm-up. The figure for the target (store / numpy.save >= 0.5) is
+``store.bench.repeats=N``) after an untimed warm-up. The figure for the target (store / numpy.save >= 0.5) is
 ``write.paired``: the median over all timed episodes of numpy.save's wall time over the store's for the same
 episode, with a bootstrap interval, and ``ratio_vs_fast_numpy`` (numpy.save's fastest decile against the
 store's median), since numpy.save's cost on a shared VM swings several-fold between runs (page cache). The

@@ -37,6 +37,7 @@ def test_defaults_pass_and_every_rule_names_a_real_key():
     ("fert.replay_ratio=1.5", "fert.replay_ratio: expected a number >= 0 and <= 1, given 1.5"),
     ("device=tpu", "device: expected one of ['auto', 'cpu', 'cuda'], given 'tpu'"),
     ("store.on_corrupt=ignore", "store.on_corrupt: expected one of ['raise', 'skip'], given 'ignore'"),
+    ("store.image_clevel=12", "store.image_clevel: expected an integer 0..9 (Blosc's zstd levels), given 12"),
     ("fleet.episodes_per_unit=0", "fleet.episodes_per_unit: expected null or an integer >= 1, given 0"),
     ("train.lr=0", "train.lr: expected a number > 0, given 0"),
     ("store.url=/proc/fleetmind/store", "store.url: expected a creatable directory"),

@@ -58,6 +58,8 @@ class StoreBenchConfig(TypedConfig):
     """Windows timed per loader configuration."""
     batch_size: int = 64
     """Loader batch size."""
+    repeats: int = 3
+    """Timed write runs (and checked / unchecked read runs), after one untimed warm-up."""
     dir: str | None = None
     """Where the stores are written; null: ``<output_dir>/bench_store``."""
     out: str | None = None
@@ -66,7 +68,7 @@ class StoreBenchConfig(TypedConfig):
 
 StoreBenchConfig._group, StoreBenchConfig._rules = "store.bench", {
     "episodes": POS, "steps": POS, "image_size": POS, "image_source": one_of("sim", "synthetic"), "windows": POS,
-    "batch_size": POS}
+    "batch_size": POS, "repeats": POS}
 
 
 @dataclass
@@ -100,5 +102,6 @@ class StoreConfig(TypedConfig):
 
 StoreConfig._group, StoreConfig._rules = "store", {
     "storage_options": lambda v: None if v is None or isinstance(v, Mapping) else "a mapping of fsspec options",
-    "on_corrupt": one_of("raise", "skip"), "chunk_bytes": POS, "max_chunk_rows": POS, "image_clevel": integer(0)}
+    "on_corrupt": one_of("raise", "skip"), "chunk_bytes": POS, "max_chunk_rows": POS,
+    "image_clevel": lambda v: integer(0)(v) or (None if v <= 9 else "an integer 0..9 (Blosc's zstd levels)")}
 StoreConfig._nested = {"demos": DemosConfig, "bench": StoreBenchConfig}
