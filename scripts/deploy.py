@@ -50,10 +50,14 @@ log = logging.getLogger("deploy")
 SIM_TYPE = "fleetmind_so100_sim"
 
 
-def sim_robot_defaults(fields: dict, input_shapes: dict, meta: dict) -> dict:
+def sim_robot_defaults(fields: dict, input_shapes: dict, meta: dict, fleet_robot: dict | None = None) -> dict:
     """Fill the simulated robot's null fields from the export: the cameras it reads at their size, and the
-    task it was trained on when that is a single SO-100 task."""
+    task it was trained on when that is a single SO-100 task; and ``fleet_robot`` (what its robot units are
+    drawn from: ``deploy.robot.unit_id``, ``deploy.run.trials``) from the composed ``robot`` group, so the twin
+    built as unit ``u`` is the unit ``u`` that ``scripts/eval.py`` evaluates with the same ``robot=`` settings."""
     fields = dict(fields)
+    if fields.get("fleet_robot") is None and fleet_robot is not None:
+        fields["fleet_robot"] = dict(fleet_robot)
     cams = [k.split(".", 2)[2] for k in input_shapes if k.startswith("observation.images.")]
     if fields.get("render_cameras") is None:
         fields["render_cameras"] = cams
@@ -83,7 +87,10 @@ def main(cfg: DictConfig) -> None:
         report_path = Path(run.report or Path(cfg.output_dir) / "deploy_report.json")
         robot_fields = dict(d.robot)
         if robot_fields.get("type") == SIM_TYPE:
-            robot_fields = sim_robot_defaults(robot_fields, rt.input_shapes, rt.meta)
+            from omegaconf import OmegaConf
+
+            robot_fields = sim_robot_defaults(robot_fields, rt.input_shapes, rt.meta,
+                                              OmegaConf.to_container(cfg.robot, resolve=True))
         robot = make_robot(build_robot_config(robot_fields))
         joint_map = JointMap(list(b.joint_signs), list(b.joint_offsets_deg), float(b.gripper_closed_pos),
                              float(b.gripper_open_pos))
@@ -103,8 +110,8 @@ def main(cfg: DictConfig) -> None:
     report_path.parent.mkdir(parents=True, exist_ok=True)
     report_path.write_text(json.dumps(report, indent=1))
     summary = {"report": str(report_path), "robot_type": report["robot_type"], "task": report["task"],
-               "episodes": [{k: e[k] for k in ("steps", "actions_sent", "holds", "stop_reason", "success",
-                                                 "episode_id", "safety_counts", "policy_latency_s")}
+               "episodes": [{k: e[k] for k in ("seed", "unit_id", "steps", "actions_sent", "holds", "stop_reason",
+                                                 "success", "episode_id", "safety_counts", "policy_latency_s")}
                             for e in report["episodes"]],
                "successes": report["successes"], "committed": report["committed"]}
     print(json.dumps(summary, indent=1))

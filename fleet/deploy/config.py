@@ -19,7 +19,8 @@ from configs.rules import POS, POS_NUMBER, TypedConfig, boolean, int_list, integ
 LABELS = ("sim", "operator", "classifier", "none")
 WORKSPACE_M = ((-0.05, 0.39, 0.005), (0.29, 0.81, 0.28))   # tcp box, twin frame, metres: its target box + 3 cm
 ROBOT = {"type": "fleetmind_so100_sim", "id": None, "calibration_dir": None, "port": None, "cameras": None,
-         "max_relative_target": None, "task": None, "render_cameras": None, "image_size": None, "object_state": None}
+         "max_relative_target": None, "task": None, "render_cameras": None, "image_size": None, "object_state": None,
+         "unit_id": None, "fleet_robot": None}
 
 
 @dataclass
@@ -112,7 +113,17 @@ class RunConfig(TypedConfig):
     stop_on_success: bool = True
     """End the episode after ``steps_after_success`` steps past the first success."""
     seed: int = 0
-    """Episode i uses seed + i (the simulated robot's scene placement)."""
+    """Episode i uses seed + i (the simulated robot's scene placement), unless ``trials`` gives the seeds."""
+    trials: Any = None
+    """The episodes' trials, one per episode (then ``episodes`` is their number): a list of ``{seed, unit_id,
+    task}`` mappings (``unit_id`` and ``task`` optional; other keys ignored) or the path of a JSON file holding
+    one, e.g. ``scripts/eval.py``'s ``episodes/<arm>.json``: the simulated robot then plays fleetmind's held-out
+    evaluation trials, each on its robot unit (``FleetmindSO100Sim.reset_scene(seed, unit_id)``) with its reset
+    seed. A ``unit_id`` needs the simulated robot; a ``task`` must be the robot's. Null: ``seed`` + i."""
+    seed_noise: bool = True
+    """Draw each episode's initial denoising noise from a generator seeded with the episode's seed, as fleetmind's
+    evaluation seeds each trial's (the same export, unit and seed then sample the same noise in both); false:
+    torch's global generator."""
     label: str = "operator"
     """The success label: sim (the twin's success) | operator (a y/n prompt) | classifier | none."""
     success_classifier: str | None = None
@@ -139,6 +150,8 @@ RunConfig._group, RunConfig._rules = "deploy.run", {
     "num_inference_steps": optional(POS), "num_threads": optional(POS), "compile": boolean,
     "backend": one_of("auto", "torch", "onnx"), "episodes": POS, "max_steps": POS,
     "steps_after_success": integer(0), "stop_on_success": boolean, "seed": integer(0), "label": one_of(*LABELS),
+    "trials": lambda v: None if v is None or isinstance(v, str | list | tuple) else
+    "null, a list of {seed, unit_id, task} or the path of a JSON file holding one", "seed_noise": boolean,
     "realtime": boolean, "control_hz": optional(POS_NUMBER), "wait_for_reset": boolean, "unit_id": integer(0)}
 
 
@@ -211,7 +224,9 @@ class DeployConfig(TypedConfig):
     """The LeRobot robot config, decoded with draccus as LeRobot's CLI does: ``type`` plus that type's fields;
     null fields are left to the robot config's defaults; add others with ``+deploy.robot.<field>=...``, e.g.
     ``deploy.robot.type=so101_follower deploy.robot.port=/dev/ttyACM0 deploy.robot.id=arm0``. The default
-    ``fleetmind_so100_sim`` is the SO-100 twin behind LeRobot's Robot API (``fleet/deploy/so100_sim_robot``)."""
+    ``fleetmind_so100_sim`` is the SO-100 twin behind LeRobot's Robot API (``fleet/deploy/so100_sim_robot``):
+    ``deploy.robot.unit_id=101`` builds it as that robot unit of the fleet, drawn from ``fleet_robot`` (null: the
+    composed ``robot`` group, ``scripts/deploy.py``)."""
     bridge: BridgeConfig = field(default_factory=BridgeConfig)
     """LeRobot joints <-> the SO-100 model."""
     safety: SafetyConfig = field(default_factory=SafetyConfig)

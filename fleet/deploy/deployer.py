@@ -15,12 +15,18 @@ An episode ends after ``max_steps``, ``steps_after_success`` steps after the fir
 at a latched safety stop (NaN/inf, missed deadlines), or when the operator presses Ctrl-C. Then it is labelled
 (``label``: ``sim`` the twin's success, ``operator`` a y/n prompt, ``classifier`` a configured callable, ``none``)
 and, with a store, committed with embodiment ``"so100"`` and the export's policy version.
+
+Episode ``i`` resets the scene with seed ``run.seed + i``, or plays ``run.trials[i]`` (:func:`load_trials`: e.g.
+fleetmind's held-out evaluation trials, each with its reset seed and, on the simulated robot, its robot unit). With
+``run.seed_noise`` the policy's denoising noise comes from a generator seeded with the episode's seed, as in
+fleetmind's evaluation (``fleet.experiment.evaluation``), so a deployed trial can be compared with the evaluated one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import logging
 import math
 import pkgutil
@@ -88,7 +94,11 @@ def build_robot_config(robot: Mapping[str, Any]):
     try:
         return draccus.decode(RobotConfig, fields)
     except Exception as e:  # draccus.utils.DecodingError and friends
-        raise ValueError(f"deploy.robot: cannot build a {rtype!r} config from {fields}: {e}") from e
+        root = e
+        while (root.__cause__ or root.__context__) is not None:   # the config's own check (its __post_init__)
+            root = root.__cause__ or root.__context__
+        why = f"{e}" + (f" ({root})" if root is not e else "")
+        raise ValueError(f"deploy.robot: cannot build a {rtype!r} config from {fields}: {why}") from e
 
 
 def make_robot(robot_cfg):
@@ -113,6 +123,48 @@ def load_classifier(spec: str | None) -> Callable[[Any, Mapping[str, Any]], bool
     if not sep or not mod or not fn:
         raise ValueError(f"success_classifier {spec!r}: expected 'sim' or 'package.module:function'")
     return getattr(importlib.import_module(mod), fn)
+
+
+def load_trials(spec: Any) -> list[dict[str, Any]] | None:
+    """``deploy.run.trials`` -> ``[{"seed": int, "unit_id": int | None, "task": str | None}, ...]`` (None: no
+    trial list).
+
+    Args:
+        spec: None; a list of mappings with ``seed`` (int >= 0) and optionally ``unit_id`` (int >= 0) and ``task``
+            (other keys, such as an evaluation episode's ``success``, are ignored); or the path of a JSON file
+            holding such a list (``scripts/eval.py``'s ``episodes/<arm>.json``, or
+            ``fleet.experiment.evaluation.evaluation_plan``'s trials) or a mapping with it under ``"trials"``.
+    Raises:
+        FileNotFoundError: a path that does not exist. ValueError: an empty list, or a trial without an integer
+            seed >= 0 or with a bad unit id / task (its index named).
+    """
+    if spec is None:
+        return None
+    src = "deploy.run.trials"
+    if isinstance(spec, str | Path):
+        path = Path(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"{src}: no trial file {str(path)!r} (a JSON list of {{seed, unit_id, task}})")
+        spec = json.loads(path.read_text())
+        if isinstance(spec, Mapping) and "trials" in spec:
+            spec = spec["trials"]
+        src = f"{src} ({path})"
+    if not isinstance(spec, list | tuple) or not spec:
+        raise ValueError(f"{src}: expected a non-empty list of {{seed, unit_id, task}}, given {spec!r:.80}")
+    out = []
+    for i, tr in enumerate(spec):
+        if not isinstance(tr, Mapping):
+            msg = f"{src}[{i}]: expected a mapping {{seed, unit_id, task}}, given {tr!r}"
+            raise ValueError(msg)  # noqa: TRY004 - a config value, refused as the others are
+        seed, unit, task = tr.get("seed"), tr.get("unit_id"), tr.get("task")
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+            raise ValueError(f"{src}[{i}]: expected an integer seed >= 0, given {seed!r}")
+        if unit is not None and (isinstance(unit, bool) or not isinstance(unit, int | np.integer) or unit < 0):
+            raise ValueError(f"{src}[{i}]: expected an integer unit_id >= 0 or none, given {unit!r}")
+        if task is not None and not isinstance(task, str):
+            raise ValueError(f"{src}[{i}]: expected a task name or none, given {task!r}")
+        out.append({"seed": int(seed), "unit_id": None if unit is None else int(unit), "task": task})
+    return out
 
 
 # keys whose explicit null switches a protection off (logged as a warning)
@@ -175,10 +227,12 @@ class EpisodeResult:
     """One deployed episode. Arrays have one row per control step that sent an action (T, 6) in LeRobot units:
     ``current`` (measured before the step), ``proposed`` (bridge output, NaN for a NaN action / a missed
     deadline), ``sent`` (after the safety filter); ``held`` (T,) marks holds (sent = current by a stop or the
-    watchdog); ``policy_s`` / ``step_s`` (T,) seconds of the policy call and of the whole step."""
+    watchdog); ``policy_s`` / ``step_s`` (T,) seconds of the policy call and of the whole step; ``unit_id``: the
+    robot unit the simulated robot played (None: a real robot)."""
 
     index: int
     seed: int
+    unit_id: int | None = None
     steps: int = 0
     stop_reason: str = "max_steps"
     success: bool | None = None
@@ -202,8 +256,8 @@ class EpisodeResult:
         for e in self.events:
             counts[e.kind] = counts.get(e.kind, 0) + 1
         pct = (lambda a, q: float(np.percentile(a, q))) if self.policy_s else (lambda a, q: None)
-        return {"index": self.index, "seed": self.seed, "steps": self.steps, "actions_sent": len(self.sent),
-                "holds": int(np.sum(self.held)) if self.held else 0, "stop_reason": self.stop_reason,
+        return {"index": self.index, "seed": self.seed, "unit_id": self.unit_id, "steps": self.steps,
+                "actions_sent": len(self.sent), "holds": int(np.sum(self.held)) if self.held else 0, "stop_reason": self.stop_reason,
                 "success": self.success, "label_source": self.label_source, "episode_id": self.episode_id,
                 "first_success_step": self.first_success_step, "overruns": self.overruns,
                 "safety_counts": counts, "safety_events": [e.to_dict() for e in self.events],
@@ -231,7 +285,10 @@ class Deployer:
             the config's; LeRobot's so100_follower and so101_follower share one config class).
         embodiment: whose bridge maps the policy to the robot (``fleet.deploy.lerobot_bridge.make_bridge``).
     Raises:
-        ValueError: an export the robot cannot serve (features, control rate), a label the robot cannot give.
+        ValueError: an export the robot cannot serve (features, control rate), a label the robot cannot give, a
+            bad trial list (``load_trials``), a trial on a robot unit for a robot that cannot be built as one, a
+            trial of another task than the robot's.
+        FileNotFoundError: ``run.trials`` names a file that does not exist.
     """
 
     def __init__(self, runtime, robot, run: RunConfig, safety: SafetyLimits | None = None,
@@ -276,7 +333,21 @@ class Deployer:
         if run.store_url and not self.task:
             raise ValueError("deploy.run.task must name the task of a real robot's episodes for the store "
                              "(e.g. deploy.run.task=so100-pick-place)")
+        self.trials = load_trials(run.trials)
+        for i, tr in enumerate(self.trials or []):
+            if tr["unit_id"] is not None and not (self.is_sim and hasattr(type(robot), "action_scale_m")):
+                raise ValueError(f"deploy.run.trials[{i}] names robot unit {tr['unit_id']}, but robot type {rtype!r} "
+                                 "cannot be built as a fleet unit (only the simulated robot can)")
+            if tr["task"] is not None and self.task is not None and tr["task"] != self.task:
+                raise ValueError(f"deploy.run.trials[{i}] is a trial of task {tr['task']!r}, but the robot runs "
+                                 f"{self.task!r} (deploy.robot.task / deploy.run.task)")
         self.writer = self._open_store() if run.store_url else None
+        self._generator = None
+
+    @property
+    def episodes(self) -> int:
+        """Episodes ``run_all`` runs: one per trial of ``run.trials``, else ``run.episodes``."""
+        return len(self.trials) if self.trials else int(self.run.episodes)
 
     # ------------------------------------------------------------------ store
     def store_spec(self) -> dict[str, Any]:
@@ -310,22 +381,44 @@ class Deployer:
         return math.nan, dict.fromkeys(keys, math.nan)  # a real arm has no reward or progress signal
 
     # ------------------------------------------------------------------ episodes
-    def _reset_scene(self, seed: int) -> None:
-        if hasattr(self.robot, "reset_scene"):
-            self.robot.reset_scene(seed)
+    def _reset_scene(self, seed: int, unit_id: int | None = None) -> None:
+        robot = self.robot
+        if hasattr(robot, "reset_scene"):
+            if unit_id is None:
+                robot.reset_scene(seed)
+            else:
+                robot.reset_scene(seed, unit_id=unit_id)
+            if hasattr(type(robot), "action_scale_m") and hasattr(self.bridge, "set_action_scale"):
+                # the unit's action gain lives in the twin's EE controller, which the bridge runs here
+                self.bridge.set_action_scale(robot.action_scale_m)
         elif self.run.wait_for_reset:
             self.input_fn(f"Reset the scene for episode (seed {seed}) and press Enter to start ")
 
+    def episode_trial(self, index: int) -> tuple[int, int | None]:
+        """``(reset seed, robot unit or None)`` of episode ``index``: ``run.trials[index]``, else
+        ``(run.seed + index, None)``. Raises IndexError past the trial list."""
+        if self.trials:
+            tr = self.trials[index]
+            return tr["seed"], tr["unit_id"]
+        return int(self.run.seed) + index, None
+
     def run_episode(self, index: int = 0) -> EpisodeResult:
-        """Run, label and (with a store) commit one episode; the arm is held at the end of a stopped one."""
+        """Run, label and (with a store) commit one episode (its seed and unit: ``episode_trial(index)``); the arm
+        is held at the end of a stopped one."""
         run, robot, bridge = self.run, self.robot, self.bridge
-        seed = int(run.seed) + index
+        seed, unit_id = self.episode_trial(index)
         res = EpisodeResult(index=index, seed=seed)
         n_events = len(self.eventlog.events)
         self.runtime.reset()
         self.safety.reset()
         self.watchdog.misses = 0
-        self._reset_scene(seed)
+        self._reset_scene(seed, unit_id)
+        res.unit_id = getattr(robot, "unit_id", None) if self.is_sim else None
+        self._generator = None
+        if run.seed_noise and getattr(self.runtime, "denoises", False):
+            import torch
+
+            self._generator = torch.Generator().manual_seed(seed)   # as the evaluation seeds a trial's noise
         obs = robot.get_observation()
         bridge.reset(obs)
         res.start_time = time.time()
@@ -360,8 +453,9 @@ class Deployer:
         res.events = self.eventlog.events[n_events:]
         self._label(res, obs)
         self._commit(res)
-        log.info("episode %d: %d steps, stop %s, success %s, safety %s", index, res.steps, res.stop_reason,
-                 res.success, {k: v for k, v in res.to_dict()["safety_counts"].items()})
+        log.info("episode %d (seed %d%s): %d steps, stop %s, success %s, safety %s", index, seed,
+                 "" if res.unit_id is None else f", unit {res.unit_id}", res.steps, res.stop_reason, res.success,
+                 dict(res.to_dict()["safety_counts"]))
         return res
 
     def _act(self, step: int, obs: Mapping[str, Any], res: EpisodeResult) -> bool:
@@ -377,7 +471,8 @@ class Deployer:
             held.append(self.safety.hold(current))
             robot.send_action(bridge.robot_action(held[-1]))
 
-        call = self.watchdog.call(self.runtime.select_action, pobs, on_miss=hold)
+        kw = {} if self._generator is None else {"generator": self._generator}
+        call = self.watchdog.call(self.runtime.select_action, pobs, on_miss=hold, **kw)
         res.policy_s.append(call.elapsed_s)
         if call.missed:
             self.eventlog.add(SafetyEvent(step, "deadline", {
@@ -451,6 +546,7 @@ class Deployer:
                         extra={"deploy": {"robot_type": self.robot_type, "export": self.export_dir,
                                           "stop_reason": res.stop_reason, "label_source": res.label_source,
                                           "safety_counts": res.to_dict()["safety_counts"],
+                                          "sim_unit_id": res.unit_id,
                                           "actions": "the policy's proposals, before the safety filter"}})
         try:
             for pobs, action, reward, progress in res.store_steps:
@@ -472,14 +568,14 @@ class Deployer:
         return time.perf_counter() - t0
 
     def run_all(self) -> list[EpisodeResult]:
-        """Connect the robot if needed, run ``run.episodes`` episodes, then close the watchdog and the writer
-        (the robot stays connected: the caller disconnects it)."""
+        """Connect the robot if needed, run ``episodes`` episodes (``run.episodes``, or one per ``run.trials``),
+        then close the watchdog and the writer (the robot stays connected: the caller disconnects it)."""
         try:
             if not self.robot.is_connected:
                 self.robot.connect()
             log.info(describe_limits(self.limits))
             self.warmup()
-            return [self.run_episode(i) for i in range(int(self.run.episodes))]
+            return [self.run_episode(i) for i in range(self.episodes)]
         finally:
             self.close()
 

@@ -172,7 +172,8 @@ class SO100Bridge:
             end-effector actions ``EE_ACTION_NAMES``.
         joint_map: LeRobot <-> MJCF joint convention (default: the simulated robot's).
         cameras: ``{policy camera: robot camera}`` for ``observation.images.<policy camera>`` (default: same name).
-        action_scale_m: metres of tcp target motion per action unit (the twin's ``ACTION_SCALE_M``).
+        action_scale_m: metres of tcp target motion per action unit, one value or (3,) per axis (default: the
+            twin's ``ACTION_SCALE_M``; ``set_action_scale`` changes it between episodes).
         events: the deploy loop's ``EventLog`` (``action_range`` events are added to it).
     Raises:
         ValueError: actions that are not end-effector deltas, an unsupported observation feature.
@@ -204,7 +205,7 @@ class SO100Bridge:
                                  f"cameras {sorted(self.cameras)}")
             self.cameras[cam] = str(robot_cam)
         self.kin = SO100Kinematics.shared()
-        scale = env.ACTION_SCALE_M if action_scale_m is None else float(action_scale_m)
+        scale = env.ACTION_SCALE_M if action_scale_m is None else _scale3(action_scale_m)
         self.controller = env.EEDeltaController(self.kin.model, self.kin.home_qpos, self.kin.home_rot,
                                                 self.kin.arm_idx, scale)
         self.events = events if events is not None else EventLog()
@@ -303,6 +304,20 @@ class SO100Bridge:
         q_cmd, _jaw = self.controller.step(a, self.fk(j))
         return np.array([*self.joint_map.arm_to_robot(q_cmd), self.joint_map.pos_from_command(a[3])])
 
+    def set_action_scale(self, action_scale_m: float | Sequence[float]) -> None:
+        """Metres of tcp target motion per action unit from now on: one value or (3,) per axis (the simulated
+        robot built as a fleet unit gives its ``action_scale_m``: the twin's 1 cm times the unit's action gain).
+
+        Raises:
+            ValueError: not one or three finite positive values.
+        """
+        self.controller.scale = _scale3(action_scale_m)
+
+    @property
+    def action_scale_m(self) -> np.ndarray:
+        """(3,) metres of tcp target motion per action unit, per axis."""
+        return self.controller.scale.copy()
+
     def sent(self, targets: np.ndarray) -> None:
         """Tell the controller what was actually sent (after the safety filter): the IK continues from there."""
         self.controller.q_cmd = self.joint_map.arm_to_mjcf(np.asarray(targets, dtype=np.float64)[:5])
@@ -311,6 +326,15 @@ class SO100Bridge:
     def robot_action(targets: np.ndarray) -> dict[str, float]:
         """(6,) joint targets -> LeRobot action ``{"<joint>.pos": float}``."""
         return {k: float(v) for k, v in zip(MOTOR_KEYS, np.asarray(targets, dtype=np.float64))}
+
+
+def _scale3(action_scale_m: float | Sequence[float]) -> np.ndarray:
+    """One or three metres-per-action-unit values -> (3,) float64. Raises ValueError unless finite and > 0."""
+    a = np.asarray(action_scale_m, dtype=np.float64).reshape(-1)
+    if a.size not in (1, 3) or not np.all(np.isfinite(a)) or not np.all(a > 0):
+        raise ValueError(f"action_scale_m: expected one or three finite values > 0 (metres per action unit), "
+                         f"given {action_scale_m!r}")
+    return np.broadcast_to(a, (3,)).copy()
 
 
 # ---------------------------------------------------------------------------------------------- embodiments
@@ -323,7 +347,8 @@ class EmbodimentBridge(Protocol):
     serve the policy; ``joints(obs)`` -> measured joint vector; ``fk(joints)`` -> tool position (m, for the
     workspace check); ``policy_observation(obs)`` -> the policy's features; ``reset(obs)`` at an episode start;
     ``propose(action, obs, step)`` -> joint targets for one policy action; ``sent(targets)`` records what was
-    sent; ``robot_action(targets)`` -> the LeRobot action dict.
+    sent; ``robot_action(targets)`` -> the LeRobot action dict. Optional: ``set_action_scale(metres per action
+    unit)``, which the deploy loop calls with a simulated robot unit's ``action_scale_m`` (``SO100Bridge`` has it).
     """
 
     def check_robot(self, observation_features: Mapping[str, Any], action_features: Mapping[str, Any],

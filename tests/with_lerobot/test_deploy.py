@@ -323,7 +323,7 @@ def test_operator_and_classifier_labels_decide_what_is_committed(tmp_path):
     assert results[1].episode_id is None                   # no label, not committed
     metas = ExperienceStore.open(store).episodes()
     assert sorted((m.seed, m.success) for m in metas) == [(0, True), (2, False)]
-    run = RunConfig(episodes=1, max_steps=8, label="classifier", success_classifier="test_deploy:far_from_home",
+    run = RunConfig(episodes=1, max_steps=8, label="classifier", success_classifier="tests.with_lerobot.test_deploy:far_from_home",
                     realtime=False, store_url=store)
     [res] = Deployer(ExpertRuntime(robot), robot, run).run_all()
     assert res.success is True and res.label_source == "classifier" and res.episode_id is not None
@@ -431,3 +431,168 @@ def test_safety_defaults_are_the_yaml_limits_and_off_needs_an_explicit_null(expo
     dep.run_all()
     robot.disconnect()
     assert "safety limits in force" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------- robot units
+def _fleet_robot() -> dict:
+    """The robot config fleetmind's evaluation draws its units from by default (``robot`` group defaults)."""
+    from configs.sim_groups import RobotConfig
+
+    return RobotConfig().to_dict()
+
+
+def test_twin_built_as_a_unit_has_its_parameters_and_latency(tmp_path):
+    """unit_id builds the twin as that fleet unit, as sim.make_env does for the evaluation (cube mass and
+    friction, camera jitter); its action gain is offered to the bridge and its latency delays the joint targets;
+    the default stays the nominal twin; an unknown unit is refused, naming the valid ones."""
+    import sim
+    from sim.units import RobotUnit
+
+    ref = sim.make_env("so100-reach", unit_id=101, robot_cfg=_fleet_robot())
+    ref.reset(seed=0)
+    assert ref.latency_steps == 1 and ref.unit.action_gain != (1.0, 1.0, 1.0)   # a unit worth testing
+    robot = _robot(tmp_path, render_cameras=[], unit_id=101)
+    robot.connect()
+    m, r = robot.env.model, ref.model
+    assert robot.unit_id == 101 and robot.unit == ref.unit == RobotUnit.draw(101, {**_fleet_robot(),
+                                                                                    "embodiment": "so100"})
+    np.testing.assert_array_equal(m.body_mass, r.body_mass)
+    np.testing.assert_array_equal(m.geom_friction, r.geom_friction)
+    np.testing.assert_array_equal(m.cam_pos, r.cam_pos)
+    np.testing.assert_allclose(robot.action_scale_m, 0.01 * np.array(ref.unit.action_gain))
+    assert robot.latency_steps == 1
+    # latency: each target is applied one control period later; the first period holds the arm, gripper open
+    from sim.so100.env import JAW_OPEN
+
+    home = robot.env.arm_joints
+    a = robot.joint_positions() + np.array([10.0, -10.0, 10.0, 0.0, 0.0, -50.0])
+    b = a + np.array([5.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    robot.send_action(dict(zip(robot.action_features, a)))
+    np.testing.assert_allclose(robot.env.data.ctrl[:6], [*home, JAW_OPEN])
+    robot.send_action(dict(zip(robot.action_features, b)))
+    np.testing.assert_allclose(robot.env.data.ctrl[:5], robot.joint_map.arm_to_mjcf(a[:5]))
+    robot.reset_scene(3, unit_id=102)     # another unit: rebuilt as it
+    assert robot.unit_id == 102 and robot.unit == sim.make_env("so100-reach", 102, _fleet_robot()).unit
+    assert robot.latency_steps == 0
+    with pytest.raises(ValueError, match=r"unknown unit id 999.*heldout_units \[100, 101, 102, 103\]"):
+        robot.reset_scene(3, unit_id=999)
+    assert robot.unit_id == 102 and robot.is_connected               # the twin is kept
+    robot.disconnect()
+    nominal = _robot(tmp_path, render_cameras=[])                    # the default: today's nominal twin
+    nominal.connect()
+    assert nominal.unit_id is None and nominal.unit == RobotUnit(0, embodiment="so100")
+    assert nominal.latency_steps == 0 and np.allclose(nominal.action_scale_m, 0.01)
+    nominal.disconnect()
+    with pytest.raises(ValueError, match="unknown unit id 999"):
+        FleetmindSO100SimConfig(unit_id=999)
+
+
+def test_deploy_plays_the_evaluation_trials_on_their_units(tmp_path):
+    """deploy.run.trials (here an evaluation's episodes file): each episode on its trial's unit with its reset
+    seed; the scripted expert's EE actions through the bridge (the unit's gain handed over) and the twin built as
+    the unit (its latency) trace the same tcp path as sim.make_env's env.step on that unit."""
+    import sim
+
+    trials = [{"task": "so100-reach", "unit_id": 101, "seed": 10, "success": False, "length": 300},
+              {"task": "so100-reach", "unit_id": 103, "seed": 11, "episode_id": "x"}]
+    path = tmp_path / "episodes.json"
+    path.write_text(json.dumps(trials))
+    robot = _robot(tmp_path, render_cameras=[])
+    free = safety_limits({"max_step_deg": 1e6, "max_step_gripper": 1e6, "workspace_m": WORKSPACE,
+                          "deadline_s": None}, JointMap())
+    dep = Deployer(ExpertRuntime(robot), robot, RunConfig(trials=str(path), episodes=7, max_steps=120, label="sim",
+                                                          realtime=False), free)
+    assert dep.episodes == 2
+    tcps, real = [], robot.send_action
+
+    def send(action):
+        out = real(action)
+        tcps[-1].append(robot.env.tcp)
+        return out
+
+    robot.send_action = send
+    robot.connect()
+    orig_reset = robot.reset_scene
+
+    def reset_scene(seed=None, unit_id=None):
+        tcps.append([])
+        return orig_reset(seed, unit_id=unit_id)
+
+    robot.reset_scene = reset_scene
+    results = dep.run_all()
+    robot.disconnect()
+    assert [(r.unit_id, r.seed) for r in results] == [(101, 10), (103, 11)]
+    assert all(r.success for r in results) and [len(t) for t in tcps[-2:]] == [r.steps for r in results]
+    from sim.units import RobotUnit
+
+    gain = RobotUnit.draw(103, _fleet_robot()).action_gain
+    np.testing.assert_allclose(dep.bridge.action_scale_m, 0.01 * np.array(gain))   # the last unit's gain
+    for tr, res, path_ in zip(trials, results, tcps[-2:], strict=True):
+        env = sim.make_env("so100-reach", unit_id=tr["unit_id"], robot_cfg=_fleet_robot())
+        env.reset(seed=tr["seed"])
+        expert = sim.make_expert(env, seed=0)
+        ref = []
+        for _ in range(res.steps):
+            env.step(expert.act(None))
+            ref.append(env.tcp)
+        # metres; exact without latency, 0.2 mm on unit 101: the env's first (hold) step still runs its IK
+        np.testing.assert_allclose(np.array(path_), np.array(ref), atol=1e-3)
+    report = json.loads(json.dumps(dep.report(results)))
+    assert [(e["unit_id"], e["seed"]) for e in report["episodes"]] == [(101, 10), (103, 11)]
+
+
+def test_trial_lists_are_checked_and_the_noise_follows_the_episode_seed(export_dir, tmp_path):
+    from fleet.deploy.deployer import load_trials
+
+    assert load_trials([{"seed": 4}, {"seed": 5, "unit_id": 100, "task": "so100-reach"}]) == [
+        {"seed": 4, "unit_id": None, "task": None}, {"seed": 5, "unit_id": 100, "task": "so100-reach"}]
+    for bad, msg in (([], "non-empty list"), ([{"unit_id": 100}], r"\[0\]: expected an integer seed"),
+                     ([{"seed": 1}, {"seed": 2, "unit_id": -1}], r"\[1\]: expected an integer unit_id"),
+                     ([3], r"\[0\]: expected a mapping")):
+        with pytest.raises(ValueError, match=msg):
+            load_trials(bad)
+    with pytest.raises(FileNotFoundError, match="no trial file"):
+        load_trials(str(tmp_path / "none.json"))
+    rt = _runtime(export_dir)
+    robot = _robot(tmp_path, render_cameras=["corner"])
+    with pytest.raises(ValueError, match="trial of task 'so100-push-cube'"):
+        Deployer(rt, robot, RunConfig(label="sim", trials=[{"seed": 1, "task": "so100-push-cube"}]))
+    real = make_robot_from_config(build_robot_config({"type": "so101_follower", "port": "/dev/null",
+                                                      "calibration_dir": str(tmp_path / "c"), "id": "arm0"}))
+    with pytest.raises(ValueError, match="names robot unit 100.*'so101_follower' cannot be built"):
+        Deployer(_StateOnly(rt), real, RunConfig(label="operator", trials=[{"seed": 1, "unit_id": 100}]),
+                 robot_type="so101_follower")
+    limits = safety_limits({"deadline_s": 5.0}, JointMap())
+    robot.connect()
+
+    def play(seed_noise: bool) -> np.ndarray:
+        run = RunConfig(trials=[{"seed": 21, "unit_id": 100}], max_steps=12, label="sim", realtime=False,
+                        seed_noise=seed_noise)
+        dep = Deployer(rt, robot, run, limits)
+        [res] = [dep.run_episode(0)]
+        dep.close()
+        assert res.unit_id == 100 and res.seed == 21
+        return np.array(res.proposed)
+
+    first, again, unseeded = play(True), play(True), play(False)
+    robot.disconnect()
+    np.testing.assert_array_equal(first, again)            # the same trial, the same noise: the same actions
+    assert np.abs(first - unseeded).max() > 1e-6           # torch's global generator: other actions
+
+
+def test_float_rounding_at_a_joint_limit_is_clipped_without_an_event():
+    """The IK lands on a joint range end to within ~1e-14 degrees: clipped, but no joint_limit event (a real
+    excess still is one)."""
+    from fleet.deploy.safety import SafetyFilter
+
+    limits = safety_limits({}, JointMap())
+    hi = limits.joint_limits[3, 1]                               # wrist_flex's upper limit, degrees
+    cur = np.array([0.0, -90.0, 90.0, hi - 1.0, 0.0, 50.0])
+    f = SafetyFilter(limits, fk=lambda j: np.array([0.1, 0.6, 0.1]))
+    over = cur.copy()
+    over[3] = np.nextafter(hi, np.inf)                           # one float step beyond: 1.4e-14 degrees
+    sent, ev = f.filter(over, cur)
+    assert over[3] > hi and sent[3] == hi and ev == []
+    over[3] = hi + 0.5
+    sent, ev = f.filter(over, cur)
+    assert sent[3] == hi and [e.kind for e in ev] == ["joint_limit"]

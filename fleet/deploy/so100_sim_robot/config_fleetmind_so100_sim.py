@@ -1,6 +1,7 @@
 """Config of the LeRobot robot backed by the SO-100 twin (registered as ``fleetmind_so100_sim``)."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lerobot.robots.config import RobotConfig
 
@@ -15,6 +16,15 @@ class FleetmindSO100SimConfig(RobotConfig):
     Attributes:
         task: the twin's scene (``sim.so100.TASKS``: so100-reach, so100-push-cube, so100-pick-place).
         seed: placement seed of the first scene (``FleetmindSO100Sim.reset_scene`` takes others).
+        unit_id: the fleet's robot unit the twin is built as (``sim.units.RobotUnit.draw`` from ``fleet_robot``):
+            that unit's cube mass and friction, camera jitter, light and colours, action gain, action latency and
+            observation noise on the object state, as ``sim.make_env(task, unit_id, robot_cfg)`` builds it for
+            fleetmind's own evaluation. Null (the default): the nominal twin (unit 0 without variation).
+            ``FleetmindSO100Sim.reset_scene(seed, unit_id=...)`` rebuilds it as another unit.
+        fleet_robot: the fleet's ``robot`` config the unit is drawn from (``fleet_seed``, ``variation``, the unit
+            lists; a mapping of ``configs.sim_groups.RobotConfig``'s keys); null: that config's defaults (what
+            ``scripts/eval.py`` uses unless ``robot=`` is overridden). ``scripts/deploy.py`` passes its
+            composed ``robot`` group. Only read with a ``unit_id``.
         render_cameras: twin cameras rendered as observation images (``corner``, ``topview``); empty: none.
         image_size: rendered image height = width, pixels.
         object_state: also give the sim-only ``sim.<name>`` features (the cube pose and goal, what a state-only
@@ -22,10 +32,16 @@ class FleetmindSO100SimConfig(RobotConfig):
         joint_signs / joint_offsets_deg: the simulated calibration, LeRobot degrees = sign x MJCF degrees + offset
             per arm joint (shoulder_pan .. wrist_roll); the default is the identity. Set them to emulate a real
             arm's calibration (the bridge's ``deploy.bridge`` values must then match).
+
+    Raises:
+        ValueError: an unknown task or camera, an image size under 8, or a ``unit_id`` that is not one of
+            ``fleet_robot``'s training or held-out units (the valid ones are listed).
     """
 
     task: str = "so100-reach"
     seed: int = 0
+    unit_id: int | None = None
+    fleet_robot: dict[str, Any] | None = None
     render_cameras: list[str] = field(default_factory=lambda: ["corner"])
     image_size: int = 96
     object_state: bool = True
@@ -44,3 +60,18 @@ class FleetmindSO100SimConfig(RobotConfig):
                 raise ValueError(f"render_cameras: unknown camera {c!r}; the twin's cameras: {', '.join(CAMERAS)}")
         if int(self.image_size) < 8:
             raise ValueError(f"image_size: expected >= 8 pixels, given {self.image_size}")
+        if self.unit_id is not None:
+            from sim.units import check_unit
+
+            check_unit(int(self.unit_id), self.unit_robot_cfg())
+
+    def unit_robot_cfg(self) -> dict[str, Any]:
+        """The ``robot`` config units are drawn from: ``fleet_robot`` over ``configs.sim_groups.RobotConfig``'s
+        defaults (a plain dict; ``variation`` merged key by key).
+
+        Raises:
+            ValueError: an unknown key or a value out of range (``configs.rules.ConfigError``).
+        """
+        from configs.sim_groups import RobotConfig as FleetRobotConfig
+
+        return FleetRobotConfig.from_dict(dict(self.fleet_robot or {})).to_dict()

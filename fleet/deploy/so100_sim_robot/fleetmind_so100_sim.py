@@ -7,11 +7,22 @@ positions ``<joint>.pos`` in degrees and ``gripper.pos`` in 0..100 (0 = the twin
 Time: lock-step. Each ``send_action`` applies the joint targets for one control period of the twin
 (1/30 s: 16 physics steps of 1/480 s); the deploy loop paces the calls at the policy's control rate, so the
 simulated arm runs in real time under ``scripts/deploy.py`` and as fast as possible in tests.
+
+Robot units (``config.unit_id``, or ``reset_scene(seed, unit_id=...)``): the twin is then built as that unit of the
+fleet, exactly as fleetmind's evaluation builds it (``sim.make_env(task, unit_id, robot_cfg)``): its object mass and
+friction, cameras, light and colours, and the observation noise of the object state come with the env. Two of the
+unit's properties live in the twin's end-effector controller, which a LeRobot robot does not have (the deploy
+bridge runs it): its action latency delays every joint target here by the env's ``latency_steps`` control periods
+(the first ones hold the arm with the gripper open, as the env's ``HOLD_ACTION`` does), and its action gain is
+exposed as ``action_scale_m`` for the bridge's controller (``fleet.deploy.deployer.Deployer`` hands it over at
+every episode start). The tcp noise of ``observation.state`` is not reproduced: the bridge computes the state by
+forward kinematics from the joint readings.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from functools import cached_property
 from typing import Any
 
@@ -29,9 +40,11 @@ _NEVER = 2**31 - 1  # the deploy loop, not the twin, ends episodes
 class FleetmindSO100Sim(Robot):
     """The SO-100 twin behind LeRobot's ``Robot`` API (``connect / get_observation / send_action / disconnect``).
 
-    Sim-only extras (the deploy loop uses them when present): ``reset_scene(seed)`` places a new cube/goal and
-    homes the arm, ``sim_info()`` returns the twin's ``info`` of the last step (``success``, ``episode_success``,
-    ``progress``, ``reward``) for the success classifier and the store, ``env`` is the ``SO100Env``.
+    Sim-only extras (the deploy loop uses them when present): ``reset_scene(seed, unit_id=None)`` places a new
+    cube/goal and homes the arm (on another robot unit when given), ``sim_info()`` returns the twin's ``info`` of
+    the last step (``success``, ``episode_success``, ``progress``, ``reward``) for the success classifier and the
+    store, ``action_scale_m`` the unit's EE action scale for the bridge, ``unit`` / ``unit_id`` /
+    ``latency_steps`` the unit played, ``env`` is the ``SO100Env``.
 
     Raises (from the methods): ``DeviceNotConnectedError`` / ``DeviceAlreadyConnectedError`` as LeRobot's robots;
     ``ValueError`` for an action that lacks a joint or holds NaN/inf.
@@ -46,8 +59,10 @@ class FleetmindSO100Sim(Robot):
         self.joint_map = JointMap(config.joint_signs, config.joint_offsets_deg)
         self._limits = self.joint_map.limits()  # (6, 2) the MJCF ranges in LeRobot units
         self.env = None
+        self.unit_id: int | None = None if config.unit_id is None else int(config.unit_id)
         self._info: dict[str, Any] = {}
         self._sim_names = sim_feature_names()
+        self._pending: deque = deque()   # (q_arm rad (5,), jaw rad) waiting out the unit's action latency
 
     # ------------------------------------------------------------------ features
     @cached_property
@@ -75,19 +90,27 @@ class FleetmindSO100Sim(Robot):
     def is_connected(self) -> bool:
         return self.env is not None
 
-    def connect(self, calibrate: bool = True) -> None:
-        """Build the twin (model, renderer) and place the first scene (``config.seed``)."""
-        if self.is_connected:
-            raise DeviceAlreadyConnectedError(f"{self} is already connected.")
+    def _make_env(self, unit_id: int | None):
+        """The twin env of ``config.task``: the nominal twin (unit_id None) or robot unit ``unit_id`` drawn from
+        ``config.unit_robot_cfg()``. Raises ValueError for a unit the fleet's robot config does not name."""
         from sim.so100.env import make_so100_env
 
         cams = list(self.config.render_cameras)
-        self.env = make_so100_env(self.config.task, unit_id=0, robot_cfg=None,
-                                  obs_cfg={"images": bool(cams), "cameras": cams or None,
-                                           "image_size": int(self.config.image_size)},
-                                  task_cfg={"max_episode_steps": _NEVER, "steps_after_success": _NEVER})
+        return make_so100_env(self.config.task, unit_id=0 if unit_id is None else int(unit_id),
+                              robot_cfg=None if unit_id is None else self.config.unit_robot_cfg(),
+                              obs_cfg={"images": bool(cams), "cameras": cams or None,
+                                       "image_size": int(self.config.image_size)},
+                              task_cfg={"max_episode_steps": _NEVER, "steps_after_success": _NEVER})
+
+    def connect(self, calibrate: bool = True) -> None:
+        """Build the twin (model, renderer; as ``config.unit_id`` when set) and place the first scene
+        (``config.seed``)."""
+        if self.is_connected:
+            raise DeviceAlreadyConnectedError(f"{self} is already connected.")
+        self.env = self._make_env(self.unit_id)
         self.reset_scene(self.config.seed)
-        log.info("%s connected (task %s)", self, self.config.task)
+        log.info("%s connected (task %s, %s)", self, self.config.task,
+                 "nominal unit" if self.unit_id is None else f"unit {self.unit_id}")
 
     @property
     def is_calibrated(self) -> bool:
@@ -103,11 +126,44 @@ class FleetmindSO100Sim(Robot):
         if not self.is_connected:
             raise DeviceNotConnectedError(f"{self.__class__.__name__} is not connected. Run `.connect()` first.")
 
-    def reset_scene(self, seed: int | None = None) -> None:
-        """Sim-only: home the arm and place a new cube and goal (``seed``: the twin's placement seed)."""
+    def reset_scene(self, seed: int | None = None, unit_id: int | None = None) -> None:
+        """Sim-only: home the arm and place a new cube and goal (``seed``: the twin's placement seed, as
+        ``SO100Env.reset(seed=...)``); with ``unit_id`` other than the current unit, first rebuild the twin as
+        that robot unit (see the module doc; ~0.4 s). Pending latency-delayed targets are dropped.
+
+        Raises:
+            ValueError: a unit the fleet's robot config (``config.fleet_robot``) does not name (the twin is kept).
+        """
         self._check()
+        if unit_id is not None and int(unit_id) != self.unit_id:
+            env = self._make_env(int(unit_id))   # raises before the current twin is closed
+            self.env.close()
+            self.env, self.unit_id = env, int(unit_id)
         _obs, info = self.env.reset(seed=None if seed is None else int(seed))
         self._info = {**info, "reward": 0.0}
+        from sim.so100.env import JAW_OPEN
+
+        hold = (self.env.arm_joints, JAW_OPEN)   # the env's HOLD_ACTION: no motion, gripper open
+        self._pending = deque([hold] * int(self.env.latency_steps))
+
+    @property
+    def unit(self):
+        """Sim-only: the twin's ``sim.units.RobotUnit`` (the nominal unit 0 unless built as a unit)."""
+        self._check()
+        return self.env.unit
+
+    @property
+    def latency_steps(self) -> int:
+        """Sim-only: control periods every joint target waits before it is applied (the unit's latency)."""
+        self._check()
+        return int(self.env.latency_steps)
+
+    @property
+    def action_scale_m(self) -> np.ndarray:
+        """Sim-only: (3,) metres of tcp target motion per policy action unit on this unit (the twin's
+        ``ACTION_SCALE_M`` times the unit's per-axis ``action_gain``), for the deploy bridge's EE controller."""
+        self._check()
+        return np.asarray(self.env.action_scale, dtype=np.float64)
 
     def sim_info(self) -> dict[str, Any]:
         """Sim-only: the twin's ``info`` of the last step plus ``reward`` (see ``SO100Env.step``)."""
@@ -135,7 +191,8 @@ class FleetmindSO100Sim(Robot):
         """Joint targets ``{"<joint>.pos": float}`` (degrees; gripper 0..100) for one control period.
 
         Targets are clipped to the MJCF joint ranges and the gripper to 0..100, as a servo's own limits would;
-        the clipped action is returned (LeRobot's contract: "the action actually sent").
+        the clipped action is returned (LeRobot's contract: "the action actually sent"). On a unit with action
+        latency the twin applies the targets sent ``latency_steps`` calls earlier (see the module doc).
         """
         self._check()
         missing = [k for k in MOTOR_KEYS if k not in action]
@@ -148,7 +205,9 @@ class FleetmindSO100Sim(Robot):
         from sim.so100.env import JAW_CLOSED, JAW_OPEN
 
         jaw = JAW_CLOSED + self.joint_map.opening_from_pos(t[5]) * (JAW_OPEN - JAW_CLOSED)
-        _obs, reward, _term, _trunc, info = self.env.step_joint_targets(self.joint_map.arm_to_mjcf(t[:5]), jaw)
+        self._pending.append((self.joint_map.arm_to_mjcf(t[:5]), jaw))
+        q_arm, jaw = self._pending.popleft()
+        _obs, reward, _term, _trunc, info = self.env.step_joint_targets(q_arm, jaw)
         self._info = {**info, "reward": float(reward)}
         return dict(zip(MOTOR_KEYS, (float(v) for v in t)))
 
