@@ -323,6 +323,10 @@ class SO100Env(UnitEnv):
         d.ctrl[5] = jaw
         self._monitor.before(d)
         mujoco.mj_step(self.model, d, nstep=FRAME_SKIP)
+        # mj_step leaves site/geom positions at the last substep's start (kinematics run before integration): the
+        # tcp would be one substep (1/480 s, ~0.3 mm while moving) behind the joints. Recompute them, so the observed
+        # tcp is the one forward kinematics of the measured joints gives (what a real arm's bridge computes).
+        mujoco.mj_kinematics(self.model, d)
         diverged = self._monitor.after(d)
         self._t += 1
         info = self._info()
