@@ -139,3 +139,17 @@ def test_training_through_lerobot_is_refused_with_the_way_to_train(lerobot_polic
         FleetmindPolicy(cfg)
     with pytest.raises(FileNotFoundError, match="local folder"):
         FleetmindPolicy.from_pretrained("no/such/folder", config=cfg)
+
+
+def test_compare_lerobot_matches_diffusion_policy_size_by_parameter_count():
+    """scripts/compare_lerobot.py sizes LeRobot's DiffusionPolicy to fleetmind's policy: the candidate U-Net whose
+    real parameter count is closest in log ratio."""
+    import math
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from compare_lerobot import DOWN_DIMS, matching_down_dims
+
+    dims, counts = matching_down_dims(1_000_000, 4, 17, 4, 10)
+    assert set(counts) == {str(d) for d in DOWN_DIMS} and all(v > 0 for v in counts.values())
+    assert sorted(counts.values()) == [counts[str(d)] for d in DOWN_DIMS]      # wider U-Nets, more parameters
+    assert abs(math.log(counts[str(dims)] / 1e6)) == min(abs(math.log(v / 1e6)) for v in counts.values())
