@@ -25,32 +25,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from scripts.subproc import REPO, run_logged
+
 BIN = Path(sys.executable).parent
 DOWN_DIMS = [[16, 32, 64], [32, 64, 128], [64, 128, 256], [128, 256, 512], [256, 512, 1024]]
 
 
-def run(cmd: list[str], log: Path, cwd: Path = REPO) -> float:
-    """Run ``cmd`` with its output in ``log``; returns its wall time, s. Raises SystemExit naming the log on failure."""
-    print("$", " ".join(map(str, cmd)), f"> {log}", flush=True)
-    # both trainers on one CPU thread whose OpenMP workers sleep at barriers (fleetmind's own setting,
-    # policies/threads.py; LeRobot leaves torch's default, which spins and collapses beside other load)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
-           "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    t0 = time.time()
-    with open(log, "w") as f:
-        rc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                            check=False).returncode
-    if rc != 0:
-        raise SystemExit(f"failed (exit {rc}): {' '.join(map(str, cmd))}; see {log}")
-    return time.time() - t0
+def run(cmd: list, log: Path) -> float:
+    """Run ``cmd`` (``scripts.subproc.run_logged``) on one CPU thread whose OpenMP workers sleep at barriers, for
+    both trainers alike (fleetmind's own setting, policies/threads.py; LeRobot leaves torch's default, which spins
+    and collapses beside other load); returns its wall time, s."""
+    return run_logged(cmd, log, env={"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"})
 
 
 def matching_down_dims(params: int, state_dim: int, env_dim: int, action_dim: int, steps: int) -> tuple[list, dict]:
@@ -77,7 +67,6 @@ def matching_down_dims(params: int, state_dim: int, env_dim: int, action_dim: in
 def lerobot_eval(policy_dir: Path, task: str, args, out: Path) -> list[bool]:
     """``lerobot-eval`` of ``policy_dir`` on ``task`` -> per-episode success, in episode order."""
     if not (out / "eval_info.json").exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
         run([BIN / "lerobot-eval", f"--policy.path={policy_dir}", "--policy.device=cpu", "--env.type=fleetmind",
              f"--env.task={task}", f"--env.units={json.dumps(args.units)}", f"--env.episode_length={args.episode_length}",
              f"--eval.n_episodes={args.episodes}", f"--eval.batch_size={args.eval_batch}", f"--seed={args.eval_seed}",
@@ -188,11 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         res[f"{k}_train_samples_per_s"] = round(args.steps * args.batch_size / res[f"{k}_train_wall_s"], 1)
 
     print("[5/6] lerobot-eval of both on the same held-out trials", flush=True)
-    from fleet.experiment.tables import paired_differences, wilson_interval
-
-    def wilson(k: int, n: int) -> dict:
-        lo, hi = wilson_interval(k, n)
-        return {"successes": k, "trials": n, "rate": k / n, "lo": lo, "hi": hi}
+    from fleet.experiment.tables import paired_differences, paired_markdown, success_table, table_markdown
 
     episodes: dict[str, list] = {"fleetmind": [], "lerobot": []}
     for task in args.tasks:
@@ -200,10 +185,8 @@ def main(argv: list[str] | None = None) -> None:
             succ = lerobot_eval(pdir, task, args, out / "eval" / name / task)
             episodes[name] += [{"task": task, "unit_id": args.units[i % args.eval_batch % len(args.units)],
                                 "seed": i, "success": s} for i, s in enumerate(succ)]
-    res["success"] = {name: {task: wilson(sum(e["success"] for e in eps if e["task"] == task),
-                                          sum(e["task"] == task for e in eps)) for task in args.tasks}
-                      for name, eps in episodes.items()}
-    res["paired"] = paired_differences(episodes, [("fleetmind", "lerobot")])["pairs"][0]
+    res["success"] = success_table(episodes)
+    res["paired"] = paired_differences(episodes, [("fleetmind", "lerobot")])
     print("[6/6] chunk latency", flush=True)
     res["chunk_latency_ms_batch1"] = chunk_latency(ours_lr, theirs_dir)
     (out / "comparison.json").write_text(json.dumps(res, indent=1, default=float))
@@ -212,15 +195,9 @@ def main(argv: list[str] | None = None) -> None:
           (f"| training samples/s (CPU, {args.steps} steps x {args.batch_size}) | "
            f"{res['fleetmind_train_samples_per_s']} | {res['lerobot_train_samples_per_s']} |"),
           (f"| chunk latency, batch 1, ms ({args.ddim_steps} DDIM steps) | "
-           f"{res['chunk_latency_ms_batch1']['fleetmind']} | {res['chunk_latency_ms_batch1']['lerobot']} |")]
-    for task in args.tasks:
-        a, b = res["success"]["fleetmind"][task], res["success"]["lerobot"][task]
-        md.append(f"| {task} success, % | {100 * a['rate']:.1f} [{100 * a['lo']:.1f}, {100 * a['hi']:.1f}] | "
-                  f"{100 * b['rate']:.1f} [{100 * b['lo']:.1f}, {100 * b['hi']:.1f}] |")
-    avg = res["paired"]["average"]
-    md.append(f"\nfleetmind − LeRobot, paired over {avg['pairs']} trials: {100 * avg['diff']:+.1f} "
-              f"[{100 * avg['ci95'][0]:+.1f}, {100 * avg['ci95'][1]:+.1f}] points ({avg['wins']} / {avg['losses']}, "
-              f"McNemar p = {avg['p_mcnemar']:.2g})")
+           f"{res['chunk_latency_ms_batch1']['fleetmind']} | {res['chunk_latency_ms_batch1']['lerobot']} |"),
+          "", "Held-out success, the same trials for both (`lerobot-eval --env.type=fleetmind`):", "",
+          table_markdown(res["success"]), "", paired_markdown(res["paired"])]
     (out / "comparison.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

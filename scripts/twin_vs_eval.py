@@ -33,17 +33,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+from scripts.subproc import REPO, run_logged
+
 VARIANTS = {
     "nominal": [],   # the trial file without unit ids (written below)
     "no_safety": ["deploy.safety.max_step_deg=null", "deploy.safety.max_step_gripper=null",
@@ -54,20 +52,8 @@ VARIANTS = {
 
 
 def _run(cmd: list[str], log: Path) -> None:
-    """Run a fleetmind script (its stdout and stderr to ``log``). Raises SystemExit naming the log on failure."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for k, v in {"MUJOCO_GL": "egl", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1",
-                 "RAY_AUTH_MODE": "disabled"}.items():
-        env.setdefault(k, v)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    print("+ " + " ".join(cmd), flush=True)
-    t0 = time.perf_counter()
-    with log.open("w") as f:
-        rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env, check=False).returncode
-    if rc != 0:
-        tail = log.read_text()[-2000:]
-        raise SystemExit(f"twin_vs_eval: {cmd[1]} failed (exit {rc}); its log: {log}\n{tail}")
-    print(f"  done in {time.perf_counter() - t0:.0f} s (log: {log})", flush=True)
+    """Run a fleetmind script (``scripts.subproc.run_logged``, with this checkout first on the path)."""
+    run_logged(cmd, log, env={"PYTHONPATH": str(REPO)})
 
 
 def export_task(export: Path) -> str | None:
