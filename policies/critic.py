@@ -31,21 +31,94 @@ CRITIC_CONFIG = "critic.json"
 CRITIC_FILES = (CRITIC_WEIGHTS, CRITIC_CONFIG)
 
 
+class CriticFeatures(nn.Module):
+    """What the critic sees of one frame: the raw state vectors of ``state_keys`` concatenated with, per camera of
+    ``image_keys``, a frozen image encoder's features average-pooled to one vector.
+
+    The image encoder is a copy of the policy's own (``policies.aed_diffusion.modeling_aed_diffusion.ImageEncoder``
+    with ``image_channels``; :meth:`from_policy`), frozen when copied, so the critic's inputs stay fixed while the
+    policy it ships with is fine-tuned. A real arm has proprioception and cameras, not object positions: with the
+    policy's inputs ``observation.state`` + a camera, the critic scores exactly what the robot observes.
+
+    forward(frames: ``{key: (N, d)`` float | ``(N, H, W, 3)`` uint8 (or float 0..255)``}``) -> (N, D) float32,
+    ``D = sum(d) + len(image_keys) * image_channels[-1]``.
+
+    Raises:
+        ValueError: image keys without ``image_channels``, or a frame dict lacking a key (named).
+    """
+
+    def __init__(self, state_keys: Sequence[str] = (), image_keys: Sequence[str] = (),
+                 image_channels: Sequence[int] | None = None):
+        super().__init__()
+        self.state_keys, self.image_keys = list(state_keys), list(image_keys)
+        self.image_channels = [int(c) for c in image_channels] if image_channels else None
+        if self.image_keys and not self.image_channels:
+            raise ValueError(f"CriticFeatures: image keys {self.image_keys} need the encoder's image_channels")
+        self.images = nn.ModuleDict()
+        if self.image_keys:
+            from policies.aed_diffusion.modeling_aed_diffusion import ImageEncoder
+
+            self.images = nn.ModuleDict({k.replace(".", "_"): ImageEncoder(self.image_channels, 1)
+                                         for k in self.image_keys})
+            self.requires_grad_(False)
+
+    @property
+    def keys(self) -> list[str]:
+        """Every observation key read, state keys first."""
+        return [*self.state_keys, *self.image_keys]
+
+    def image_dim(self) -> int:
+        """Feature width the cameras add (0 without cameras)."""
+        return len(self.image_keys) * (self.image_channels[-1] if self.image_channels else 0)
+
+    @classmethod
+    def from_policy(cls, policy, images: bool = True) -> CriticFeatures:
+        """The features for ``policy``: its 1-D inputs as state keys and, with ``images`` and a policy that encodes
+        cameras (an ``obs_encoder`` with ``images``), its camera keys through frozen copies of its encoders."""
+        shapes = policy.config.input_shapes
+        state = [k for k, shape in shapes.items() if len(shape) == 1]
+        enc = getattr(getattr(policy, "obs_encoder", None), "images", None)
+        cams = [k for k, shape in shapes.items() if len(shape) == 3] if images and enc is not None else []
+        feats = cls(state, cams, list(policy.config.image_channels) if cams else None)
+        for k in cams:
+            feats.images[k.replace(".", "_")].load_state_dict(enc[k.replace(".", "_")].state_dict())
+        return feats.eval()
+
+    @torch.no_grad()
+    def forward(self, frames: dict) -> torch.Tensor:
+        missing = [k for k in self.keys if k not in frames]
+        if missing:
+            raise ValueError(f"CriticFeatures: the frames lack {missing} (the critic reads {self.keys})")
+        out = [torch.as_tensor(frames[k]).float().flatten(1) for k in self.state_keys]
+        if self.image_keys:
+            from policies.aed_diffusion.normalization import normalize_image
+
+            dev = next(self.parameters()).device
+            for k in self.image_keys:
+                x = normalize_image(torch.as_tensor(frames[k]).to(dev))
+                out.append(self.images[k.replace(".", "_")](x).flatten(1).float().cpu())
+        return torch.cat(out, -1)
+
+
 
 class SuccessCritic(nn.Module):
     """An ensemble of MLPs ``Q(s_t, s_t - s_{t-1}, a_{t:t+n}) -> logit of the discounted success``.
 
     Args:
-        state_dim: D, the width of the concatenated state keys (``state_keys`` of the policy's inputs).
+        state_dim: D, the width of a frame's features (:class:`CriticFeatures`: the state keys' widths, plus the
+            image features when ``image_keys`` are given).
         action_dim: A. chunk_steps: n, the executed steps of a chunk scored (the policy's ``n_action_steps``).
         members / hidden / dropout: ensemble size, hidden width (3 layers, LayerNorm, ReLU), dropout.
         state_keys: observation keys concatenated (in this order) into the state.
+        image_keys / image_channels: cameras scored through frozen copies of the policy's image encoder
+            (:class:`CriticFeatures`; ``frame`` holds them).
 
     Inputs are standardised with the ``mean`` / ``std`` buffers (set by :func:`fit_critic`).
     """
 
     def __init__(self, state_dim: int, action_dim: int, chunk_steps: int, members: int = 5, hidden: int = 256,
-                 dropout: float = 0.2, state_keys: Sequence[str] = ()):
+                 dropout: float = 0.2, state_keys: Sequence[str] = (), image_keys: Sequence[str] = (),
+                 image_channels: Sequence[int] | None = None):
         super().__init__()
         if min(state_dim, action_dim, chunk_steps, members, hidden) < 1:
             raise ValueError(f"SuccessCritic: every size must be >= 1, given state_dim={state_dim}, action_dim="
@@ -53,6 +126,8 @@ class SuccessCritic(nn.Module):
         self.state_dim, self.action_dim, self.chunk_steps = int(state_dim), int(action_dim), int(chunk_steps)
         self.members, self.hidden, self.dropout = int(members), int(hidden), float(dropout)
         self.state_keys = list(state_keys)
+        self.frame = CriticFeatures(state_keys, image_keys, image_channels)
+        self.image_keys, self.image_channels = self.frame.image_keys, self.frame.image_channels
         d_in = 2 * self.state_dim + self.chunk_steps * self.action_dim
         self.nets = nn.ModuleList([nn.Sequential(
             nn.Linear(d_in, hidden), nn.LayerNorm(hidden), nn.ReLU(),
@@ -86,7 +161,8 @@ class SuccessCritic(nn.Module):
     def config(self) -> dict:
         return {"state_dim": self.state_dim, "action_dim": self.action_dim, "chunk_steps": self.chunk_steps,
                 "members": self.members, "hidden": self.hidden, "dropout": self.dropout,
-                "state_keys": self.state_keys}
+                "state_keys": self.state_keys, "image_keys": self.image_keys,
+                "image_channels": self.image_channels}
 
 
 def save_critic(critic: SuccessCritic, directory: str | Path, candidates: int) -> Path:
@@ -123,7 +199,8 @@ def load_critic(directory: str | Path, device: str = "cpu") -> tuple[SuccessCrit
     try:
         cfg = json.loads((d / CRITIC_CONFIG).read_text())
         critic = SuccessCritic(int(cfg["state_dim"]), int(cfg["action_dim"]), int(cfg["chunk_steps"]),
-                               int(cfg["members"]), int(cfg["hidden"]), float(cfg["dropout"]), cfg["state_keys"])
+                               int(cfg["members"]), int(cfg["hidden"]), float(cfg["dropout"]), cfg["state_keys"],
+                               cfg.get("image_keys") or (), cfg.get("image_channels"))
         candidates = int(cfg["candidates"])
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"checkpoint {str(d)!r}: malformed {CRITIC_CONFIG}: {e}") from None
@@ -152,19 +229,24 @@ class CriticGuidedSampler:
             side, ``policies.distill``). candidates: K >= 1 (1: the policy alone).
         inner: the chunk function to call (default ``policy.predict_action_chunk``; e.g. an ONNX runtime's).
         state_keys: the state vectors the critic scores (default: the critic's own ``state_keys``).
+        features: a :class:`CriticFeatures` giving the scored state (default: the critic's own ``frame``, or
+            ``state_keys`` alone); a sampler without a critic that is to be ranked by an image critic needs it.
 
     Raises:
-        ValueError: ``candidates < 1``, or neither a critic nor ``state_keys``.
+        ValueError: ``candidates < 1``, or none of a critic, ``state_keys`` or ``features``.
     """
 
     def __init__(self, policy, critic: SuccessCritic | None, candidates: int, inner=None,
-                 state_keys: Sequence[str] | None = None):
+                 state_keys: Sequence[str] | None = None, features: CriticFeatures | None = None):
         if int(candidates) < 1:
             raise ValueError(f"CriticGuidedSampler: candidates must be >= 1, given {candidates}")
-        if critic is None and state_keys is None:
+        if critic is None and state_keys is None and features is None:
             raise ValueError("CriticGuidedSampler: give a critic or the state_keys its candidates are scored on")
         self.policy, self.critic, self.candidates = policy, critic, int(candidates)
-        self.state_keys = list(state_keys if state_keys is not None else critic.state_keys)
+        if features is None:
+            features = critic.frame if critic is not None and state_keys is None else CriticFeatures(state_keys)
+        self.features = features
+        self.state_keys = features.keys
         self.inner = inner or (policy.predict_action_chunk if policy is not None else None)
         self.picked_own = 0      # decisions where candidate 0 (the policy's own sample) won
         self.decisions = 0
@@ -189,8 +271,9 @@ class CriticGuidedSampler:
         missing = [k for k in keys if k not in batch]
         if missing:
             raise ValueError(f"CriticGuidedSampler: the observation window lacks {missing} (critic state keys {keys})")
-        st = torch.cat([batch[k].float().flatten(2) for k in keys], -1)      # (B, T_obs, D)
-        B = st.shape[0]
+        last = {k: torch.as_tensor(batch[k])[:, -2:] for k in keys}          # the last two frames: (B, <=2, ...)
+        B, T = next(iter(last.values())).shape[:2]
+        st = self.features({k: v.flatten(0, 1) for k, v in last.items()}).reshape(B, T, -1)   # (B, <=2, D)
         if noise is None:
             noise = torch.randn(B, H, A, generator=generator)
         noise = noise.detach().cpu().float()
@@ -234,7 +317,7 @@ def install_critic(policy, directory: str | Path, device: str = "cpu") -> bool:
     if found is None or not hasattr(policy, "chunk_sampler"):
         return False
     critic, k = found
-    missing = [key for key in critic.state_keys if key not in getattr(policy.config, "input_shapes", {})]
+    missing = [key for key in critic.frame.keys if key not in getattr(policy.config, "input_shapes", {})]
     if missing:
         raise ValueError(f"checkpoint {str(directory)!r}: the critic scores {missing}, which the policy does not observe")
     if k > 1:

@@ -97,16 +97,18 @@ def critic_targets(policy, critic, windows, indices: Sequence[int], candidates: 
     Raises:
         ValueError: ``candidates < 2`` or no indices.
     """
-    sampled = sample_candidates(policy, windows, indices, candidates, critic.state_keys, seed, batch_size)
+    sampled = sample_candidates(policy, windows, indices, candidates, critic.state_keys, seed, batch_size,
+                                features=critic.frame)
     return choose_targets(critic, sampled)
 
 
 def sample_candidates(policy, windows, indices: Sequence[int], candidates: int, state_keys: Sequence[str],
-                      seed: int = 0, batch_size: int = 128) -> list[dict]:
+                      seed: int = 0, batch_size: int = 128, features=None) -> list[dict]:
     """:func:`critic_targets`' first half, which needs no critic: the policy's ``candidates`` chunks at each window
     (the same noise as :func:`critic_targets`), so that a learner can sample them while its critic is still being
     fitted. Returns one ``{"batch", "chunks" (B, K, horizon, A), "state" (B, D), "prev_state" (B, D)}`` per batch
-    of ``batch_size`` windows, for :func:`choose_targets`.
+    of ``batch_size`` windows, for :func:`choose_targets`. ``features``: a ``policies.critic.CriticFeatures`` for
+    the states (what the critic that will rank them sees; default ``state_keys`` concatenated).
 
     Raises:
         ValueError: ``candidates < 2``, no indices, or a window without one of ``state_keys``.
@@ -121,7 +123,8 @@ def sample_candidates(policy, windows, indices: Sequence[int], candidates: int, 
     cfg = policy.config
     H, A = int(cfg.horizon), int(cfg.action_dim)
     names = set(policy.inference_window_spec())
-    sampler = CriticGuidedSampler(policy, None, int(candidates), state_keys=state_keys)
+    sampler = CriticGuidedSampler(policy, None, int(candidates), state_keys=None if features else state_keys,
+                                  features=features)
     out = []
     for b, i0 in enumerate(range(0, len(indices), int(batch_size))):
         batch = windows.fetch(indices[i0:i0 + int(batch_size)])

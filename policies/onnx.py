@@ -123,6 +123,10 @@ def export_onnx(policy: torch.nn.Module, path: str | Path, num_inference_steps: 
             "max_abs_diff_vs_torch": diff, "export_s": time.perf_counter() - t0}
 
 
+_ORT_DTYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(int64)": np.int64,
+               "tensor(int32)": np.int32, "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_}
+
+
 class OnnxChunkSampler:
     """An exported chunk graph in an ONNX Runtime session (CPU).
 
@@ -148,6 +152,8 @@ class OnnxChunkSampler:
         so.log_severity_level = 3
         self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         self.input_names = [i.name for i in self.session.get_inputs()]
+        # the graph's declared input dtypes: camera frames arrive as uint8 from an env but were traced as float
+        self._dtypes = {i.name: _ORT_DTYPES.get(i.type) for i in self.session.get_inputs()}
         self.batch_size = int(self.session.get_inputs()[0].shape[0])
 
     def __call__(self, inputs: dict, noise: torch.Tensor) -> torch.Tensor:
@@ -156,5 +162,7 @@ class OnnxChunkSampler:
             v = noise if name == "noise" else inputs.get(name)
             if v is None:
                 raise KeyError(f"the ONNX chunk graph needs input {name!r}; given {sorted(inputs)}")
-            feed[name] = v.detach().cpu().numpy() if torch.is_tensor(v) else np.asarray(v)
+            a = v.detach().cpu().numpy() if torch.is_tensor(v) else np.asarray(v)
+            dt = self._dtypes.get(name)
+            feed[name] = a if dt is None or a.dtype == dt else a.astype(dt)
         return torch.from_numpy(self.session.run(None, feed)[0])

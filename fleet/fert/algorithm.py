@@ -212,7 +212,7 @@ class FertAlgorithm:
         windows = WindowDataset(self.reader, self.critic_episodes(), windows=policy.window_spec())
         anchors = balanced_anchors(windows, fc.distill.states_per_task, seed)
         return sample_candidates(policy, windows, anchors, fc.critic.candidates, critic_state_keys(policy), seed,
-                                 fc.distill.batch_size)
+                                 fc.distill.batch_size, features=critic_features(policy, fc.critic.images))
 
     def round_dataset(self, retrieval, policy, critic, candidates: int, seed: int, sampled: list | None = None):
         """The training windows of an iterative round: a ``experience_dict.sampler.MixtureDataset`` of
@@ -295,10 +295,12 @@ class FertAlgorithm:
         from policies.critic import load_critic
 
         keys = critic_state_keys(policy)
+        feats = critic_features(policy, ccfg.images)
         args = (self.store_url, [m.episode_id for m in self.critic_episodes()], keys, int(policy.config.action_dim),
                 int(policy.config.n_action_steps), int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
                 dataclasses.asdict(ccfg), int(seed), int(self.lcfg.torch_threads or torch.get_num_threads()),
-                str(out_dir), ccfg.candidates)
+                str(out_dir), ccfg.candidates,
+                (feats.image_keys, feats.image_channels, {k: v.cpu() for k, v in feats.state_dict().items()}))
         ex = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         fut = ex.submit(fit_critic_process, *args)
         t0 = time.perf_counter()
@@ -334,7 +336,8 @@ class FertAlgorithm:
         critic, rec = fit_critic(self.reader, self.critic_episodes(), keys, int(policy.config.action_dim),
                                  int(policy.config.n_action_steps),
                                  int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
-                                 dataclasses.asdict(ccfg), seed=seed, device=resolve_device(str(self.lcfg.device)))
+                                 dataclasses.asdict(ccfg), seed=seed, device=resolve_device(str(self.lcfg.device)),
+                                 features=critic_features(policy, ccfg.images))
         critic = critic.cpu()
         rec["fit_s"] = time.perf_counter() - t0
         log.info("learner %s: success critic on %d episodes (%d steps), validation BCE %s, %.0f s", self.run_id,
@@ -354,17 +357,27 @@ class FertAlgorithm:
 
 
 def critic_state_keys(policy) -> list[str]:
-    """The observation keys a success critic scores for ``policy``: its state vectors (1-D input shapes), no
-    images."""
+    """The state vectors a success critic scores for ``policy``: its 1-D input shapes (cameras:
+    :func:`critic_features`)."""
     return [k for k, shape in policy.config.input_shapes.items() if len(shape) == 1]
+
+
+def critic_features(policy, images: bool = True):
+    """What a success critic sees of ``policy``'s frames (``policies.critic.CriticFeatures``): its state vectors
+    and, with ``images`` (``fert.critic.images``), its cameras through a frozen copy of its image encoder."""
+    from policies.critic import CriticFeatures
+
+    return CriticFeatures.from_policy(policy, images=images)
 
 
 def fit_critic_process(store_url: str, episode_ids: list[str], state_keys: list[str], action_dim: int,
                        chunk_steps: int, steps_after_success: int, cfg: dict, seed: int, threads: int,
-                       out_dir: str, candidates: int) -> dict:
+                       out_dir: str, candidates: int, images: tuple | None = None) -> dict:
     """:meth:`FertAlgorithm.start_critic_fit`'s process: ``fleet.fert.critic_fit.fit_critic`` on the episodes
     ``episode_ids`` of the store at ``store_url`` with ``threads`` torch threads on the CPU; the critic is saved
-    to ``out_dir`` (``policies.critic.save_critic``). Returns the fit's record with ``fit_s``.
+    to ``out_dir`` (``policies.critic.save_critic``). ``images``: ``(image_keys, image_channels, the frozen
+    encoders' state dict)`` of :func:`critic_features` (None or no keys: state vectors only). Returns the fit's
+    record with ``fit_s``.
 
     Raises:
         KeyError: an episode id the store does not hold (the store was replaced under the learner)."""
@@ -372,14 +385,18 @@ def fit_critic_process(store_url: str, episode_ids: list[str], state_keys: list[
 
     from experience_dict.store import ExperienceStore
     from fleet.fert.critic_fit import fit_critic
-    from policies.critic import save_critic
+    from policies.critic import CriticFeatures, save_critic
 
     torch.set_num_threads(int(threads))
     t0 = time.perf_counter()
     reader = ExperienceStore.open(store_url)
     by_id = {m.episode_id: m for m in reader.episodes()}
+    feats = CriticFeatures(state_keys)
+    if images and images[0]:
+        feats = CriticFeatures(state_keys, images[0], images[1])
+        feats.load_state_dict(images[2])
     critic, rec = fit_critic(reader, [by_id[i] for i in episode_ids], state_keys, action_dim, chunk_steps,
-                             steps_after_success, cfg, seed=seed, device="cpu")
+                             steps_after_success, cfg, seed=seed, device="cpu", features=feats.eval())
     save_critic(critic, out_dir, candidates)
     rec["fit_s"] = time.perf_counter() - t0
     return rec

@@ -73,6 +73,9 @@ class CriticConfig(TypedConfig):
     """Fit a critic with every FERT round and ship it in the published checkpoint."""
     candidates: int = 8
     """K: chunks sampled per decision (the first from the trial's own noise)."""
+    images: bool = True
+    """With a policy that sees cameras: the critic scores them too, through a frozen copy of the policy's image
+    encoder pooled to one vector per camera (``policies.critic.CriticFeatures``); false: its state vectors only."""
     members: int = 5
     """Ensemble of MLPs, each on its own bootstrap of the batch."""
     hidden: int = 256
@@ -247,7 +250,7 @@ RetryConfig._group, RetryConfig._rules = "fert.retry", {
 CriticConfig._group, CriticConfig._rules = "fert.critic", {
     "enabled": boolean, "candidates": POS, "members": POS, "hidden": POS, "dropout": number(0, 1), "updates": POS,
     "batch_size": POS, "lr": number(0, open_lo=True), "weight_decay": number(0), "gamma": number(0, 1, open_lo=True),
-    "val_fraction": number(0, 1), "fit_process": boolean}
+    "val_fraction": number(0, 1), "fit_process": boolean, "images": boolean}
 MixConfig._group, MixConfig._rules = "fert.mix", {"retrieved": number(0), "distill": number(0), "replay": number(0)}
 DistillConfig._group, DistillConfig._rules = "fert.distill", {"enabled": boolean, "states_per_task": POS,
                                                               "batch_size": POS}

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fleet.fert.config import CriticConfig
-from policies.critic import SuccessCritic
+from policies.critic import CriticFeatures, SuccessCritic
 
 
 def success_targets(length: int, success: bool, steps_after_success: int, gamma: float) -> np.ndarray:
@@ -37,8 +37,12 @@ def success_targets(length: int, success: bool, steps_after_success: int, gamma:
 
 
 def critic_arrays(reader, episodes: Sequence, state_keys: Sequence[str], chunk_steps: int,
-                  steps_after_success: int, gamma: float) -> dict[str, np.ndarray]:
+                  steps_after_success: int, gamma: float,
+                  features: CriticFeatures | None = None) -> dict[str, np.ndarray]:
     """Training rows of every step of ``episodes`` (``EpisodeMeta`` of ``reader``, an ``ExperienceStore``).
+
+    The state of a step is ``features`` of its frame (:class:`policies.critic.CriticFeatures`: the state vectors,
+    then each camera through the frozen image encoder, 256 frames per call), or ``state_keys`` concatenated.
 
     Returns:
         ``{"state": (N, D), "prev_state": (N, D), "chunk": (N, n, A), "target": (N,), "episode": (N,) int64}``,
@@ -50,13 +54,16 @@ def critic_arrays(reader, episodes: Sequence, state_keys: Sequence[str], chunk_s
     """
     if not episodes:
         raise ValueError("critic_arrays: no episodes to fit the critic on")
-    missing = [k for k in state_keys if k not in reader.keys]
+    features = features if features is not None else CriticFeatures(state_keys)
+    missing = [k for k in features.keys if k not in reader.keys]
     if missing:
         raise ValueError(f"critic_arrays: the store lacks state keys {missing}; it has {reader.keys}")
     out: dict[str, list] = {k: [] for k in ("state", "prev_state", "chunk", "target", "episode")}
     for i, m in enumerate(episodes):
-        d = reader.load_episode(m.episode_id, keys=[*state_keys, "action"])
-        s = np.concatenate([np.asarray(d[k], np.float32).reshape(len(d["action"]), -1) for k in state_keys], 1)
+        d = reader.load_episode(m.episode_id, keys=[*features.keys, "action"])
+        n = len(d["action"])
+        s = np.concatenate([features({k: np.asarray(d[k][j:j + 256]) for k in features.keys}).numpy()
+                            for j in range(0, n, 256)] or [np.zeros((0, 0), np.float32)], 0).astype(np.float32)
         a = np.asarray(d["action"], np.float32)
         T = len(a)
         if T == 0:
@@ -72,8 +79,12 @@ def critic_arrays(reader, episodes: Sequence, state_keys: Sequence[str], chunk_s
 
 def fit_critic(reader, episodes: Sequence, state_keys: Sequence[str], action_dim: int, chunk_steps: int,
                steps_after_success: int, cfg: dict | None = None, seed: int = 0,
-               device: str = "cpu") -> tuple[SuccessCritic, dict]:
+               device: str = "cpu", features: CriticFeatures | None = None) -> tuple[SuccessCritic, dict]:
     """Fit a :class:`SuccessCritic` on every step of ``episodes`` (successes and failures).
+
+    ``features``: what the critic sees of a frame (:class:`policies.critic.CriticFeatures`, e.g. the policy's state
+    vectors and its cameras through a frozen copy of its image encoder; default: ``state_keys`` alone); the
+    critic ships with it (its ``frame``), so whoever loads the critic scores the same features.
 
     Binary cross-entropy on the soft target :func:`success_targets`; AdamW; each ensemble member draws its own
     minibatch (bootstrap). ``cfg``: ``fert.critic``, a :class:`fleet.fert.config.CriticConfig` or a
@@ -93,7 +104,9 @@ def fit_critic(reader, episodes: Sequence, state_keys: Sequence[str], action_dim
     c = CriticConfig.from_dict(cfg).to_dict()
     if not float(c["val_fraction"]) < 1.0:
         raise ValueError(f"fit_critic: expected fert.critic.val_fraction < 1, given {c['val_fraction']}")
-    data = critic_arrays(reader, episodes, state_keys, chunk_steps, steps_after_success, float(c["gamma"]))
+    features = features if features is not None else CriticFeatures(state_keys)
+    data = critic_arrays(reader, episodes, state_keys, chunk_steps, steps_after_success, float(c["gamma"]),
+                         features=features)
     g = torch.Generator().manual_seed(int(seed))
     torch.manual_seed(int(seed))
     every = round(1.0 / float(c["val_fraction"])) if float(c["val_fraction"]) > 0 else 0
@@ -102,7 +115,9 @@ def fit_critic(reader, episodes: Sequence, state_keys: Sequence[str], action_dim
         val[:] = False
     S, P, A, Y = (torch.as_tensor(data[k]).to(device) for k in ("state", "prev_state", "chunk", "target"))
     critic = SuccessCritic(S.shape[1], int(action_dim), int(chunk_steps), int(c["members"]), int(c["hidden"]),
-                           float(c["dropout"]), state_keys).to(device)
+                           float(c["dropout"]), features.state_keys, features.image_keys, features.image_channels)
+    critic.frame.load_state_dict(features.state_dict())
+    critic = critic.to(device)
     tr = torch.as_tensor(~val, device=S.device)
     with torch.no_grad():
         x = critic.raw_features(S[tr], P[tr], A[tr])

@@ -68,5 +68,9 @@ class Normalizer(nn.Module):
 
 
 def normalize_image(x: torch.Tensor) -> torch.Tensor:
-    """(..., H, W, 3) uint8 (or float 0..255) -> (..., 3, H, W) float in [-1, 1]."""
-    return x.float().movedim(-1, -3) / 127.5 - 1.0
+    """(..., H, W, 3) uint8 (or float 0..255) -> (..., 3, H, W) float in [-1, 1].
+
+    The permutation is spelled with non-negative dimensions: ``movedim(-1, -3)`` exports to ONNX as a Transpose
+    with ``perm`` containing -1, which onnxruntime rejects."""
+    n = x.dim()
+    return x.float().permute(*range(n - 3), n - 1, n - 3, n - 2) / 127.5 - 1.0
