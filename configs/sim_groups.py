@@ -98,6 +98,9 @@ class ObsConfig(TypedConfig):
     """Cameras rendered (also used by ``render()`` when images are off)."""
     image_size: Any = 96
     """Image size, pixels: an int or ``[height, width]``."""
+    embodiment_feature: bool = False
+    """Add ``observation.embodiment``, a one-hot of the unit's robot (``sim.units.EMBODIMENTS``), so one policy
+    can drive a mixed fleet (``task=mixed``)."""
     shadows: bool = False
     """Shadows (they and reflections cost ~3x on CPU rasterisers, llvmpipe)."""
     reflections: bool = False
@@ -122,6 +125,9 @@ class TaskConfig(TypedConfig):
     demonstrations take 64-103 steps on these tasks)."""
     steps_after_success: int = 10
     """The episode ends this many steps after the first success."""
+    max_episode_steps_by_embodiment: dict[str, int] = field(default_factory=dict)
+    """A mixed fleet's per-robot episode length, e.g. ``{sawyer: 150}`` beside ``max_episode_steps: 300`` for the
+    SO-100 twin (``task=mixed``); an embodiment not named takes ``max_episode_steps``."""
 
 
 TaskConfig._group, TaskConfig._rules = "task", {"max_episode_steps": POS, "steps_after_success": integer(0)}

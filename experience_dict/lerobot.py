@@ -62,8 +62,10 @@ timestamps with the dataset's ``tolerance_s``, as LeRobot's decoders do (LeRobot
 error.
 
 Import is resumable: episodes already in the writer's shard with the same (repo id, episode index, length) are
-skipped, so re-running after an interruption adds only what is missing. Everything (dataset format, fps vs the
-store's ``control_hz``, features vs the store spec) is checked before the first commit.
+skipped, so re-running after an interruption adds only what is missing. Everything (dataset format, features vs
+the store spec) is checked before the first commit. A dataset at another fps than the store's ``control_hz`` keeps
+its rate in each imported episode's metadata (``EpisodeMeta.control_hz``: one store, a mixed fleet); an export
+takes episodes of one rate only.
 """
 
 from __future__ import annotations
@@ -220,10 +222,10 @@ def lerobot_to_store_spec(features: Mapping[str, Mapping], fps: float) -> dict:
 
 
 def _check_fits_store(spec: Mapping, fps: float, store: ExperienceStore, root: Path) -> None:
-    """Raise :class:`LeRobotInteropError` unless the dataset's features and fps match an existing store."""
-    if not math.isclose(float(fps), float(store.control_hz), rel_tol=0, abs_tol=1e-9):
-        raise LeRobotInteropError(f"dataset {str(root)!r} has fps {fps}, store {store.url!r} has control_hz "
-                                  f"{store.control_hz}: a store holds one control rate; import into another store")
+    """Raise :class:`LeRobotInteropError` unless the dataset's features match an existing store (a dataset at
+    another fps than the store's is imported with its rate in each episode's metadata, as a mixed fleet's)."""
+    if not (float(fps) > 0 and math.isfinite(float(fps))):
+        raise LeRobotInteropError(f"dataset {str(root)!r} has fps {fps}; expected a positive rate")
     mine = {k: f for k, f in store.features.items() if k.startswith("observation.") or k == "action"}
     given = {k: v for k, v in spec.items() if k.startswith("observation.") or k == "action"}
     for key in sorted(set(mine) | set(given)):
@@ -408,7 +410,8 @@ def export_dataset(store_url: str, out_dir: str | Path, repo_id: str | None = No
 
     Raises:
         ImportError: lerobot is missing. FileNotFoundError: no store. FileExistsError: ``out_dir`` is not empty.
-        KeyError: an unknown episode id. LeRobotInteropError: no episode selected, non-integer ``control_hz``
+        KeyError: an unknown episode id. LeRobotInteropError: no episode selected, selected episodes recorded at
+            different rates (a mixed fleet's store: export one rate at a time), non-integer ``control_hz``
             (LeRobot's fps is an int) or a task string mapped from two store task names.
         On any error after the dataset was created, ``out_dir`` is removed again (no half-written dataset).
     """
@@ -425,7 +428,11 @@ def export_dataset(store_url: str, out_dir: str | Path, repo_id: str | None = No
         raise LeRobotInteropError(f"no episode of store {store.url!r} ({len(store)} episodes) matches the selection "
                                   f"(episodes={list(episode_ids or [])}, task={task}, unit_id={unit_id}, "
                                   f"success={success}, is_demo={is_demo})")
-    fps = float(store.control_hz)
+    rates = sorted({store.episode_hz(e) for e in eps})
+    if len(rates) > 1:   # a mixed fleet's store (e.g. Meta-World at 80 Hz, the SO-100 twin at 30 Hz)
+        raise LeRobotInteropError(f"the selected episodes were recorded at {rates} Hz; a LeRobotDataset has one fps: "
+                                  "export one rate at a time (select by task or by episodes)")
+    fps = rates[0]
     if fps != round(fps) or fps <= 0:
         raise LeRobotInteropError(f"store control_hz {fps} is not a positive integer; LeRobotDataset stores an "
                                   "integer fps")
@@ -532,7 +539,7 @@ def import_dataset(root: str | Path, store_url: str, repo_id: str | None = None,
 
     Raises:
         ImportError: lerobot is missing. LeRobotInteropError: ``root`` is not a loadable LeRobotDataset v3.0, an
-            unknown episode index, fps differs from the store's ``control_hz``, features differ from the store
+            unknown episode index, features differ from the store
             spec, or the data is inconsistent (all checked before the first commit, except per-episode decoding
             errors; episodes committed before such an error stay, and a re-run skips them).
         WriterBusyError: another process holds ``writer_id``.
@@ -675,7 +682,7 @@ def import_dataset(root: str | Path, store_url: str, repo_id: str | None = None,
             writer.begin_episode(unit_id=unit_id if unit_id is not None else side.get("unit_id", EXTERNAL_UNIT_ID),
                                  embodiment=embodiment or side.get("embodiment") or robot_type, task=name,
                                  policy_version=pv, seed=side.get("seed", -1), is_demo=demo,
-                                 start_time=side.get("start_time"), extra=extra)
+                                 start_time=side.get("start_time"), extra=extra, control_hz=float(meta.fps))
             for t in range(T):
                 writer.add_step({k: steps[k][t] for k in obs_keys}, steps["action"][t], float(reward[t]),
                                 {k: float(prog[k][t]) for k in pkeys})

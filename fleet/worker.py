@@ -427,7 +427,8 @@ class RobotWorker:
             obs, info = env.reset(seed=seed)
             policy.reset()
             self.writer.begin_episode(unit_id=self.unit_id, embodiment=str(env.unit.embodiment), task=task,
-                                      policy_version=version, seed=seed, is_demo=self.is_demo, extra=extra or None)
+                                      policy_version=version, seed=seed, is_demo=self.is_demo, extra=extra or None,
+                                      control_hz=getattr(env, "control_hz", None) or None)
             success, ret, length, termination = self._step_until_done(env, policy, obs, ex, seed)
             success = success and termination not in FAULTS
             ep_id, commit_s = self._commit_or_abort(success, termination, length)

@@ -45,6 +45,7 @@ DEMO_POLICY_VERSION = -1  # the scripted expert
 def run_episode(env, expert, writer, task: str, unit, seed: int) -> tuple[bool, int]:
     """Roll out the expert once, buffering every step in ``writer``; returns (success, steps)."""
     writer.begin_episode(unit_id=unit.unit_id, embodiment=unit.embodiment, task=task,
+                         control_hz=getattr(env, "control_hz", None) or None,
                          policy_version=DEMO_POLICY_VERSION, seed=seed, is_demo=True,
                          extra={"unit": unit.to_dict(), "expert_noise_std": expert.noise_std})
     obs, info = env.reset(seed=seed)

@@ -19,7 +19,7 @@ from gymnasium import spaces
 
 from sim.gl import CameraRenderer
 from sim.stability import StepMonitor
-from sim.units import as_dict
+from sim.units import EMBODIMENTS, as_dict, embodiment_onehot, embodiment_spec
 
 HOLD_ACTION = np.array([0.0, 0.0, 0.0, -1.0], dtype=np.float32)  # no motion, gripper open (as after reset)
 STATE_DIM, ENV_STATE_DIM, ACTION_DIM = 4, 17, 4
@@ -42,6 +42,8 @@ class UnitEnv(gym.Env):
     """Episode length when ``task.max_episode_steps`` is not given."""
     MAX_EPISODE_STEPS: int | None = None
     """The longest episode the simulator allows (None: no limit)."""
+    control_hz: float = 0.0
+    """Control steps per second, Hz (each embodiment's env sets it; recorded with every stored episode)."""
 
     def _options(self, obs_cfg: Any, task_cfg: Any, render_mode: str | None) -> None:
         """Parse the ``obs`` options (``images``, ``cameras``, ``image_size`` int or [H, W] pixels, renderer
@@ -54,6 +56,7 @@ class UnitEnv(gym.Env):
         """
         ocfg = as_dict(obs_cfg)
         self.images = bool(ocfg.get("images", False))
+        self.embodiment_feature = bool(ocfg.get("embodiment_feature", False))
         self.cameras = list(ocfg.get("cameras", ["corner"]) or [])
         size = ocfg.get("image_size", 96)
         self.image_hw = (int(size), int(size)) if np.isscalar(size) else tuple(int(s) for s in size)
@@ -70,6 +73,9 @@ class UnitEnv(gym.Env):
                            "shadowsize": int(ocfg.get("shadowsize", 256))}
         tcfg = as_dict(task_cfg)
         self.max_episode_steps = int(tcfg.get("max_episode_steps", self.DEFAULT_MAX_EPISODE_STEPS))
+        by = tcfg.get("max_episode_steps_by_embodiment") or {}
+        if self.unit.embodiment in by:   # a mixed fleet: each robot's own episode length (set self.unit first)
+            self.max_episode_steps = int(by[self.unit.embodiment])
         self.steps_after_success = int(tcfg.get("steps_after_success", 10))
         limit = self.MAX_EPISODE_STEPS
         if self.max_episode_steps < 1 or (limit is not None and self.max_episode_steps > limit):
@@ -91,6 +97,8 @@ class UnitEnv(gym.Env):
         obs_spaces = {"observation.state": spaces.Box(-np.inf, np.inf, (STATE_DIM,), np.float32),
                       "observation.environment_state": spaces.Box(-np.inf, np.inf, (ENV_STATE_DIM,), np.float32)}
         self._renderer: CameraRenderer | None = None
+        if self.embodiment_feature:
+            obs_spaces["observation.embodiment"] = spaces.Box(0.0, 1.0, (len(EMBODIMENTS),), np.float32)
         if self.images:
             for c in self.cameras:
                 obs_spaces[f"observation.images.{c}"] = spaces.Box(0, 255, (*self.image_hw, 3), np.uint8)
@@ -101,6 +109,19 @@ class UnitEnv(gym.Env):
         self._queue: deque = deque()
         self._monitor = StepMonitor()
         self._noise_rng = np.random.default_rng(0)
+
+    def _with_embodiment(self, obs: dict) -> dict:
+        """``obs`` with ``observation.embodiment`` (``sim.units.embodiment_onehot`` of this unit's embodiment)
+        when ``obs.embodiment_feature`` is on."""
+        if self.embodiment_feature:
+            obs["observation.embodiment"] = embodiment_onehot(self.unit.embodiment)
+        return obs
+
+    def _spec_with_embodiment(self, spec: dict) -> dict:
+        """``spec`` with the ``observation.embodiment`` entry when ``obs.embodiment_feature`` is on."""
+        if self.embodiment_feature:
+            spec = {**spec, "observation.embodiment": embodiment_spec()}
+        return spec
 
     def _start_episode(self, latency_steps: int) -> None:
         """A new episode: step 0, no success yet, ``latency_steps`` hold actions queued."""

@@ -72,6 +72,8 @@ class MetaWorldEnv(UnitEnv):
     """
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": CONTROL_HZ}  # noqa: RUF012 - gymnasium convention
+    control_hz: float = CONTROL_HZ
+    """Control steps per second, Hz."""
     CAMERAS = CAMERAS
     FAMILY = "Meta-World"
     DEFAULT_MAX_EPISODE_STEPS = MAX_EPISODE_STEPS = MW_MAX_PATH_LENGTH
@@ -196,7 +198,7 @@ class MetaWorldEnv(UnitEnv):
         if self.images:
             for c in self.cameras:
                 obs[f"observation.images.{c}"] = self._renderer.render(self._mw.data, c)
-        return obs
+        return self._with_embodiment(obs)
 
     def _info(self, mw_info: dict) -> dict[str, Any]:
         success = bool(mw_info["success"])
@@ -205,11 +207,10 @@ class MetaWorldEnv(UnitEnv):
 
     def spec_dict(self) -> dict[str, Any]:
         """JSON-able feature spec (docs/INTERFACES.md): per feature shape, dtype, names, unit; plus ``control_hz``."""
-        return feature_spec(STATE_NAMES, ENV_STATE_NAMES, ACTION_NAMES,
-                            state_unit="m (gripper: normalised opening 0..1)",
-                            action_unit="1 = 1 cm end-effector displacement (x, y, z); gripper effort -1 open .. +1 close",
-                            cameras=self.cameras if self.images else None, image_hw=self.image_hw,
-                            control_hz=CONTROL_HZ)
+        return self._spec_with_embodiment(feature_spec(
+            STATE_NAMES, ENV_STATE_NAMES, ACTION_NAMES, state_unit="m (gripper: normalised opening 0..1)",
+            action_unit="1 = 1 cm end-effector displacement (x, y, z); gripper effort -1 open .. +1 close",
+            cameras=self.cameras if self.images else None, image_hw=self.image_hw, control_hz=CONTROL_HZ))
 
 
 def make_env(task: str, unit_id: int = 0, robot_cfg: Any = None, obs_cfg: Any = None, task_cfg: Any = None,

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 
 # Meta-World v3's cameras (the same seven in all 50 task models), in the order jitter is drawn.
+EMBODIMENTS = ("sawyer", "so100")
+"""Every embodiment fleetmind simulates, in the order of ``observation.embodiment``'s one-hot entries."""
 CAMERAS = ("topview", "corner", "corner2", "corner3", "corner4", "behindGripper", "gripperPOV")
 VARIATION_KEYS = ("camera_pos_mm", "camera_rot_deg", "light", "color", "mass_scale", "friction_scale",
                   "action_gain", "action_latency_max", "obs_noise_std")
@@ -348,6 +350,24 @@ def _has(model, objtype, name: str) -> bool:
     import mujoco
 
     return mujoco.mj_name2id(model, objtype, name) >= 0
+
+
+def embodiment_onehot(embodiment: str) -> np.ndarray:
+    """``observation.embodiment``: (len(EMBODIMENTS),) float32 one-hot of ``embodiment`` (a mixed fleet's policy
+    reads which robot it drives; ``obs.embodiment_feature``).
+
+    Raises:
+        ValueError: an embodiment not in :data:`EMBODIMENTS` (they are listed)."""
+    if embodiment not in EMBODIMENTS:
+        raise ValueError(f"unknown embodiment {embodiment!r}; known: {', '.join(EMBODIMENTS)}")
+    out = np.zeros(len(EMBODIMENTS), np.float32)
+    out[EMBODIMENTS.index(embodiment)] = 1.0
+    return out
+
+
+def embodiment_spec() -> dict:
+    """The spec entry of ``observation.embodiment`` (:func:`embodiment_onehot`)."""
+    return {"shape": [len(EMBODIMENTS)], "dtype": "float32", "names": list(EMBODIMENTS), "unit": "one-hot"}
 
 
 def feature_spec(state_names: list[str], env_state_names: list[str], action_names: list[str], state_unit: str,

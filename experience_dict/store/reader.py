@@ -703,6 +703,10 @@ class ExperienceStore:
         return out
 
     # -- writing --------------------------------------------------------------------------------
+    def episode_hz(self, meta: EpisodeMeta) -> float:
+        """The control rate ``meta``'s episode was recorded at, Hz: its own (a mixed fleet) or the store's."""
+        return float(meta.control_hz) if meta.control_hz is not None else float(self.control_hz)
+
     def writer(self, writer_id: str, non_finite: str = "raise") -> EpisodeWriter:
         """The writer of shard ``writer_id`` (one per fleet unit); recovers the shard after a crash.
 
@@ -872,7 +876,7 @@ def copy_episodes(src: ExperienceStore, dst_url: str, episodes: Sequence[Episode
             if m.quarantined:
                 raise ValueError(f"copy_episodes: episode {m.episode_id!r} is quarantined (non-finite steps)")
             d = src.load_episode(m.episode_id)
-            w.begin_episode(unit_id=m.unit_id, embodiment=m.embodiment, task=m.task,
+            w.begin_episode(unit_id=m.unit_id, embodiment=m.embodiment, task=m.task, control_hz=src.episode_hz(m),
                             policy_version=m.policy_version, seed=m.seed, is_demo=m.is_demo,
                             start_time=m.start_time, extra=m.extra)
             for t in range(int(m.length)):

@@ -85,6 +85,9 @@ class EpisodeMeta:
             ``"non_finite_observation"``, ``"sim_unstable"``; None: not recorded, as in older stores).
         quarantined: the episode holds non-finite observation/action values accepted by a writer opened with
             ``non_finite="quarantine"``; it is never a success and ``episodes()`` leaves it out by default.
+        control_hz: the episode's own control rate, Hz, when it differs from the store's ``control_hz`` (a mixed
+            fleet: Meta-World's Sawyer at 80 Hz and the SO-100 twin at 30 Hz in one store); None: the store's.
+            :meth:`ExperienceStore.episode_hz` resolves it.
     """
 
     episode_id: str
@@ -103,6 +106,7 @@ class EpisodeMeta:
     extra: dict = dataclasses.field(default_factory=dict)
     termination: str | None = None
     quarantined: bool = False
+    control_hz: float | None = None
 
 
 # ----------------------------------------------------------------------------- helpers

