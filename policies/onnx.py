@@ -34,15 +34,21 @@ def graph_name(num_inference_steps: int, batch_size: int) -> str:
 
 def example_inputs(policy: torch.nn.Module, batch_size: int, steps: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
     """A valid inference batch (B = ``batch_size``) built the way deployment builds one: a fresh
-    ``WindowHistory`` given ``steps`` random observations and actions (uniform in [-1, 1]; 0: the episode's
-    first step, every history frame padded) and one more observation, then the history tokenized."""
+    ``WindowHistory`` given ``steps`` random observations and actions (uniform in [-1, 1]; camera frames (H, W, 3)
+    uint8 uniform in 0..255, as an env renders them; 0: the episode's first step, every history frame padded) and
+    one more observation, then the history tokenized."""
     from policies.history import WindowHistory
 
     g = torch.Generator().manual_seed(seed)
     hist = WindowHistory(policy.inference_window_spec(), policy.config.action_dim)
+
+    def frame(shape):
+        if len(shape) == 3:
+            return torch.randint(0, 256, (batch_size, *shape), generator=g, dtype=torch.uint8)
+        return torch.rand(batch_size, *shape, generator=g) * 2 - 1
+
     for i in range(steps + 1):
-        hist.push_obs({k: torch.rand(batch_size, *shape, generator=g) * 2 - 1
-                       for k, shape in policy.config.input_shapes.items()})
+        hist.push_obs({k: frame(shape) for k, shape in policy.config.input_shapes.items()})
         if i < steps:
             hist.push_action(torch.rand(batch_size, policy.config.action_dim, generator=g) * 2 - 1)
     return policy._to_device(policy.tokenize_history(hist.batch()))

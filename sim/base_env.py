@@ -36,6 +36,8 @@ class UnitEnv(gym.Env):
 
     CAMERAS: tuple[str, ...] = ()
     """The camera names this embodiment's model defines."""
+    ROTATED_CAMERAS: frozenset[str] = frozenset()
+    """Cameras whose raw render is rolled 180 degrees in this model (rendered upright by turning them back)."""
     FAMILY: str = "sim"
     """The embodiment's name in messages (``Meta-World``, ``SO-100``)."""
     DEFAULT_MAX_EPISODE_STEPS: int = 500
@@ -102,7 +104,7 @@ class UnitEnv(gym.Env):
         if self.images:
             for c in self.cameras:
                 obs_spaces[f"observation.images.{c}"] = spaces.Box(0, 255, (*self.image_hw, 3), np.uint8)
-            self._renderer = CameraRenderer(model, *self.image_hw, **self._render_kw)
+            self._renderer = CameraRenderer(model, *self.image_hw, rotated=self.ROTATED_CAMERAS, **self._render_kw)
         self.observation_space = spaces.Dict(obs_spaces)
         self.action_space = spaces.Box(-1.0, 1.0, (ACTION_DIM,), np.float32)
         self._t, self._done, self._first_success = 0, True, None
@@ -155,7 +157,7 @@ class UnitEnv(gym.Env):
         if self.render_mode != "rgb_array":
             return None
         if self._renderer is None:
-            self._renderer = CameraRenderer(model, *self.image_hw, **self._render_kw)
+            self._renderer = CameraRenderer(model, *self.image_hw, rotated=self.ROTATED_CAMERAS, **self._render_kw)
         return self._renderer.render(data, (self.cameras or ["corner"])[0])
 
     def _close_renderer(self) -> None:

@@ -107,13 +107,15 @@ class CameraRenderer:
         height, width: image size in pixels.
         shadows, reflections: render shadows / floor reflections.
         shadowsize: shadow map size in texels (MuJoCo default 4096).
+        rotated: camera names whose raw image is rolled 180 degrees in this model (Meta-World's ``corner*``, the
+            default; the SO-100 twin's cameras are upright: none).
 
     Raises:
         RuntimeError: no working GL backend; the message says what to install.
     """
 
     def __init__(self, model, height: int, width: int, shadows: bool = False, reflections: bool = False,
-                 shadowsize: int = 256) -> None:
+                 shadowsize: int = 256, rotated: frozenset[str] = ROTATED_CAMERAS) -> None:
         import mujoco
 
         if os.environ.get("MUJOCO_GL", "").lower() in ("disable", "disabled", "off", "false", "0"):
@@ -131,6 +133,7 @@ class CameraRenderer:
         self._r.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = bool(shadows)
         self._r.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = bool(reflections)
         self.height, self.width = int(height), int(width)
+        self.rotated = frozenset(rotated)
         global _atexit_registered
         if not _atexit_registered:
             atexit.register(_close_all)
@@ -138,10 +141,11 @@ class CameraRenderer:
         _live.add(self)
 
     def render(self, data, camera: str) -> np.ndarray:
-        """Render ``camera`` of the current ``data``; (H, W, 3) uint8 RGB, upright (corner cameras rotated 180°)."""
+        """Render ``camera`` of the current ``data``; (H, W, 3) uint8 RGB, upright (``rotated`` cameras turned
+        back 180°)."""
         self._r.update_scene(data, camera=camera)
         img = self._r.render()
-        if camera in ROTATED_CAMERAS:
+        if camera in self.rotated:
             img = np.flip(img, (0, 1))
         return np.ascontiguousarray(img)
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from sim.base_env import HOLD_ACTION, UnitEnv
+from sim.gl import ROTATED_CAMERAS
 from sim.stability import SIM_UNSTABLE
 from sim.units import CAMERAS, ModelVariation, RobotUnit, check_unit, feature_spec
 
@@ -75,6 +76,7 @@ class MetaWorldEnv(UnitEnv):
     control_hz: float = CONTROL_HZ
     """Control steps per second, Hz."""
     CAMERAS = CAMERAS
+    ROTATED_CAMERAS = ROTATED_CAMERAS   # Meta-World's corner cameras are rolled 180 degrees (sim.gl)
     FAMILY = "Meta-World"
     DEFAULT_MAX_EPISODE_STEPS = MAX_EPISODE_STEPS = MW_MAX_PATH_LENGTH
 

@@ -220,7 +220,7 @@ def test_default_job_compounds_rounds_with_a_learning_curve_and_the_export_arm(t
     learning curve holds every published version on the held-out plan (K = 1 and with its critic); fert is the
     newest weights alone, fert_critic the same version with its critic, fert_onnx its export run by ONNX."""
     out = tmp_path / "run"
-    args = [f"hydra.run.dir={out}", "task.tasks=[reach-v3]", "task.max_episode_steps=60",
+    args = [f"hydra.run.dir={out}", "task.tasks=[reach-v3]", "task.max_episode_steps=150",
             "robot.train_units=[0,1]", "robot.demo_units=[0,1]", "robot.heldout_units=[100,101]",
             "job.demos_per_task=3", "job.base_steps=10", "fleet.units=2", "job.fleet_episodes_per_unit=3",
             "job.videos=0", "eval.trials_per_task=3", "job.curve_trials_per_task=3", "fert.rounds=2",
@@ -301,3 +301,55 @@ def test_default_job_compounds_rounds_with_a_learning_curve_and_the_export_arm(t
 
     demos = ExperienceStore.open(str(arun / "store")).episodes(is_demo=True)
     assert len(demos) == 3 and all(int(m.unit_id) in (0, 1) for m in demos)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_mixed_fleet_with_cameras_end_to_end(tmp_path):
+    """The default loop with a mixed fleet that sees through a camera: Meta-World's Sawyer and the SO-100 twin
+    write one store (each episode at its own rate, with its embodiment), one policy reads proprioception, the
+    embodiment one-hot and a 32 x 32 camera (no object state); the success critic scores the camera through the
+    policy's frozen encoder; the ONNX arm runs the image graph; scripts/compare_runs.py pairs the run's arms."""
+    out = tmp_path / "run"
+    args = [f"hydra.run.dir={out}", "task=mixed", "task.tasks=[reach-v3,so100-reach]", "task.max_episode_steps=150",
+            "task.max_episode_steps_by_embodiment={sawyer: 110}", "obs=vision", "obs.image_size=32",
+            "obs.embodiment_feature=true", "policy.images=true",
+            "policy.input_keys=[observation.state,observation.embodiment,observation.images.corner]",
+            "robot.train_units=[0,1]", "robot.demo_units=[0,1]", "robot.heldout_units=[100,101]",
+            "job.demos_per_task=2", "job.base_steps=10", "fleet.units=2", "job.fleet_episodes_per_unit=2",
+            "job.videos=0", "eval.trials_per_task=2", "fert.rounds=1", "learner.updates_per_version=5",
+            "learner.batch_size=8", "fert.critic.updates=5", "fert.critic.hidden=16", "fert.critic.members=2",
+            "fert.critic.candidates=2", "fert.distill.states_per_task=8", "learner.validate_trials_per_task=1",
+            "job.val_demos_per_task=1", "train.save_every=5", "train.batch_size=8", "train.wandb.enabled=false",
+            "train.progress=false", "job.curve_trials_per_task=0", "policy.dim=32", "policy.n_layers=1",
+            "policy.n_heads=2", "policy.state_hidden=32", "policy.image_channels=[8,16]",
+            "policy.aed.tokenizer_vocab_size=128"]
+    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "WANDB_MODE": "disabled",
+           "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, "scripts/run.py", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=1100)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from experience_dict.store import ExperienceStore
+
+    st = ExperienceStore.open(str(out / "seed_0" / "store"))
+    seen = {(m.task, m.embodiment, st.episode_hz(m)) for m in st.episodes()}
+    assert seen == {("reach-v3", "sawyer", 80.0), ("so100-reach", "so100", 30.0)}
+    assert {"observation.embodiment", "observation.images.corner"} <= set(st.keys)
+    assert max(m.length for m in st.episodes(task="reach-v3")) <= 110 < max(m.length for m in st.episodes(task="so100-reach"))
+    critic = json.loads((out / "seed_0" / "registry" / "v000002" / "critic.json").read_text())
+    assert critic["image_keys"] == ["observation.images.corner"]
+    assert critic["state_keys"] == ["observation.state", "observation.embodiment"] and critic["state_dim"] == 4 + 2 + 16
+    table = json.loads((out / "results.json").read_text())
+    assert {"base", "fert", "fert_onnx"} <= set(table["arms"])
+    assert all(row["tasks"][t]["trials"] == 2 for row in table["arms"].values() for t in ("reach-v3", "so100-reach"))
+    cmp = subprocess.run([sys.executable, "scripts/compare_runs.py", "--run", f"a={out}", "--run", f"b={out}",
+                          "--arms", "base,fert", "--pair", "a:fert-a:base", "--out", str(tmp_path / "cmp")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert cmp.returncode == 0, cmp.stderr
+    paired = json.loads((tmp_path / "cmp" / "paired.json").read_text())
+    same = [p for p in paired["pairs"] if p["arm"] == "a:fert" and p["baseline"] == "b:fert"][0]
+    assert same["average"]["pairs"] == 4 and same["average"]["diff"] == 0.0   # a run against itself, trial by trial
+    bad = subprocess.run([sys.executable, "scripts/compare_runs.py", "--run", f"a={out}", "--arms", "nope",
+                          "--out", str(tmp_path / "cmp2")], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "no held-out episodes of arm 'nope'" in bad.stderr

@@ -375,3 +375,19 @@ def test_background_curve_reports_a_failed_call_and_is_reusable(tmp_path):
         with pytest.raises(RuntimeError, match="not collected yet"):
             bg.start({"eval": {}}, tmp_path, str(tmp_path / "registry"), [100], [])
     assert not bg.pending   # leaving the block stopped the pending call
+
+
+def test_a_mixed_fleets_held_out_plan_keeps_each_embodiments_trials():
+    """The held-out plan of a mixed fleet's tasks is, per embodiment, the plan of its tasks alone (so a mixed run's
+    arms pair trial for trial with single-embodiment runs), in the given task order; one embodiment: unchanged."""
+    from fleet.experiment.evaluation import evaluation_plan
+
+    mw, so = ["reach-v3", "window-open-v3"], ["so100-reach", "so100-push-cube"]
+    units = [100, 101, 102]
+    key = lambda plan: [(t["task"], t["unit_id"], t["seed"], t["trial"]) for t in plan]
+    mixed = evaluation_plan([mw[0], so[0], mw[1], so[1]], units, 5, seed=7)
+    assert [t["task"] for t in mixed] == [mw[0]] * 5 + [so[0]] * 5 + [mw[1]] * 5 + [so[1]] * 5
+    assert sorted(key(mixed)) == sorted(key(evaluation_plan(mw, units, 5, seed=7)) + key(evaluation_plan(so, units, 5, seed=7)))
+    one = evaluation_plan(mw, units, 5, seed=7)   # one embodiment: g counts over every task, units round-robin
+    assert [t["unit_id"] for t in one] == [units[g % 3] for g in range(10)]
+    assert len({t["seed"] for t in one}) == 10

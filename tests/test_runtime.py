@@ -302,3 +302,64 @@ def test_an_exported_success_critic_chooses_the_runtimes_chunks(exported, tmp_pa
                               "observation.environment_state": rng.uniform(-1, 1, 17).astype(np.float32)})
         assert a.shape == (4,) and np.isfinite(a).all()
     assert rt.policy.chunk_sampler.decisions >= 1
+
+
+def test_image_policy_exports_to_onnx_and_ships_a_critic_that_sees_its_camera(tmp_path):
+    """A policy that sees proprioception and a uint8 camera: its ONNX graph takes the frames an env renders (uint8)
+    and gives the PyTorch actions; a success critic on the state plus the camera through a frozen copy of the
+    policy's image encoder (policies.critic.CriticFeatures) ships in the export, and the runtime's chunk choice
+    depends on the image it is shown."""
+    from policies.critic import CriticFeatures, CriticGuidedSampler, SuccessCritic, load_critic, save_critic
+
+    cfg = AEDDiffusionConfig.from_dict({**json.loads(json.dumps(TINY)), "image_channels": [8, 16], "image_pool": 1,
+                                        "input_shapes": {"observation.state": [4],
+                                                         "observation.images.corner": [24, 24, 3]}})
+    rng = np.random.default_rng(0)
+    eps = [np.clip(np.cumsum(rng.normal(0, 0.2, (60, 4)), 0), -1, 1).astype(np.float32) for _ in range(6)]
+    tok = ActionTokenizer.fit(eps, r=4, relative_dims=[0, 1, 2], absolute_dims=[3], scale=10.0, vocab_size=256)
+    stats = {"observation.state": {"min": [-0.5, 0.3, 0.0, 0.0], "max": [0.5, 0.9, 0.3, 1.0]},
+             "action": {"min": [-1.0] * 4, "max": [1.0] * 4}}
+    torch.manual_seed(0)
+    policy = AEDDiffusionPolicy(cfg, stats, tok)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    policy.eval().save_pretrained(tmp_path / "ckpt")
+    feats = CriticFeatures.from_policy(policy)
+    assert feats.keys == ["observation.state", "observation.images.corner"] and feats.image_dim() == 16
+    assert not any(p.requires_grad for p in feats.parameters())
+    # the frozen copy is the policy's encoder: the same pooled features
+    img = torch.randint(0, 256, (5, 24, 24, 3), dtype=torch.uint8)
+    from policies.aed_diffusion.normalization import normalize_image
+
+    own = policy.obs_encoder.images["observation_images_corner"](normalize_image(img)).mean(1)
+    got = feats({"observation.state": torch.zeros(5, 4), "observation.images.corner": img})
+    assert got.shape == (5, 20)
+    torch.testing.assert_close(got[:, 4:], own, atol=1e-5, rtol=1e-5)
+    critic = SuccessCritic(4 + 16, 4, policy.config.n_action_steps, members=2, hidden=8,
+                           state_keys=feats.state_keys, image_keys=feats.image_keys,
+                           image_channels=feats.image_channels)
+    critic.frame.load_state_dict(feats.state_dict())
+    with torch.no_grad():   # the critic's score must move with the camera's features
+        critic.std.fill_(0.1)
+    save_critic(critic.eval(), tmp_path / "ckpt", candidates=3)
+    loaded, k = load_critic(tmp_path / "ckpt")
+    assert k == 3 and loaded.image_keys == ["observation.images.corner"]
+    torch.testing.assert_close(loaded.frame({"observation.state": torch.zeros(5, 4),
+                                             "observation.images.corner": img}), got)
+    folder = export_checkpoint(tmp_path / "ckpt", tmp_path / "export", control_hz=80.0, onnx_steps=[6], onnx_batch_size=3)
+    rt = PolicyRuntime.load(folder, backend="onnx", num_threads=1)
+    assert rt.critic and isinstance(rt.policy.chunk_sampler, CriticGuidedSampler)
+    ref = PolicyRuntime.load(folder, backend="torch", num_threads=1)
+    scores = []
+    for shade in (0, 255):
+        for r in (rt, ref):
+            r.reset()
+        frame = np.full((24, 24, 3), shade, np.uint8)
+        obs = {"observation.state": np.array([0.1, 0.6, 0.1, 0.5], np.float32), "observation.images.corner": frame}
+        ga, gb = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        a, b = rt.select_action(obs, generator=ga), ref.select_action(obs, generator=gb)
+        assert a.shape == (4,) and np.isfinite(a).all()
+        np.testing.assert_allclose(a, b, atol=1e-4)
+        scores.append(rt.policy.chunk_sampler.last_scores.clone())
+    assert not torch.allclose(scores[0], scores[1])

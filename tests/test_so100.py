@@ -120,3 +120,65 @@ def test_so100_episode_commits_to_the_store(tmp_path):
     assert meta.embodiment == "so100" and meta.success
     data = reader.load_episode(ep)
     assert data["observation.images.corner"].shape[1:] == (32, 32, 3) and data["observation.images.corner"].std() > 1
+
+
+def test_a_mixed_fleet_tells_its_robots_apart():
+    """``obs.embodiment_feature``: both robots observe ``observation.embodiment`` (their one-hot, in the spec and the
+    observation space, which the env checker holds them to); each robot runs its own episode length
+    (``task.max_episode_steps_by_embodiment``) and reports its own control rate; their specs differ in the rate only,
+    so one store takes both; an unknown embodiment is refused."""
+    from sim.units import EMBODIMENTS, embodiment_onehot
+
+    obs_cfg = {"embodiment_feature": True}
+    task_cfg = {"max_episode_steps": 7, "max_episode_steps_by_embodiment": {"sawyer": 4}}
+    specs, lengths = {}, {}
+    for task, emb, hz in (("reach-v3", "sawyer", 80.0), ("so100-reach", "so100", 30.0)):
+        env = sim.make_env(task, unit_id=1, robot_cfg=ROBOT, obs_cfg=obs_cfg, task_cfg=task_cfg)
+        check_env(env, skip_render_check=True)
+        obs, _ = env.reset(seed=0)
+        np.testing.assert_array_equal(obs["observation.embodiment"], embodiment_onehot(emb))
+        assert obs["observation.embodiment"][EMBODIMENTS.index(emb)] == 1.0 and env.control_hz == hz
+        specs[emb] = env.spec_dict()
+        assert specs[emb]["observation.embodiment"]["names"] == list(EMBODIMENTS)
+        for t in range(1, 10):
+            _, _, term, trunc, _ = env.step(np.zeros(4, np.float32))
+            if term or trunc:
+                lengths[emb] = t
+                break
+        env.close()
+    assert lengths == {"sawyer": 4, "so100": 7}
+    strip = lambda s: {k: (v["shape"], v["dtype"]) for k, v in s.items() if isinstance(v, dict)}
+    assert strip(specs["sawyer"]) == strip(specs["so100"]) and specs["sawyer"]["control_hz"] != specs["so100"]["control_hz"]
+    with pytest.raises(ValueError, match="unknown embodiment 'ur5'; known: sawyer, so100"):
+        embodiment_onehot("ur5")
+
+
+def test_the_twins_corner_camera_sees_the_arm_and_the_objects_upright():
+    """The twin's ``corner`` camera (segmentation render of the same camera): the cube, the goal and the arm's
+    moving links are in the frame for every task's placements, the arm not cut by the image border, and the
+    observation image is upright (the twin's cameras are not rolled like Meta-World's corner cameras)."""
+    import mujoco
+
+    for task in TASKS:
+        env = sim.make_env(task, unit_id=0, obs_cfg={"images": True, "cameras": ["corner"], "image_size": 64})
+        m = env.model
+        r = mujoco.Renderer(m, 64, 64)
+        r.enable_segmentation_rendering()
+        arm = {i for i in range(m.ngeom) if m.body(m.geom_bodyid[i]).name.startswith("so_arm100_right/")
+               and m.body(m.geom_bodyid[i]).name != "so_arm100_right/Base"}
+        for seed in range(3):
+            obs, _ = env.reset(seed=seed)
+            r.update_scene(env.data, camera="corner")
+            seg = r.render()
+            ids, types = seg[..., 0], seg[..., 1]
+            geoms = ids * (types == int(mujoco.mjtObj.mjOBJ_GEOM)) - (types != int(mujoco.mjtObj.mjOBJ_GEOM))
+            sites = set(ids[types == int(mujoco.mjtObj.mjOBJ_SITE)].tolist())
+            assert m.geom("cube").id in set(geoms.ravel().tolist()), (task, seed)
+            assert m.site("goal").id in sites or task == "so100-push-cube", (task, seed)   # push: goal on the table
+            on_arm = np.isin(geoms, list(arm))
+            assert on_arm.sum() > 40, (task, seed)
+            assert not on_arm[0].any() and not on_arm[:, 0].any() and not on_arm[:, -1].any(), (task, seed)
+            # upright: the table (near the camera) fills the bottom rows, the arm is above them
+            assert np.argwhere(on_arm)[:, 0].mean() < 40
+        r.close()
+        env.close()

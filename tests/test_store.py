@@ -957,3 +957,36 @@ def test_missing_store_is_named(tmp_path):
     with pytest.raises(StoreNotFoundError, match="no experience store at") as e:
         ExperienceStore.open(str(tmp_path / "no_store"))
     assert isinstance(e.value, StoreError) and isinstance(e.value, FileNotFoundError)
+
+
+def test_a_mixed_fleets_episodes_keep_their_control_rates(tmp_path):
+    """One store, two robots at different rates (a mixed fleet): an episode recorded at another rate than the
+    store's keeps it in its metadata (an episode at the store's rate keeps the record as before), copies carry it,
+    and a bad rate is refused without leaving an episode open."""
+    from experience_dict.store import copy_episodes
+
+    st = new_store(tmp_path / "s")
+    w = st.writer("unit-0000")
+    write_episode(w, 0, 0)
+    w.begin_episode(unit_id=0, embodiment="so100", task="so100-reach", policy_version=1, seed=1, control_hz=30.0)
+    for t in range(6):
+        w.add_step(*make_step(0, 1, t))
+    slow = w.commit(success=False)
+    w.begin_episode(unit_id=0, embodiment="sawyer", task="push-v3", policy_version=1, seed=2, control_hz=80.0)
+    w.add_step(*make_step(0, 2, 0))
+    same = w.commit(success=True)
+    for bad in (0.0, -30.0, float("nan")):
+        with pytest.raises(ValueError, match="control_hz must be a positive number"):
+            w.begin_episode(unit_id=0, embodiment="so100", task="so100-reach", policy_version=1, seed=3,
+                            control_hz=bad)
+    write_episode(w, 0, 4)   # the refused begin left no episode open
+    w.close()
+    r = ExperienceStore.open(str(tmp_path / "s"))
+    by = {m.episode_id: m for m in r.episodes()}
+    assert by[slow].control_hz == 30.0 and r.episode_hz(by[slow]) == 30.0
+    assert by[same].control_hz is None and r.episode_hz(by[same]) == 80.0 == r.control_hz
+    rec = json.loads(next((tmp_path / "s" / "commits" / "unit-0000").glob(f"{same}.json")).read_text())
+    assert "control_hz" not in json.dumps(rec["episode"]), rec["episode"]
+    copy_episodes(r, str(tmp_path / "d"), [by[slow], by[same]])
+    d = ExperienceStore.open(str(tmp_path / "d"))
+    assert sorted(d.episode_hz(m) for m in d.episodes()) == [30.0, 80.0]
