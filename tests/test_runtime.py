@@ -304,16 +304,12 @@ def test_an_exported_success_critic_chooses_the_runtimes_chunks(exported, tmp_pa
     assert rt.policy.chunk_sampler.decisions >= 1
 
 
-def test_image_policy_exports_to_onnx_and_ships_a_critic_that_sees_its_camera(tmp_path):
-    """A policy that sees proprioception and a uint8 camera: its ONNX graph takes the frames an env renders (uint8)
-    and gives the PyTorch actions; a success critic on the state plus the camera through a frozen copy of the
-    policy's image encoder (policies.critic.CriticFeatures) ships in the export, and the runtime's chunk choice
-    depends on the image it is shown."""
-    from policies.critic import CriticFeatures, CriticGuidedSampler, SuccessCritic, load_critic, save_critic
-
+def tiny_image_policy(size: int = 24) -> AEDDiffusionPolicy:
+    """A tiny AED policy on ``observation.state`` (4) and a ``size`` x ``size`` uint8 corner camera, random weights
+    (perturbed so that actions depend on every input), eval mode."""
     cfg = AEDDiffusionConfig.from_dict({**json.loads(json.dumps(TINY)), "image_channels": [8, 16], "image_pool": 1,
                                         "input_shapes": {"observation.state": [4],
-                                                         "observation.images.corner": [24, 24, 3]}})
+                                                         "observation.images.corner": [size, size, 3]}})
     rng = np.random.default_rng(0)
     eps = [np.clip(np.cumsum(rng.normal(0, 0.2, (60, 4)), 0), -1, 1).astype(np.float32) for _ in range(6)]
     tok = ActionTokenizer.fit(eps, r=4, relative_dims=[0, 1, 2], absolute_dims=[3], scale=10.0, vocab_size=256)
@@ -324,7 +320,18 @@ def test_image_policy_exports_to_onnx_and_ships_a_critic_that_sees_its_camera(tm
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    policy.eval().save_pretrained(tmp_path / "ckpt")
+    return policy.eval()
+
+
+def test_image_policy_exports_to_onnx_and_ships_a_critic_that_sees_its_camera(tmp_path):
+    """A policy that sees proprioception and a uint8 camera: its ONNX graph takes the frames an env renders (uint8)
+    and gives the PyTorch actions; a success critic on the state plus the camera through a frozen copy of the
+    policy's image encoder (policies.critic.CriticFeatures) ships in the export, and the runtime's chunk choice
+    depends on the image it is shown."""
+    from policies.critic import CriticFeatures, CriticGuidedSampler, SuccessCritic, load_critic, save_critic
+
+    policy = tiny_image_policy()
+    policy.save_pretrained(tmp_path / "ckpt")
     feats = CriticFeatures.from_policy(policy)
     assert feats.keys == ["observation.state", "observation.images.corner"] and feats.image_dim() == 16
     assert not any(p.requires_grad for p in feats.parameters())

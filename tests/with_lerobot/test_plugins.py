@@ -86,6 +86,44 @@ def test_the_plugin_acts_as_fleetmind_runtime_does(lerobot_policy_dir):
         policy.select_action({"observation.state": torch.zeros(1, 4)})
 
 
+def test_an_image_export_takes_lerobots_camera_renamed_and_resized(tmp_path):
+    """LeRobot's Meta-World env gives ``observation.image`` at 480 x 480 (B, 3, H, W) in [0, 1]: with lerobot-eval's
+    ``rename_map`` the plugin's preprocessor names it as the export's camera, and the policy resizes it to the
+    export's size by area averaging: the runtime's actions on the resized uint8 frames, step for step."""
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot_policy_fleetmind import FleetmindPolicy
+    from lerobot_policy_fleetmind.export import export_for_lerobot
+
+    from policies.export import export_checkpoint
+    from policies.runtime import PolicyRuntime
+    from tests.test_runtime import tiny_image_policy
+
+    tiny_image_policy(size=24).save_pretrained(tmp_path / "ckpt")
+    export = export_checkpoint(tmp_path / "ckpt", tmp_path / "export", control_hz=80.0)
+    folder = export_for_lerobot(export, tmp_path / "lerobot_policy")
+    cfg = PreTrainedConfig.from_pretrained(folder)
+    policy = FleetmindPolicy.from_pretrained(folder, config=cfg)
+    pre, _ = make_pre_post_processors(cfg, pretrained_path=str(folder), preprocessor_overrides={
+        "rename_observations_processor": {"rename_map": {"observation.image": "observation.images.corner"}}})
+    runtime = PolicyRuntime.load(export, backend="torch")
+    policy.reset()
+    runtime.reset()
+    g = torch.Generator().manual_seed(0)
+    for t in range(6):
+        img = torch.rand(2, 3, 96, 96, generator=g)
+        state = torch.rand(2, 4, generator=g)
+        batch = pre({"observation.image": img, "observation.state": state})
+        assert "observation.images.corner" in batch and "observation.image" not in batch
+        torch.manual_seed(t)
+        a = policy.select_action(batch)
+        small = torch.nn.functional.interpolate(img, size=(24, 24), mode="area")
+        frames = (small.permute(0, 2, 3, 1) * 255).round().clamp(0, 255).to(torch.uint8)
+        torch.manual_seed(t)
+        b = runtime.policy.select_action({"observation.state": state, "observation.images.corner": frames})
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_lerobot_eval_runs_a_fleetmind_export_on_fleetmind_units(lerobot_policy_dir, tmp_path):
     """LeRobot's own lerobot-eval, the plugins found by name: two held-out units, two episodes each."""
     _, folder = lerobot_policy_dir

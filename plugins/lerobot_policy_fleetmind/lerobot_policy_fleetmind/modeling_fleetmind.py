@@ -91,7 +91,12 @@ class FleetmindPolicy(PreTrainedPolicy):
         for k in self.input_keys:
             x = batch[k]
             if k.startswith("observation.images.") and x.dim() == 4 and x.shape[1] == 3:
-                # LeRobot: (B, 3, H, W) float in [0, 1]; fleetmind's image inputs: (B, H, W, 3) uint8 pixels
+                # LeRobot: (B, 3, H, W) float in [0, 1]; fleetmind's image inputs: (B, H, W, 3) uint8 pixels. A camera
+                # at another resolution (LeRobot's Meta-World env renders 480 x 480) is resized to the export's by
+                # area averaging (torch.nn.functional.interpolate, mode "area")
+                h, w = (int(s) for s in self.runtime.input_shapes[k][:2])
+                if tuple(x.shape[-2:]) != (h, w):
+                    x = torch.nn.functional.interpolate(x.float(), size=(h, w), mode="area")
                 x = (x.permute(0, 2, 3, 1) * 255).round().clamp(0, 255).to(torch.uint8)
             else:
                 x = x.float()
