@@ -26,8 +26,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fleet.experiment.tables import (paired_differences, paired_markdown, success_table, table_markdown,  # noqa: E402
-                                     write_paired, write_table)
+from fleet.experiment.tables import (
+    paired_differences,
+    paired_markdown,
+    success_table,
+    table_markdown,
+    write_paired,
+    write_table,
+)
 
 
 def load_arms(runs: list[tuple[str, Path]], arms: list[str], seed: int) -> dict[str, list[dict]]:

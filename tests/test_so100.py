@@ -167,7 +167,7 @@ def test_the_twins_corner_camera_sees_the_arm_and_the_objects_upright():
         arm = {i for i in range(m.ngeom) if m.body(m.geom_bodyid[i]).name.startswith("so_arm100_right/")
                and m.body(m.geom_bodyid[i]).name != "so_arm100_right/Base"}
         for seed in range(3):
-            obs, _ = env.reset(seed=seed)
+            env.reset(seed=seed)
             r.update_scene(env.data, camera="corner")
             seg = r.render()
             ids, types = seg[..., 0], seg[..., 1]
