@@ -27,20 +27,25 @@ TINY = {"input_shapes": {"observation.state": [4], "observation.environment_stat
 HEAVY = ("ray", "mujoco", "hydra", "wandb", "metaworld", "zarr", "gymnasium", "sim", "fleet")
 
 
-def _policy() -> AEDDiffusionPolicy:
-    cfg = AEDDiffusionConfig.from_dict(json.loads(json.dumps(TINY)))
+def tiny_policy(stats: dict, **over) -> AEDDiffusionPolicy:
+    """A tiny AED policy (``TINY`` with ``over``) with random weights, perturbed so that its actions depend on every
+    input, eval mode; ``stats``: the normalisation statistics of its state keys and ``action``."""
+    cfg = AEDDiffusionConfig.from_dict({**json.loads(json.dumps(TINY)), **over})
     rng = np.random.default_rng(0)
     eps = [np.clip(np.cumsum(rng.normal(0, 0.2, (60, 4)), 0), -1, 1).astype(np.float32) for _ in range(6)]
     tok = ActionTokenizer.fit(eps, r=4, relative_dims=[0, 1, 2], absolute_dims=[3], scale=10.0, vocab_size=256)
-    stats = {"observation.state": {"min": [-0.5, 0.3, 0.0, 0.0], "max": [0.5, 0.9, 0.3, 1.0]},
-             "observation.environment_state": {"min": [-1.0] * 17, "max": [1.0] * 17},
-             "action": {"min": [-1.0] * 4, "max": [1.0] * 4}}
     torch.manual_seed(0)
     policy = AEDDiffusionPolicy(cfg, stats, tok)
     with torch.no_grad():  # adaLN-Zero starts at zero output: perturb so actions depend on every input
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return policy.eval()
+
+
+def _policy() -> AEDDiffusionPolicy:
+    return tiny_policy({"observation.state": {"min": [-0.5, 0.3, 0.0, 0.0], "max": [0.5, 0.9, 0.3, 1.0]},
+                        "observation.environment_state": {"min": [-1.0] * 17, "max": [1.0] * 17},
+                        "action": {"min": [-1.0] * 4, "max": [1.0] * 4}})
 
 
 def _batch(policy, B=3, seed=0) -> dict:
@@ -307,20 +312,10 @@ def test_an_exported_success_critic_chooses_the_runtimes_chunks(exported, tmp_pa
 def tiny_image_policy(size: int = 24) -> AEDDiffusionPolicy:
     """A tiny AED policy on ``observation.state`` (4) and a ``size`` x ``size`` uint8 corner camera, random weights
     (perturbed so that actions depend on every input), eval mode."""
-    cfg = AEDDiffusionConfig.from_dict({**json.loads(json.dumps(TINY)), "image_channels": [8, 16], "image_pool": 1,
-                                        "input_shapes": {"observation.state": [4],
-                                                         "observation.images.corner": [size, size, 3]}})
-    rng = np.random.default_rng(0)
-    eps = [np.clip(np.cumsum(rng.normal(0, 0.2, (60, 4)), 0), -1, 1).astype(np.float32) for _ in range(6)]
-    tok = ActionTokenizer.fit(eps, r=4, relative_dims=[0, 1, 2], absolute_dims=[3], scale=10.0, vocab_size=256)
-    stats = {"observation.state": {"min": [-0.5, 0.3, 0.0, 0.0], "max": [0.5, 0.9, 0.3, 1.0]},
-             "action": {"min": [-1.0] * 4, "max": [1.0] * 4}}
-    torch.manual_seed(0)
-    policy = AEDDiffusionPolicy(cfg, stats, tok)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return policy.eval()
+    return tiny_policy({"observation.state": {"min": [-0.5, 0.3, 0.0, 0.0], "max": [0.5, 0.9, 0.3, 1.0]},
+                        "action": {"min": [-1.0] * 4, "max": [1.0] * 4}},
+                       image_channels=[8, 16], image_pool=1,
+                       input_shapes={"observation.state": [4], "observation.images.corner": [size, size, 3]})
 
 
 def test_image_policy_exports_to_onnx_and_ships_a_critic_that_sees_its_camera(tmp_path):

@@ -45,23 +45,14 @@ WORKSPACE = [[-0.05, 0.39, 0.005], [0.29, 0.81, 0.28]]
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory) -> Path:
     """A tiny real AED diffusion policy (random weights) exported by policies.export at 30 Hz."""
-    from experience_dict.tokenizer import ActionTokenizer
-    from policies.aed_diffusion import AEDDiffusionConfig, AEDDiffusionPolicy
     from policies.export import export_checkpoint
+    from tests.test_runtime import tiny_policy
 
     root = tmp_path_factory.mktemp("deploy_export")
-    cfg = AEDDiffusionConfig.from_dict(json.loads(json.dumps(TINY)))
-    rng = np.random.default_rng(0)
-    eps = [np.clip(np.cumsum(rng.normal(0, 0.2, (60, 4)), 0), -1, 1).astype(np.float32) for _ in range(6)]
-    tok = ActionTokenizer.fit(eps, r=4, relative_dims=[0, 1, 2], absolute_dims=[3], scale=10.0, vocab_size=256)
-    stats = {"observation.state": {"min": [-0.1, 0.4, 0.0, 0.0], "max": [0.3, 0.8, 0.3, 1.0]},
-             "observation.environment_state": {"min": [-1.0] * 17, "max": [1.0] * 17},
-             "action": {"min": [-1.0] * 4, "max": [1.0] * 4}}
-    torch.manual_seed(0)
-    policy = AEDDiffusionPolicy(cfg, stats, tok)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    policy = tiny_policy({"observation.state": {"min": [-0.1, 0.4, 0.0, 0.0], "max": [0.3, 0.8, 0.3, 1.0]},
+                          "observation.environment_state": {"min": [-1.0] * 17, "max": [1.0] * 17},
+                          "action": {"min": [-1.0] * 4, "max": [1.0] * 4}},
+                         **TINY, action_patch=4, condition_layers=0)   # the config's own denoiser defaults
     policy.save_pretrained(root / "ckpt")
     return export_checkpoint(root / "ckpt", root / "export", control_hz=30.0)
 
