@@ -40,8 +40,9 @@ class CriticFeatures(nn.Module):
     policy it ships with is fine-tuned. A real arm has proprioception and cameras, not object positions: with the
     policy's inputs ``observation.state`` + a camera, the critic scores exactly what the robot observes.
 
-    forward(frames: ``{key: (N, d)`` float | ``(N, H, W, 3)`` uint8 (or float 0..255)``}``) -> (N, D) float32,
-    ``D = sum(d) + len(image_keys) * image_channels[-1]``.
+    forward(frames: ``{key: (N, d)`` float | ``(N, H, W, 3)`` uint8 (or float 0..255)``}``) -> (N, D) float32 on the
+    CPU (the frames may sit on any device; the encoders run on theirs), ``D = sum(d) + len(image_keys) *
+    image_channels[-1]``.
 
     Raises:
         ValueError: image keys without ``image_channels``, or a frame dict lacking a key (named).
@@ -89,7 +90,7 @@ class CriticFeatures(nn.Module):
         missing = [k for k in self.keys if k not in frames]
         if missing:
             raise ValueError(f"CriticFeatures: the frames lack {missing} (the critic reads {self.keys})")
-        out = [torch.as_tensor(frames[k]).float().flatten(1) for k in self.state_keys]
+        out = [torch.as_tensor(frames[k]).float().flatten(1).cpu() for k in self.state_keys]
         if self.image_keys:
             from policies.aed_diffusion.normalization import normalize_image
 
