@@ -123,8 +123,8 @@ def sample_candidates(policy, windows, indices: Sequence[int], candidates: int, 
     cfg = policy.config
     H, A = int(cfg.horizon), int(cfg.action_dim)
     names = set(policy.inference_window_spec())
-    sampler = CriticGuidedSampler(policy, None, int(candidates), state_keys=None if features else state_keys,
-                                  features=features)
+    keys = None if features is not None else state_keys   # the features name their own keys
+    sampler = CriticGuidedSampler(policy, None, int(candidates), state_keys=keys, features=features)
     out = []
     for b, i0 in enumerate(range(0, len(indices), int(batch_size))):
         batch = windows.fetch(indices[i0:i0 + int(batch_size)])
