@@ -332,12 +332,14 @@ class Fleet:
     def _prepare_store(self) -> None:
         """Create the store once, from the driver, before workers open their shards (avoids a creation race)."""
         from experience_dict.store import ExperienceStore
+        from experience_dict.store.config import store_layout
         from sim import make_env
 
         env = make_env(task=self.tasks[0], unit_id=self.units[0], robot_cfg=self.cfg["robot"], obs_cfg=self.cfg["obs"],
                        task_cfg=self.cfg["task"])
         spec = env.spec_dict()
-        ExperienceStore.create_or_open(self.store_url, spec=spec, control_hz=float(spec.get("control_hz", 80.0)))
+        ExperienceStore.create_or_open(self.store_url, spec=spec, control_hz=float(spec.get("control_hz", 80.0)),
+                                       **store_layout(self.cfg.get("store") or {}))
         env.close()
 
     def _make_actor(self, unit: int):

@@ -13,8 +13,9 @@ progress signals. They are generated once, held in memory, and both writers reco
 
 Write (wall seconds, ``time.perf_counter``; CPU seconds of the whole process, all threads, beside them):
 
-- **store**: ``ExperienceStore.create_or_open`` (the store's default codec settings, ``StoreConfig``: Blosc/zstd
-  level 1 on images, 1 MiB chunks; ``--image-clevel`` / ``--chunk-bytes`` to try others) and its
+- **store**: ``ExperienceStore.create_or_open`` (the store's default codec settings, ``StoreConfig``: each frame
+  minus the one before then Blosc/zstd level 1 on images, 1 MiB chunks; ``--image-codec`` / ``--image-clevel`` /
+  ``--chunk-bytes`` to try others) and its
   ``EpisodeWriter``: ``begin_episode`` + ``add_step`` x T + ``commit`` per episode
   (``scripts.bench_store.write_store_episode``), ``close`` at the end.
 - **LeRobot**: ``LeRobotDataset.create`` (v3.0; the camera as dtype ``video``, ``--vcodec``, LeRobot's default
@@ -39,7 +40,8 @@ LeRobot: ``LeRobotDataset(repo_id, root=..., delta_timestamps=..., video_backend
 (uint8 frames, as LeRobot's training factory asks for). Windows per second.
 
 Checks (in the JSON): both results read back the same actions, states and rewards for every episode (bit for
-bit), the store's images are the recorded ones bit for bit, and the mean absolute error of LeRobot's decoded
+bit), whether the store's images are the recorded ones bit for bit (the lossless codecs; ``--image-codec h264``:
+the mean absolute error, grey levels), and the mean absolute error of LeRobot's decoded
 video frames against the recorded ones (grey levels, episode 0).
 
 Figures are ratios store / LeRobot measured in this process: write seconds (target <= 1), bytes on disk
@@ -122,6 +124,8 @@ def bench_write(spec: dict, eps: list[dict], root: Path, args: argparse.Namespac
     scfg = StoreConfig()
     clevel = scfg.image_clevel if args.image_clevel is None else args.image_clevel
     chunk_bytes = scfg.chunk_bytes if args.chunk_bytes is None else args.chunk_bytes
+    codec = scfg.image_codec if args.image_codec is None else args.image_codec
+    crf = scfg.image_crf if args.image_crf is None else args.image_crf
     url, lr_root = str(root / "store"), root / "lerobot"
     wall = {"store": [], "lerobot": []}
     cpu = {"store": [], "lerobot": []}
@@ -130,7 +134,7 @@ def bench_write(spec: dict, eps: list[dict], root: Path, args: argparse.Namespac
     with timed(setup["store"], cpu["store"]):
         store = ExperienceStore.create_or_open(url, spec, control_hz=spec["control_hz"], progress_keys=pkeys,
                                               chunk_bytes=chunk_bytes, max_chunk_rows=scfg.max_chunk_rows,
-                                              image_clevel=clevel)
+                                              image_clevel=clevel, image_codec=codec, image_crf=crf)
         writer = store.writer("bench-0")
     features = store_to_lerobot_features(store, video=True)  # the export's mapping (untimed: a lookup)
     fps = float(spec["control_hz"])
@@ -170,7 +174,7 @@ def bench_write(spec: dict, eps: list[dict], root: Path, args: argparse.Namespac
         out[side] = {"total_s": total, "setup_s": setup[side][0], "episodes_s": sum(t), "close_s": close[side][0],
                      "episode_ms_median": 1e3 * float(np.median(t)), "cpu_s": sum(cpu[side]),
                      "steps_per_s": steps / total, "episode_s": t}
-    out["store"].update(url=url, image_clevel=clevel, chunk_bytes=chunk_bytes)
+    out["store"].update(url=url, image_clevel=clevel, chunk_bytes=chunk_bytes, image_codec=codec, image_crf=crf)
     out["lerobot"].update(root=str(lr_root), vcodec=args.vcodec, image_writer_threads=args.image_writer_threads)
     out["paired_lerobot_over_store"] = paired_ratio_stats(wall["lerobot"], wall["store"])
     return out
@@ -237,7 +241,8 @@ def bench_read(url: str, lr_root: Path, args: argparse.Namespace, fps: float) ->
 
 def check_same(url: str, lr_root: Path, eps: list[dict]) -> dict:
     """Both results read back: actions, states and rewards of every episode equal to the recorded ones in both
-    (bit for bit), the store's images equal bit for bit, LeRobot's decoded video of episode 0 against the
+    (bit for bit), whether the store's images are equal bit for bit and their mean absolute error (grey levels: 0
+    for the lossless codecs), LeRobot's decoded video of episode 0 against the
     recorded frames (mean absolute error, grey levels)."""
     from experience_dict.lerobot import REWARD_KEY, _lerobot_dataset_cls, decode_episode_frames
 
@@ -246,6 +251,7 @@ def check_same(url: str, lr_root: Path, eps: list[dict]) -> dict:
     hf = ds.hf_dataset.with_format("numpy")
     metas = store.episodes()
     same = {"actions": True, "states": True, "rewards": True, "store_images": True}
+    store_err = []
     for i, (meta, ep) in enumerate(zip(metas, eps, strict=True)):
         row = ds.meta.episodes[i]
         cols = hf[int(row["dataset_from_index"]):int(row["dataset_to_index"])]
@@ -257,7 +263,9 @@ def check_same(url: str, lr_root: Path, eps: list[dict]) -> dict:
                                and np.array_equal(np.asarray(cols["observation.state"], np.float32), want_state))
         same["rewards"] &= bool(np.array_equal(mine["reward"], ep["rewards"])
                                 and np.array_equal(np.asarray(cols[REWARD_KEY], np.float32).reshape(-1), ep["rewards"]))
-        same["store_images"] &= bool(np.array_equal(mine[CAMERA], np.stack([o[CAMERA] for o in ep["obs"]])))
+        recorded = np.stack([o[CAMERA] for o in ep["obs"]])
+        same["store_images"] &= bool(np.array_equal(mine[CAMERA], recorded))
+        store_err.append(float(np.abs(mine[CAMERA].astype(np.float64) - recorded).mean()))
     row = ds.meta.episodes[0]
     cols = hf[int(row["dataset_from_index"]):int(row["dataset_to_index"])]
     frames = decode_episode_frames(lr_root / ds.meta.get_video_file_path(0, CAMERA),
@@ -265,7 +273,9 @@ def check_same(url: str, lr_root: Path, eps: list[dict]) -> dict:
                                    ds.tolerance_s)
     want = np.stack([o[CAMERA] for o in eps[0]["obs"]]).astype(np.float64)
     return {**{f"{k}_equal": v for k, v in same.items()}, "episodes": len(metas),
-            "lerobot_video_mae_grey_levels_ep0": float(np.abs(frames.astype(np.float64) - want).mean())}
+            "lerobot_video_mae_grey_levels_ep0": float(np.abs(frames.astype(np.float64) - want).mean()),
+            "store_image_mae_grey_levels_ep0": store_err[0] if store_err else None,
+            "store_image_mae_grey_levels_mean": float(np.mean(store_err)) if store_err else None}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -279,6 +289,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="LeRobot's PNG writer threads (lerobot-record's default: 4 per camera)")
     ap.add_argument("--image-clevel", type=int, default=None,
                     help="the store's Blosc/zstd level for images, 0..9 (default: StoreConfig's, 1)")
+    ap.add_argument("--image-codec", choices=("delta-zstd", "zstd", "h264"), default=None,
+                    help="the store's image codec (default: StoreConfig's, delta-zstd; h264 is lossy)")
+    ap.add_argument("--image-crf", type=int, default=None,
+                    help="the store's libx264 CRF with --image-codec h264, 0..51 (default: StoreConfig's, 18)")
     ap.add_argument("--chunk-bytes", type=int, default=None,
                     help="the store's target chunk size along time, bytes (default: StoreConfig's, 1 MiB)")
     ap.add_argument("--windows", type=int, default=1024, help="timed random windows per read run")
@@ -296,6 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--episodes, --history, --horizon, --windows and --batch-size must be >= 1, --steps >= 2")
     if a.image_clevel is not None and not 0 <= a.image_clevel <= 9:
         ap.error(f"--image-clevel must be 0..9 (Blosc's levels), given {a.image_clevel}")
+    if a.image_crf is not None and not 0 <= a.image_crf <= 51:
+        ap.error(f"--image-crf must be 0..51 (libx264's CRF), given {a.image_crf}")
     if a.chunk_bytes is not None and a.chunk_bytes < 1:
         ap.error("--chunk-bytes must be >= 1")
     return a
@@ -376,7 +392,8 @@ def print_table(r: dict) -> None:
     p = w["paired_lerobot_over_store"]
     print(f"paired per-episode write, LeRobot / store: {p['median']:.2f} [{p['ci95'][0]:.2f}, {p['ci95'][1]:.2f}]; "
           f"same actions: {r['check']['actions_equal']}; LeRobot video MAE "
-          f"{r['check']['lerobot_video_mae_grey_levels_ep0']:.2f} grey levels")
+          f"{r['check']['lerobot_video_mae_grey_levels_ep0']:.2f} grey levels; store "
+          f"{r['write']['store']['image_codec']} MAE {r['check']['store_image_mae_grey_levels_ep0']:.2f}")
 
 
 if __name__ == "__main__":

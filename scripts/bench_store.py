@@ -158,8 +158,7 @@ def bench_write(cfg: dict, root: Path, spec: dict, obs: list[dict], actions: np.
     CPU time of the whole process (``process_time``, all threads) are both reported.
     """
     url = str(root / "store")
-    store = ExperienceStore.create_or_open(url, spec, chunk_bytes=scfg["chunk_bytes"],
-                                          max_chunk_rows=scfg["max_chunk_rows"], image_clevel=scfg["image_clevel"])
+    store = ExperienceStore.create_or_open(url, spec, **scfg)
     w = store.writer("bench-0")
     progress = [{k: float(i % 7) / 7 for k in DEFAULT_PROGRESS_KEYS} for i in range(len(obs))]
     t_zarr, t_np, c_zarr, c_np = [], [], [], []
@@ -332,10 +331,10 @@ def bench_rows_check(url: str, cfg: dict, repeats: int = 3) -> list[dict]:
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from experience_dict.store.config import StoreConfig
+    from experience_dict.store.config import StoreConfig, store_layout
 
     store_cfg = StoreConfig.from_dict(cfg.store)
-    scfg = {k: getattr(store_cfg, k) for k in ("chunk_bytes", "max_chunk_rows", "image_clevel")}
+    scfg = store_layout(store_cfg)
     bcfg = store_cfg.bench.to_dict()
     root = Path(bcfg["dir"] or Path(cfg.output_dir) / "bench_store")
     shutil.rmtree(root, ignore_errors=True)

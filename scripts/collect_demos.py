@@ -37,7 +37,7 @@ passive_wait()   # before torch loads: OpenMP's idle threads sleep instead of sp
 calm_progress()  # off a terminal, a progress bar redraws every 30 s, not 15 times a second (fleet/progress.py)
 
 from experience_dict.store import ExperienceStore
-from experience_dict.store.config import StoreConfig
+from experience_dict.store.config import StoreConfig, store_layout
 
 DEMO_POLICY_VERSION = -1  # the scripted expert
 
@@ -88,8 +88,7 @@ def main(cfg: DictConfig) -> None:
 
     spec = env_of(tasks[0], units[0])[0].spec_dict()
     store = ExperienceStore.create_or_open(str(cfg.store.url), spec=spec, control_hz=spec.get("control_hz"),
-                                           chunk_bytes=scfg.chunk_bytes, max_chunk_rows=scfg.max_chunk_rows,
-                                           image_clevel=scfg.image_clevel)
+                                           **store_layout(scfg))
     writers = {u: store.writer(f"{dcfg.writer_id}-unit-{u}") for u in units}
     summary = {t: {"committed": 0, "successes": 0, "discarded": 0, "steps": 0} for t in tasks}
     t0 = time.time()

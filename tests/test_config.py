@@ -38,6 +38,8 @@ def test_defaults_pass_and_every_rule_names_a_real_key():
     ("device=tpu", "device: expected one of ['auto', 'cpu', 'cuda'], given 'tpu'"),
     ("store.on_corrupt=ignore", "store.on_corrupt: expected one of ['raise', 'skip'], given 'ignore'"),
     ("store.image_clevel=12", "store.image_clevel: expected an integer 0..9 (Blosc's zstd levels), given 12"),
+    ("store.image_codec=png", "store.image_codec: expected one of ['delta-zstd', 'zstd', 'h264'], given 'png'"),
+    ("store.image_crf=52", "store.image_crf: expected an integer 0..51 (libx264's CRF), given 52"),
     ("fleet.episodes_per_unit=0", "fleet.episodes_per_unit: expected null or an integer >= 1, given 0"),
     ("train.lr=0", "train.lr: expected a number > 0, given 0"),
     ("store.url=/proc/fleetmind/store", "store.url: expected a creatable directory"),

@@ -250,14 +250,16 @@ def test_same_config_and_seed_give_same_demos_and_base(tmp_path):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     cfg = {"robot": {"train_units": [0, 1], "heldout_units": [100]}, "obs": {"images": False},
            "task": {"tasks": ["reach-v3", "push-v3"], "max_episode_steps": 60, "steps_after_success": 5},
-           "store": {"url": ""}, "fleet": {"num_cpus": 2, "units": 2, "episode_timeout_s": 120, "max_restarts": 1,
-                                           "max_recreates": 1, "torch_threads": 1}, "policy": {}, "seed": 0}
+           "store": {"url": "", "image_codec": "h264", "image_crf": 23},
+           "fleet": {"num_cpus": 2, "units": 2, "episode_timeout_s": 120, "max_restarts": 1, "max_recreates": 1,
+                     "torch_threads": 1}, "policy": {}, "seed": 0}
     runs = []
     for k in range(2):
         url = str(tmp_path / f"store{k}")
         res = collect_demos(cfg, [0, 1], demos_per_task=2, noise_std=0.1, seed=7, store_url=url, progress=False)
         assert res["successes"] == {"reach-v3": 2, "push-v3": 2}
         reader = ExperienceStore.open(url)
+        assert (reader.meta["image_codec"], reader.meta["image_crf"]) == ("h264", 23)   # the fleet made it so
         eps = sorted(reader.episodes(is_demo=True, success=True), key=lambda m: (m.unit_id, m.seed))
         trials = [(m.task, int(m.unit_id), int(m.seed)) for m in eps]
         actions = [reader.load_episode(m.episode_id, keys=["action"])["action"] for m in eps]

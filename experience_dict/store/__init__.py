@@ -3,6 +3,7 @@
 CLI: ``python -m experience_dict.store info|verify|stats URL``.
 """
 
+from experience_dict.store import codecs  # noqa: F401  (registers the store's image codecs with zarr)
 from experience_dict.store.reader import ExperienceStore, copy_episodes
 from experience_dict.store.schema import (
     DEFAULT_PROGRESS_KEYS,

@@ -94,14 +94,36 @@ class StoreConfig(TypedConfig):
     filled last chunk, so this bounds that cost)."""
     image_clevel: int = 1
     """New stores: the Blosc / zstd level of image arrays."""
+    image_codec: str = "delta-zstd"
+    """New stores: how camera frames are encoded. delta-zstd (lossless: each frame minus the one before, then
+    Blosc/zstd at ``image_clevel``) | zstd (lossless: the frames as they are; stores before 2026-12-05) | h264
+    (lossy: each chunk one H.264 stream at ``image_crf``; ~4x smaller than LeRobot's AV1 video at about its error,
+    docs/PERFORMANCE.md)."""
+    image_crf: int = 18
+    """New stores with ``image_codec=h264``: libx264's constant rate factor (0-51; lower is better quality)."""
     demos: DemosConfig = field(default_factory=DemosConfig)
     """``scripts/collect_demos.py``."""
     bench: StoreBenchConfig = field(default_factory=StoreBenchConfig)
     """``scripts/bench_store.py``."""
 
 
+LAYOUT_KEYS = ("chunk_bytes", "max_chunk_rows", "image_clevel", "image_codec", "image_crf")
+"""The ``store`` keys that set a new store's layout: ``ExperienceStore.create_or_open``'s keyword arguments."""
+
+
+def store_layout(store_cfg: Mapping | StoreConfig) -> dict:
+    """``ExperienceStore.create_or_open`` keyword arguments (:data:`LAYOUT_KEYS`) from a ``store`` config (a
+    :class:`StoreConfig` or its mapping; keys it lacks keep their defaults). They apply to a store being created;
+    an existing store keeps the layout it was made with."""
+    get = (lambda k: getattr(store_cfg, k)) if isinstance(store_cfg, StoreConfig) else store_cfg.get
+    default = StoreConfig()
+    return {k: (v if (v := get(k)) is not None else getattr(default, k)) for k in LAYOUT_KEYS}
+
+
 StoreConfig._group, StoreConfig._rules = "store", {
     "storage_options": lambda v: None if v is None or isinstance(v, Mapping) else "a mapping of fsspec options",
     "on_corrupt": one_of("raise", "skip"), "chunk_bytes": POS, "max_chunk_rows": POS,
-    "image_clevel": lambda v: integer(0)(v) or (None if v <= 9 else "an integer 0..9 (Blosc's zstd levels)")}
+    "image_clevel": lambda v: integer(0)(v) or (None if v <= 9 else "an integer 0..9 (Blosc's zstd levels)"),
+    "image_codec": one_of("delta-zstd", "zstd", "h264"),
+    "image_crf": lambda v: integer(0)(v) or (None if v <= 51 else "an integer 0..51 (libx264's CRF)")}
 StoreConfig._nested = {"demos": DemosConfig, "bench": StoreBenchConfig}

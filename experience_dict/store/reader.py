@@ -14,6 +14,7 @@ import numpy as np
 import zarr
 
 from experience_dict.stats import IMAGE_STRIDE, merge_sketches
+from experience_dict.store.codecs import IMAGE_CODECS, LOSSY_IMAGE_CODECS, LOSSY_MEAN_TOL
 from experience_dict.store.schema import (
     _META_ATTR,
     INLINE_ARRAYS,
@@ -146,7 +147,8 @@ class ExperienceStore:
     @classmethod
     def create_or_open(cls, url: str, spec: dict, control_hz: float | None = None,
                        progress_keys: Sequence[str] | None = None, chunk_bytes: int = 1 << 20,
-                       max_chunk_rows: int = 1024, image_clevel: int = 1) -> ExperienceStore:
+                       max_chunk_rows: int = 1024, image_clevel: int = 1, image_codec: str = "delta-zstd",
+                       image_crf: int = 18) -> ExperienceStore:
         """Open the store at ``url`` for writing, creating it from ``spec`` if it does not exist.
 
         Args:
@@ -163,12 +165,22 @@ class ExperienceStore:
                 filled last chunk of every array, so this bounds the commit cost of small features
                 (1024 rows of the 17-d environment state: ~70 kB, scripts/bench_store.py).
             image_clevel: Blosc/zstd level for image arrays (other arrays use Blosc/lz4 level 5 with byte shuffle).
+            image_codec: how new stores encode camera frames (:data:`experience_dict.store.codecs.IMAGE_CODECS`):
+                ``delta-zstd`` (lossless: each frame minus the one before, then Blosc/zstd; the default),
+                ``zstd`` (lossless: Blosc/zstd on the frames as they are, the store's format before 2026-12-05) or
+                ``h264`` (lossy: each chunk one H.264 stream at CRF ``image_crf``; frames read back approximately).
+            image_crf: libx264's constant rate factor for ``image_codec="h264"`` (0-51, lower is better).
 
         Raises:
             SpecMismatchError: the store exists with a different feature spec (names the key, expected and
                 given) or the spec is malformed.
             SchemaVersionError: the store exists with a schema version this code cannot append to.
+            ValueError: an unknown ``image_codec`` or an ``image_crf`` outside 0..51.
         """
+        if image_codec not in IMAGE_CODECS:
+            raise ValueError(f"image_codec must be one of {IMAGE_CODECS}, given {image_codec!r}")
+        if not 0 <= int(image_crf) <= 51:
+            raise ValueError(f"image_crf must be 0..51 (libx264's constant rate factor), given {image_crf}")
         parsed = _parse_spec(spec, control_hz, progress_keys)
         zstore = _zarr_store(str(url), read_only=False)
         try:
@@ -179,7 +191,8 @@ class ExperienceStore:
         if not exists:
             meta = {"schema_version": SCHEMA_VERSION, "created": time.time(),
                     "chunk_bytes": int(chunk_bytes), "max_chunk_rows": int(max_chunk_rows),
-                    "image_clevel": int(image_clevel), **parsed,
+                    "image_clevel": int(image_clevel), "image_codec": str(image_codec), "image_crf": int(image_crf),
+                    **parsed,
                     "packed_keys": [k for k, f in parsed["features"].items() if _packable(f)]}
             try:
                 zarr.create_group(zstore, attributes={_META_ATTR: meta}, overwrite=False)
@@ -398,7 +411,9 @@ class ExperienceStore:
     def check_rows(self, ep: EpisodeMeta, key: str, values: np.ndarray) -> None:
         """Check an episode's rows of ``key`` against the statistics sketch its commit record holds: the count,
         the exact per-dimension min and max, and the mean (relative 1e-6). A chunk file that holds valid bytes
-        of another place (copied or restored over it: its own checksum passes) gives rows that disagree.
+        of another place (copied or restored over it: its own checksum passes) gives rows that disagree. Images of
+        a store with a lossy image codec (``image_codec="h264"``) are checked for the count and for the mean per
+        channel within :data:`LOSSY_MEAN_TOL` grey levels only.
 
         Args:
             values: ``(T, *shape)`` rows of ``key`` of ``ep`` as read.
@@ -414,8 +429,14 @@ class ExperienceStore:
         else:
             flat = values.reshape(len(values), -1)
         why = None
+        lossy = len(shape) == 3 and self.meta.get("image_codec") in LOSSY_IMAGE_CODECS
         if flat.shape[0] != int(sk["n"]):
             why = f"{flat.shape[0]} values per dimension, the record says {int(sk['n'])}"
+        elif flat.size and lossy:   # frames come back approximately: only the mean, within the codec's error
+            gap = np.abs(flat.astype(np.float64).mean(0) - np.asarray(sk["mean"], np.float64))
+            if (gap > LOSSY_MEAN_TOL).any():
+                why = (f"its mean differs from the record's by {gap.max():.1f} grey levels, over the lossy codec's "
+                       f"{LOSSY_MEAN_TOL}")
         elif flat.size:
             x = flat.astype(np.float64)
             with np.errstate(invalid="ignore"), warnings.catch_warnings():
@@ -852,7 +873,7 @@ class ExperienceStore:
 def copy_episodes(src: ExperienceStore, dst_url: str, episodes: Sequence[EpisodeMeta],
                   writer_id: str = "copy") -> dict[str, str]:
     """Copy committed ``episodes`` of ``src`` into the store at ``dst_url`` (created with ``src``'s spec, control
-    rate and progress keys if absent), step by step through an :class:`EpisodeWriter` (so the copy is
+    rate, progress keys and layout, its image codec included, if absent), step by step through an :class:`EpisodeWriter` (so the copy is
     checksummed and committed like any fleet episode), metadata kept: unit, embodiment, task, policy version,
     reset seed, demo flag, start time, ``extra``, success, termination and failure onset. Used to build a
     store from a subset of another (e.g. a frozen fleet store without its failure retries, to re-explore).
@@ -865,8 +886,10 @@ def copy_episodes(src: ExperienceStore, dst_url: str, episodes: Sequence[Episode
         destination exists with another spec. CorruptChunkError: a source chunk fails its checksum (nothing
         of that episode is committed).
     """
+    layout = {k: src.meta[k] for k in ("chunk_bytes", "max_chunk_rows", "image_clevel", "image_crf") if k in src.meta}
     dst = ExperienceStore.create_or_open(dst_url, src.spec, control_hz=src.control_hz,
-                                         progress_keys=src.progress_keys)
+                                         progress_keys=src.progress_keys,
+                                         image_codec=src.meta.get("image_codec", "zstd"), **layout)
     obs_keys = [k for k in src.keys if k.startswith("observation.")]
     prog_keys = [f"progress.{k}" for k in src.progress_keys]
     w = dst.writer(writer_id)

@@ -23,6 +23,7 @@ from fsspec import AbstractFileSystem
 from zarr.codecs import BloscCodec, Crc32cCodec
 
 from experience_dict.stats import episode_sketch, histogram_sketch
+from experience_dict.store.codecs import FrameDeltaCodec, VideoChunkCodec
 from experience_dict.store.schema import (
     _PLAIN_SCALARS,
     _WRITER_ID_RE,
@@ -264,11 +265,17 @@ class EpisodeWriter:
                 arr = zarr.open_array(self.store._zstore, path=path, mode="r+")
             except (FileNotFoundError, zarr.errors.ArrayNotFoundError, zarr.errors.NodeNotFoundError):
                 rows = _chunk_rows(feat, meta["chunk_bytes"], meta["max_chunk_rows"])
+                filters, serializer = (), "auto"
                 if _is_image(feat):  # one Blosc block per chunk: consecutive frames share content, so zstd
                     # finds matches across frames (about 4x the ratio of Blosc's automatic small blocks at
                     # clevel 1 on 96x96 renders) and encodes / decodes faster too (scripts/bench_store.py)
                     block = rows * int(np.prod(feat["shape"]))
                     comp = BloscCodec(cname="zstd", clevel=meta["image_clevel"], shuffle="noshuffle", blocksize=block)
+                    codec = meta.get("image_codec", "zstd")   # stores made before the key: frames as they are
+                    if codec == "delta-zstd":   # lossless: each frame minus the one before (codecs.py)
+                        filters = (FrameDeltaCodec(),)
+                    elif codec == "h264":   # lossy: a chunk is one H.264 stream, then only the checksum
+                        serializer, comp = VideoChunkCodec(crf=meta.get("image_crf", 18)), None
                 else:  # lowdim: a commit re-encodes its partly filled last chunk; lz4 is ~10x faster than
                     # zstd level 3 there for ~8 % more bytes (byte-shuffled float32 state / action rows)
                     comp = BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")
@@ -277,7 +284,8 @@ class EpisodeWriter:
                 capacity = -(-self._MIN_ROWS // rows) * rows if _is_local(self.fs) else 0
                 arr = zarr.create_array(
                     self.store._zstore, name=path, shape=(capacity, *feat["shape"]), dtype=feat["dtype"],
-                    chunks=(rows, *feat["shape"]), compressors=[comp, Crc32cCodec()], fill_value=0,
+                    chunks=(rows, *feat["shape"]), filters=filters, serializer=serializer,
+                    compressors=[c for c in (comp, Crc32cCodec()) if c is not None], fill_value=0,
                     chunk_key_encoding={"name": "default", "separator": "."},  # c.<i>.0..: no directory per chunk
                     config={"write_empty_chunks": True}, overwrite=True)
             self._truncate(arr, self.store._p("shards", self.writer_id, name))  # rows of a crash mid-episode

@@ -1,0 +1,116 @@
+"""The store's image codecs (experience_dict/store/codecs.py) on real Meta-World renders in real zarr stores."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experience_dict.store import CorruptChunkError, ExperienceStore, copy_episodes
+from experience_dict.store.codecs import FRAME_DELTA, VIDEO, FrameDeltaCodec, VideoChunkCodec
+from scripts.bench_store import sim_episodes, write_store_episode
+
+CAM = "observation.images.corner"
+STEPS, SIZE = 40, 48
+
+
+@pytest.fixture(scope="module")
+def renders():
+    """Two real push-v3 expert episodes, 40 steps of a 48 x 48 corner render each."""
+    return sim_episodes(2, STEPS, SIZE, task="push-v3")
+
+
+def write(url: Path, spec: dict, eps: list[dict], **layout) -> ExperienceStore:
+    # 4 frames a chunk, so an episode spans 10 chunks and reads cross chunk boundaries
+    store = ExperienceStore.create_or_open(str(url), spec, progress_keys=list(eps[0]["progress"][0]),
+                                           chunk_bytes=4 * SIZE * SIZE * 3, **layout)
+    w = store.writer("u0")
+    for i, ep in enumerate(eps):
+        write_store_episode(w, ep["obs"], ep["actions"], ep["rewards"], ep["progress"], seed=i)
+    w.close()
+    return ExperienceStore.open(str(url))
+
+
+def codec_names(url: Path, shard: str = "u0") -> list[str]:
+    meta = json.loads((url / "shards" / shard / CAM / "zarr.json").read_text())
+    return [c["name"] for c in meta["codecs"]]
+
+
+def image_bytes(url: Path) -> int:
+    return sum(p.stat().st_size for p in (url / "shards/u0" / CAM).glob("c.*"))
+
+
+def test_image_codecs_round_trip_real_renders(tmp_path, renders):
+    """delta-zstd (the default) and zstd give the frames back bit for bit; delta-zstd is smaller than zstd on real
+    renders; h264 gives them back within a few grey levels and is smaller still; zarr.json names each chain."""
+    spec, eps = renders
+    want = [np.stack([o[CAM] for o in ep["obs"]]) for ep in eps]
+    got, size = {}, {}
+    for codec in ("zstd", "delta-zstd", "h264"):
+        url = tmp_path / codec
+        store = write(url, spec, eps, image_codec=codec)
+        got[codec] = [store.load_episode(m.episode_id)[CAM] for m in store.episodes()]
+        size[codec] = image_bytes(url)
+        assert store.meta["image_codec"] == codec
+    assert codec_names(tmp_path / "zstd") == ["bytes", "blosc", "crc32c"]
+    assert codec_names(tmp_path / "delta-zstd") == [FRAME_DELTA, "bytes", "blosc", "crc32c"]
+    assert codec_names(tmp_path / "h264") == [VIDEO, "crc32c"]
+    for codec in ("zstd", "delta-zstd"):
+        for g, w in zip(got[codec], want, strict=True):
+            np.testing.assert_array_equal(g, w)
+    for g, w in zip(got["h264"], want, strict=True):
+        assert g.shape == w.shape and g.dtype == np.uint8
+        mae = np.abs(g.astype(np.float64) - w).mean()
+        assert 0 < mae < 6, mae
+    assert size["delta-zstd"] < size["zstd"], size
+    assert size["h264"] < size["delta-zstd"], size
+    # the default for a new store is delta-zstd; an existing store keeps the layout it was made with
+    assert ExperienceStore.create_or_open(str(tmp_path / "new"), spec).meta["image_codec"] == "delta-zstd"
+    reopened = ExperienceStore.create_or_open(str(tmp_path / "zstd"), spec, image_codec="h264")
+    w = reopened.writer("u1")
+    write_store_episode(w, eps[0]["obs"], eps[0]["actions"], eps[0]["rewards"], eps[0]["progress"], seed=9)
+    w.close()
+    assert codec_names(tmp_path / "zstd", "u1") == ["bytes", "blosc", "crc32c"]
+    # a copy keeps its source's codec
+    src = ExperienceStore.open(str(tmp_path / "h264"))
+    copy_episodes(src, str(tmp_path / "copy"), src.episodes()[:1])
+    assert codec_names(tmp_path / "copy", "copy") == [VIDEO, "crc32c"]
+
+
+def test_h264_store_trains_and_still_catches_a_chunk_of_another_place(tmp_path, renders):
+    """Training windows read from an h264 store (the rows check takes the lossy frames); a chunk file copied
+    over from an episode of unlike frames is still named as corrupt."""
+    from experience_dict.sampler import WindowDataset
+
+    spec, eps = renders
+    dark = {**eps[1], "obs": [{**o, CAM: (o[CAM] // 4).astype(np.uint8)} for o in eps[1]["obs"]]}
+    url = tmp_path / "h264"
+    store = write(url, spec, [eps[0], dark], image_codec="h264")
+    ds = WindowDataset(store, windows={CAM: (CAM, [-1, 0]), "action": ("action", list(range(4)))})
+    item = ds[len(ds) // 2]
+    assert tuple(item[CAM].shape)[-3:] in ((SIZE, SIZE, 3), (3, SIZE, SIZE))
+    first, second = store.episodes()
+    cr = store.array("u0", CAM).chunks[0]
+    src = url / "shards/u0" / CAM / f"c.{second.start // cr}.0.0.0"
+    dst = url / "shards/u0" / CAM / f"c.{first.start // cr + 1}.0.0.0"
+    shutil.copyfile(src, dst)
+    with pytest.raises(CorruptChunkError, match="mean differs"):
+        ExperienceStore.open(str(url)).load_episode(first.episode_id)
+
+
+def test_codec_arguments_are_checked(tmp_path, renders):
+    spec, _ = renders
+    with pytest.raises(ValueError, match="image_codec must be one of"):
+        ExperienceStore.create_or_open(str(tmp_path / "a"), spec, image_codec="png")
+    with pytest.raises(ValueError, match="image_crf must be 0..51"):
+        ExperienceStore.create_or_open(str(tmp_path / "b"), spec, image_crf=60)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()   # nothing made on a refusal
+    with pytest.raises(ValueError, match="crf must be 0..51"):
+        VideoChunkCodec(crf=-1)
+    with pytest.raises(ValueError, match="even frame sizes"):
+        VideoChunkCodec().validate(shape=(8, 33, 32, 3), dtype=np.dtype("uint8"), chunk_grid=None)
+    with pytest.raises(ValueError, match=r"\(T, H, W, C\) uint8"):
+        FrameDeltaCodec().validate(shape=(8, 4), dtype=np.dtype("float32"), chunk_grid=None)
