@@ -113,6 +113,15 @@ def test_bad_actions_and_missing_features_are_named():
         SO100Bridge(STATE_ONLY, [f"{j}.pos" for j in range(6)])
     with pytest.raises(ValueError, match="no mapping to an SO-100 robot"):
         SO100Bridge({"observation.velocity": [3]}, ["dx", "dy", "dz", "gripper"])
+    # a mixed fleet's policy (obs.embodiment_feature) is told it drives an SO-100, as its twin units told it
+    from sim.units import EMBODIMENTS, embodiment_onehot
+
+    mixed = SO100Bridge({**STATE_ONLY, "observation.embodiment": [len(EMBODIMENTS)]}, ["dx", "dy", "dz", "gripper"])
+    got = mixed.policy_observation(obs)["observation.embodiment"]
+    np.testing.assert_array_equal(got, embodiment_onehot("so100"))
+    assert got.dtype == np.float32 and got[EMBODIMENTS.index("so100")] == 1 and got.sum() == 1
+    with pytest.raises(ValueError, match="one-hot over"):
+        SO100Bridge({"observation.embodiment": [5]}, ["dx", "dy", "dz", "gripper"])
 
 
 def test_bridges_are_chosen_by_embodiment():

@@ -11,7 +11,8 @@ sim-only features ``sim.<name>`` (floats) for the 17 ``observation.environment_s
 
 Policy side (the twin's contract, ``sim/so100/env.py``): ``observation.state`` = [ee_x, ee_y, ee_z, gripper]
 (tcp position in metres in the twin's world frame, gripper opening 0 closed .. 1 open),
-``observation.environment_state`` (17,), ``observation.images.<camera>`` (H, W, 3) uint8, and the action
+``observation.environment_state`` (17,), ``observation.images.<camera>`` (H, W, 3) uint8, for a mixed fleet's
+policy ``observation.embodiment`` (the one-hot of ``so100``, constant), and the action
 [dx, dy, dz, gripper] (tcp target displacement, 1 cm per unit; gripper -1 open .. +1 closed).
 
 Joint naming and units (``JointMap``): LeRobot joint ``i`` in degrees = ``sign_i * degrees(q_i) + offset_i`` where
@@ -42,6 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from fleet.deploy.safety import EventLog, SafetyEvent
+from sim.units import EMBODIMENTS, embodiment_onehot
 
 LEROBOT_ARM_JOINTS = ("shoulder_pan", "shoulder_lift", "elbow_flex", "wrist_flex", "wrist_roll")
 LEROBOT_JOINTS = (*LEROBOT_ARM_JOINTS, "gripper")
@@ -49,6 +51,7 @@ MOTOR_KEYS = tuple(f"{j}.pos" for j in LEROBOT_JOINTS)
 SIM_PREFIX = "sim."   # sim-only observation features of fleetmind_so100_sim (object state)
 EE_ACTION_NAMES = ["dx", "dy", "dz", "gripper"]
 STATE_KEY, ENV_STATE_KEY, IMAGE_PREFIX = "observation.state", "observation.environment_state", "observation.images."
+EMBODIMENT_KEY = "observation.embodiment"   # a mixed fleet's policy is told its robot (sim.units.embodiment_onehot)
 
 
 def _env():
@@ -192,10 +195,13 @@ class SO100Bridge:
                 raise ValueError(f"policy feature {k!r}: expected shape [4] {env.STATE_NAMES}, given {shape}")
             if k == ENV_STATE_KEY and shape != [len(env.ENV_STATE_NAMES)]:
                 raise ValueError(f"policy feature {k!r}: expected shape [{len(env.ENV_STATE_NAMES)}], given {shape}")
-            if k not in (STATE_KEY, ENV_STATE_KEY) and not k.startswith(IMAGE_PREFIX):
+            if k == EMBODIMENT_KEY and shape != [len(EMBODIMENTS)]:
+                raise ValueError(f"policy feature {k!r}: expected shape [{len(EMBODIMENTS)}] (one-hot over "
+                                 f"{list(EMBODIMENTS)}), given {shape}")
+            if k not in (STATE_KEY, ENV_STATE_KEY, EMBODIMENT_KEY) and not k.startswith(IMAGE_PREFIX):
                 raise ValueError(f"policy feature {k!r} has no mapping to an SO-100 robot; the bridge maps "
-                                 f"{STATE_KEY!r}, {ENV_STATE_KEY!r} (simulated robot only) and "
-                                 f"'{IMAGE_PREFIX}<camera>'")
+                                 f"{STATE_KEY!r}, {ENV_STATE_KEY!r} (simulated robot only), {EMBODIMENT_KEY!r} "
+                                 f"(constant: so100) and '{IMAGE_PREFIX}<camera>'")
         self.joint_map = joint_map or JointMap()
         self.cameras = {k[len(IMAGE_PREFIX):]: k[len(IMAGE_PREFIX):] for k in self.input_shapes
                         if k.startswith(IMAGE_PREFIX)}
@@ -269,6 +275,8 @@ class SO100Bridge:
             out[STATE_KEY] = np.array([*self.fk(j), self.joint_map.opening_from_pos(j[5])], dtype=np.float32)
         if ENV_STATE_KEY in self.input_shapes:
             out[ENV_STATE_KEY] = np.array([float(obs[k]) for k in self._sim_names], dtype=np.float32)
+        if EMBODIMENT_KEY in self.input_shapes:   # a mixed fleet's policy: this robot is an SO-100
+            out[EMBODIMENT_KEY] = embodiment_onehot("so100")
         for cam, robot_cam in self.cameras.items():
             img = np.asarray(obs[robot_cam])
             h, w, _ = self.input_shapes[IMAGE_PREFIX + cam]

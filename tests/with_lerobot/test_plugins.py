@@ -191,3 +191,123 @@ def test_compare_lerobot_matches_diffusion_policy_size_by_parameter_count():
     assert set(counts) == {str(d) for d in DOWN_DIMS} and all(v > 0 for v in counts.values())
     assert sorted(counts.values()) == [counts[str(d)] for d in DOWN_DIMS]      # wider U-Nets, more parameters
     assert abs(math.log(counts[str(dims)] / 1e6)) == min(abs(math.log(v / 1e6)) for v in counts.values())
+
+
+@pytest.fixture(scope="module")
+def twin_policy_dir(tmp_path_factory) -> tuple[Path, Path]:
+    """(the fleetmind export, the LeRobot folder written with ``--robot so100``) of a tiny real image policy that
+    sees proprioception and a 32 x 32 corner camera, as a real arm's policy does."""
+    from lerobot_policy_fleetmind.export import export_for_lerobot
+
+    from policies.export import export_checkpoint
+    from tests.test_runtime import tiny_image_policy
+
+    root = tmp_path_factory.mktemp("twin_policy")
+    tiny_image_policy(size=32).save_pretrained(root / "ckpt")
+    export = export_checkpoint(root / "ckpt", root / "export", control_hz=30.0)
+    return export, export_for_lerobot(export, root / "lerobot_policy", robot="so100")
+
+
+def test_a_robot_export_drives_the_twin_as_fleetmind_deploy_bridge_does(twin_policy_dir, tmp_path):
+    """``--robot so100``: LeRobot's own frame building (``build_dataset_frame``, ``prepare_observation_for_inference``,
+    the saved processors) gives the policy the twin's six joint readings and camera; its joint targets are, step for
+    step, those of fleetmind's deploy bridge (forward kinematics in, the twin's controller and IK out) on the same
+    robot readings, and the twin moves under them."""
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot.policies.utils import prepare_observation_for_inference
+    from lerobot.robots import make_robot_from_config
+    from lerobot.utils.feature_utils import build_dataset_frame, hw_to_dataset_features
+    from lerobot_policy_fleetmind import FleetmindPolicy
+
+    from fleet.deploy.lerobot_bridge import MOTOR_KEYS, SO100Bridge
+    from fleet.deploy.so100_sim_robot import FleetmindSO100SimConfig
+    from policies.runtime import PolicyRuntime
+
+    export, folder = twin_policy_dir
+    cfg = PreTrainedConfig.from_pretrained(folder)
+    assert cfg.robot_bridge == "so100" and cfg.action_feature_names == list(MOTOR_KEYS)
+    assert cfg.input_features["observation.state"].shape == (6,) and cfg.output_features["action"].shape == (6,)
+    policy = FleetmindPolicy.from_pretrained(folder, config=cfg)
+    pre, post = make_pre_post_processors(cfg, pretrained_path=str(folder))
+    runtime = PolicyRuntime.load(export, backend="torch")
+    ref = SO100Bridge({"observation.state": [4]}, runtime.meta["features"]["action"]["names"])
+    robot = make_robot_from_config(FleetmindSO100SimConfig(calibration_dir=tmp_path / "calib",
+                                                           render_cameras=["corner"], image_size=32))
+    robot.connect()
+    try:
+        # lerobot-rollout's own filter: cameras and the <joint>.pos readings (the twin's sim.* object state is dropped)
+        hw = {k: v for k, v in robot.observation_features.items() if isinstance(v, tuple) or k.endswith(".pos")}
+        feats = hw_to_dataset_features(hw, "observation")
+        assert feats["observation.state"]["names"] == list(MOTOR_KEYS)
+        policy.reset()
+        runtime.reset()
+        start = robot.joint_positions()
+        for t in range(10):
+            obs = robot.get_observation()
+            frame = prepare_observation_for_inference(build_dataset_frame(feats, obs, "observation"),
+                                                      torch.device("cpu"), "reach", robot.name)
+            torch.manual_seed(t)
+            got = post(policy.select_action(pre(frame)))
+            assert got.shape == (1, 6) and got.dtype == torch.float32
+            # the reference: fleetmind's bridge and runtime on the same readings (the camera as the plugin sees it)
+            if t == 0:
+                ref.reset(obs)
+            pol_obs = {k: torch.from_numpy(v)[None] for k, v in ref.policy_observation(obs).items()}
+            pol_obs["observation.images.corner"] = torch.from_numpy(obs["corner"])[None]
+            torch.manual_seed(t)
+            ee = runtime.policy.select_action(pol_obs)
+            want = ref.propose(ee[0].double().numpy(), obs, t)
+            ref.sent(want)
+            np.testing.assert_allclose(got[0].double().numpy(), want, rtol=0, atol=1e-4)
+            robot.send_action(dict(zip(MOTOR_KEYS, got[0].tolist())))
+        assert np.abs(robot.joint_positions() - start).max() > 0.1   # the arm moved (degrees)
+        with pytest.raises(ValueError, match="six joint readings|6 joint readings"):
+            policy.select_action({"observation.state": torch.zeros(2, 6),
+                                  "observation.images.corner": torch.zeros(2, 3, 32, 32)})
+        with pytest.raises(NotImplementedError, match="inference.type=sync"):
+            policy.predict_action_chunk(pre(frame))
+    finally:
+        robot.disconnect()
+
+
+def test_robot_exports_refuse_what_a_real_arm_cannot_give(lerobot_policy_dir, tmp_path):
+    """An export that reads the object state cannot drive a LeRobot robot: the export and the config say why."""
+    from lerobot_policy_fleetmind.export import export_for_lerobot
+
+    export, _ = lerobot_policy_dir
+    with pytest.raises(ValueError, match="object state"):
+        export_for_lerobot(export, tmp_path / "x", robot="so100")
+    with pytest.raises(ValueError, match="expected so100"):
+        export_for_lerobot(export, tmp_path / "y", robot="koch")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+@pytest.mark.slow
+def test_lerobot_rollout_records_the_twin_driven_by_a_fleetmind_export(twin_policy_dir, tmp_path):
+    """LeRobot's own ``lerobot-rollout`` (episodic strategy, recording) drives the twin with a ``--robot so100``
+    export; the LeRobotDataset it records imports into a fleetmind store as the robot's joint-space episodes."""
+    from experience_dict.lerobot import import_dataset
+    from experience_dict.store import ExperienceStore
+
+    _, folder = twin_policy_dir
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
+    ds = tmp_path / "rollout_twin"
+    cmd = [str(Path(sys.executable).with_name("lerobot-rollout")), "--strategy.type=episodic",
+           f"--policy.path={folder}", "--policy.device=cpu", "--robot.type=fleetmind_so100_sim",
+           "--robot.render_cameras=[corner]", "--robot.image_size=32", "--fps=30",
+           "--dataset.repo_id=local/rollout_twin", f"--dataset.root={ds}", "--dataset.single_task=so100-reach",
+           "--dataset.num_episodes=2", "--dataset.episode_time_s=2", "--dataset.reset_time_s=0.5",
+           "--dataset.push_to_hub=false", "--display_data=false"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    info = json.loads((ds / "meta" / "info.json").read_text())
+    assert info["total_episodes"] == 2 and info["total_frames"] > 2
+    assert info["features"]["action"]["names"][:2] == ["shoulder_pan.pos", "shoulder_lift.pos"]
+    res = import_dataset(str(ds), str(tmp_path / "store"), unit_id=7, success_if_unknown=False, progress=False)
+    store = ExperienceStore.open(str(tmp_path / "store"))
+    eps = store.episodes()
+    assert len(eps) == 2 and not any(e.success for e in eps), res
+    ep = store.load_episode(eps[0].episode_id)
+    assert ep["action"].shape[1] == 6 and ep["observation.images.corner"].shape[1:] == (32, 32, 3)
+    assert np.ptp(ep["observation.state"], axis=0).max() > 0   # the joints moved during the episode

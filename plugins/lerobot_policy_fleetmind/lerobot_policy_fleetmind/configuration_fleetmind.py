@@ -32,6 +32,15 @@ class FleetmindConfig(PreTrainedConfig):
         num_threads: ONNX Runtime's intra-op threads (None: torch's setting).
         use_critic: let the export's success critic choose each chunk among its samples, when the export has one
             (``policies.critic``; as ``fert_critic`` in fleetmind's evaluation). False: the policy alone.
+        robot_bridge: None (the policy takes and returns its own features, as on fleetmind's envs), or the
+            embodiment whose LeRobot robot the policy drives directly (``"so100"``: SO-100 / SO-101 followers and
+            the twin ``fleetmind_so100_sim``): ``observation.state`` is then the robot's six joint readings
+            (``<joint>.pos``, degrees; gripper 0..100) and the action its six joint targets, mapped to and from the
+            policy's end-effector features by ``fleet.deploy.lerobot_bridge.SO100Bridge`` (forward kinematics in,
+            the twin's controller and IK out), so ``lerobot-rollout --robot.type=so100_follower`` can run it.
+        action_scale_m: with ``robot_bridge``: metres of tool motion per action unit (None: the twin's 1 cm).
+        action_feature_names: the action's names in order (with ``robot_bridge``: the robot's joint keys), read by
+            ``lerobot-rollout`` to map the action tensor to the robot's action dict.
     """
 
     export_subdir: str = EXPORT_SUBDIR
@@ -39,6 +48,9 @@ class FleetmindConfig(PreTrainedConfig):
     num_inference_steps: int | None = None
     num_threads: int | None = None
     use_critic: bool = True
+    robot_bridge: str | None = None
+    action_scale_m: float | None = None
+    action_feature_names: list[str] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -46,6 +58,10 @@ class FleetmindConfig(PreTrainedConfig):
             raise ValueError(f"policy.backend: expected torch, onnx or auto, given {self.backend!r}")
         if self.num_inference_steps is not None and self.num_inference_steps < 1:
             raise ValueError(f"policy.num_inference_steps: expected >= 1, given {self.num_inference_steps}")
+        if self.robot_bridge not in (None, "so100"):
+            raise ValueError(f"policy.robot_bridge: expected null or so100, given {self.robot_bridge!r}")
+        if self.action_scale_m is not None and not self.action_scale_m > 0:
+            raise ValueError(f"policy.action_scale_m: expected metres > 0, given {self.action_scale_m}")
 
     # LeRobot's training-time windows: fleetmind trains its policies itself (scripts/train.py, the fleet job)
     @property

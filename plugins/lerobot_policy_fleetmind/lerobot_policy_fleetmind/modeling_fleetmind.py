@@ -6,6 +6,11 @@ has them, the same success critic choosing among sampled chunks and the same ONN
 and a deployed robot. LeRobot's rollout gives batched observations ``{feature: (B, ...) float32 tensor}``
 (``observation.state``, ``observation.environment_state``, ``observation.images.<camera>`` in [0, 1] (B, 3, H, W));
 the policy takes the features its export lists and returns ``(B, action_dim)`` float32 actions in raw units.
+
+With ``robot_bridge`` (an export written with ``--robot so100``) the policy drives a LeRobot robot itself, as
+``lerobot-rollout`` asks: it takes the arm's joint readings as ``observation.state`` and returns joint targets,
+mapped through fleetmind's deploy bridge (the same forward kinematics, controller and IK as ``scripts/deploy.py``;
+LeRobot's rollout has no fleetmind safety filter: the robot's own joint limits clip the targets).
 """
 
 from __future__ import annotations
@@ -46,6 +51,20 @@ class FleetmindPolicy(PreTrainedPolicy):
         self.runtime = runtime
         self.model = runtime.policy            # a submodule, so LeRobot's .to(device) / .eval() reach it
         self.input_keys = list(runtime.input_shapes)
+        self.bridge = None
+        if config.robot_bridge is not None:   # the policy drives a LeRobot robot: joints in, joint targets out
+            from fleet.deploy.lerobot_bridge import ENV_STATE_KEY, IMAGE_PREFIX, make_bridge
+
+            if ENV_STATE_KEY in runtime.input_shapes:
+                raise ValueError(f"policy.robot_bridge={config.robot_bridge}: the export reads {ENV_STATE_KEY!r} "
+                                 "(the object state), which no LeRobot robot gives a policy; export a policy that "
+                                 "sees proprioception and cameras (experiment=vision_cpu)")
+            # images take the plugin's own path (rename, resize); the bridge maps the state and the actions
+            shapes = {k: v for k, v in runtime.input_shapes.items() if not k.startswith(IMAGE_PREFIX)}
+            self.bridge = make_bridge(config.robot_bridge, shapes, runtime.meta["features"]["action"]["names"],
+                                      action_scale_m=config.action_scale_m)
+        self._robot_obs: dict | None = None   # robot mode: the joint readings of the step being acted on
+        self._step = 0
 
     @classmethod
     def from_pretrained(cls, pretrained_name_or_path: str | Path, *, config: FleetmindConfig | None = None,
@@ -82,7 +101,35 @@ class FleetmindPolicy(PreTrainedPolicy):
             runtime.critic = False
         return cls(config, runtime=runtime)
 
+    def _from_robot(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Robot mode: LeRobot's frame (``observation.state`` = (1, 6) joint readings in the robot's
+        ``<joint>.pos`` order, degrees; cameras as LeRobot gives them) -> the policy's features: the bridge's
+        end-effector state (and ``observation.embodiment`` for a mixed fleet's policy) beside the cameras."""
+        from fleet.deploy.lerobot_bridge import MOTOR_KEYS
+
+        state = batch.get("observation.state")
+        if state is None or state.dim() != 2 or tuple(state.shape) != (1, len(MOTOR_KEYS)):
+            got = None if state is None else tuple(state.shape)
+            raise ValueError(f"policy.robot_bridge={self.config.robot_bridge}: observation.state must be one robot's "
+                             f"{len(MOTOR_KEYS)} joint readings {list(MOTOR_KEYS)}, shape (1, {len(MOTOR_KEYS)}); "
+                             f"given {got}")
+        self._robot_obs = dict(zip(MOTOR_KEYS, state[0].double().cpu().tolist()))
+        if self._step == 0:   # the episode's first step: the controller starts from the measured arm
+            self.bridge.reset(self._robot_obs)
+        mapped = {k: torch.from_numpy(v)[None].to(state.device)
+                  for k, v in self.bridge.policy_observation(self._robot_obs).items()}
+        return {**batch, **mapped}
+
+    def _to_robot(self, action: Tensor) -> Tensor:
+        """Robot mode: the policy's (1, 4) end-effector action -> (1, 6) joint targets (``<joint>.pos`` order)."""
+        targets = self.bridge.propose(action[0].double().cpu().numpy(), self._robot_obs, self._step)
+        self.bridge.sent(targets)
+        self._step += 1
+        return torch.from_numpy(targets.astype("float32"))[None]
+
     def _observation(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        if self.bridge is not None:
+            batch = self._from_robot(batch)
         missing = [k for k in self.input_keys if k not in batch]
         if missing:
             raise ValueError(f"observation lacks {missing} (the export's inputs: {self.input_keys}; "
@@ -104,16 +151,20 @@ class FleetmindPolicy(PreTrainedPolicy):
         return out
 
     def reset(self) -> None:
-        """Forget the episode: the history windows and the action queue (LeRobot calls it at every rollout start)."""
+        """Forget the episode: the history windows and the action queue (LeRobot calls it at every rollout start);
+        in robot mode the next step also restarts the bridge's controller from the measured arm."""
         self.runtime.reset()
+        self._step = 0
 
     @torch.no_grad()
     def select_action(self, batch: dict[str, Tensor], **_: Any) -> Tensor:
         """One control step for B environments: ``(B, action_dim)`` float32, raw units (``export.json``).
 
         Keeps the observation and executed-action windows itself and plans a chunk every ``n_action_steps`` steps.
+        Robot mode (``robot_bridge``): one robot, ``(1, 6)`` joint targets instead (see :meth:`_from_robot`).
         """
-        return self.runtime.policy.select_action(self._observation(batch))
+        action = self.runtime.policy.select_action(self._observation(batch))
+        return action if self.bridge is None else self._to_robot(action)
 
     @torch.no_grad()
     def predict_action_chunk(self, batch: dict[str, Tensor], **_: Any) -> Tensor:
@@ -121,6 +172,10 @@ class FleetmindPolicy(PreTrainedPolicy):
         episode's first step; ``select_action`` conditions on the episode's history instead)."""
         from policies.history import WindowHistory
 
+        if self.bridge is not None:
+            raise NotImplementedError(f"policy.robot_bridge={self.config.robot_bridge}: the policy acts step by step "
+                                      "(each joint target comes from the arm measured at that step); use "
+                                      "lerobot-rollout's --inference.type=sync, which calls select_action")
         pol = self.runtime.policy
         hist = WindowHistory(pol.inference_window_spec(), pol.config.action_dim)
         hist.push_obs(self._observation(batch))
