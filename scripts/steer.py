@@ -61,6 +61,10 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(f"{'steer.critic ' + repr(sc.critic) if sc.critic else 'steer.checkpoint ' + repr(str(ckpt))}"
                          f" has no success critic ({CRITIC_FILES[0]}): the actor is trained against it")
     critic, _ = found
+    if critic.image_keys:
+        raise SystemExit(f"steer: the success critic sees cameras {critic.image_keys}; noise steering "
+                         "(policies/noise_actor.py) conditions its actor on state vectors only, so it supports "
+                         "state-only critics (fert.critic.images=false)")
     torch.set_num_threads(int(c["learner"].get("torch_threads") or 1))
     policy, _ = load_checkpoint(ckpt, "cpu", with_critic=False)
     reader = ExperienceStore.open(c["store"]["url"])

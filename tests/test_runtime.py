@@ -365,3 +365,9 @@ def test_image_policy_exports_to_onnx_and_ships_a_critic_that_sees_its_camera(tm
         np.testing.assert_allclose(a, b, atol=1e-4)
         scores.append(rt.policy.chunk_sampler.last_scores.clone())
     assert not torch.allclose(scores[0], scores[1])
+    # noise steering conditions its actor on state vectors only: it refuses a critic that sees a camera, saying so
+    out = subprocess.run([sys.executable, "scripts/steer.py", f"steer.checkpoint={tmp_path / 'ckpt'}",
+                          f"store.url={tmp_path / 'store'}", f"hydra.run.dir={tmp_path / 'steer'}"],
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+                         check=False, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert out.returncode != 0 and "sees cameras ['observation.images.corner']" in out.stderr + out.stdout, out.stderr
