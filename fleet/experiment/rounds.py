@@ -71,14 +71,19 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
     succ = sum(bool(m.success) for m in eps)
     per_task = success_by_task(eps)
     steps = sum(int(m.length) for m in eps)
-    print(f"round {r}: fleet v{version}{'' if with_critic else ' (K = 1)'} {succ}/{len(eps)} successes on units {units} ({steps / max(t_fleet, 1e-9):.0f} "
-          f"env steps/s, {backend}); {retries['failures']} failures, {retries['retries']} retries recovered "
+    # the rate counts the trials run now: a resumed round finds some (or all) of its trials already in the store
+    ran = {(t["unit_id"], t["seed"]) for t in todo}
+    ran_steps = sum(int(m.length) for m in eps if (int(m.unit_id), int(m.seed)) in ran)
+    rate = ran_steps / max(t_fleet, 1e-9) if ran_steps else None
+    speed = f"{rate:.0f} env steps/s" if rate is not None else f"all {len(eps)} trials found in the store"
+    print(f"round {r}: fleet v{version}{'' if with_critic else ' (K = 1)'} {succ}/{len(eps)} successes on units {units} ({speed}, "
+          f"{backend}); {retries['failures']} failures, {retries['retries']} retries recovered "
           f"{retries['recovered']} ({_pct(retries['recovered_share'])}) {retries['per_attempt']}", flush=True)
     return {"version": version, "successes": succ, "episodes": len(eps), "per_task": per_task, "retries": retries,
             "failed_trials": [{k: f[k] for k in ("task", "unit_id", "seed")} for f in fails],
             "wall_s": wall, "times": {"fleet_s": t_fleet, "retries_s": wall - t_fleet}, "backend": backend,
             "with_critic": with_critic,
-            "env_steps": steps, "env_steps_per_s": steps / max(t_fleet, 1e-9)}
+            "env_steps": steps, "env_steps_per_s": rate}
 
 
 def _pct(x) -> str:
