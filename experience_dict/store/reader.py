@@ -873,8 +873,8 @@ class ExperienceStore:
 def copy_episodes(src: ExperienceStore, dst_url: str, episodes: Sequence[EpisodeMeta],
                   writer_id: str = "copy") -> dict[str, str]:
     """Copy committed ``episodes`` of ``src`` into the store at ``dst_url`` (created with ``src``'s spec, control
-    rate, progress keys and layout, its image codec included, if absent), step by step through an :class:`EpisodeWriter` (so the copy is
-    checksummed and committed like any fleet episode), metadata kept: unit, embodiment, task, policy version,
+    rate, progress keys and layout, its image codec included, if absent), step by step through an
+    :class:`EpisodeWriter` (so the copy is checksummed and committed like any fleet episode), metadata kept: unit, embodiment, task, policy version,
     reset seed, demo flag, start time, ``extra``, success, termination and failure onset. Used to build a
     store from a subset of another (e.g. a frozen fleet store without its failure retries, to re-explore).
 

@@ -262,6 +262,14 @@ def test_a_robot_export_drives_the_twin_as_fleetmind_deploy_bridge_does(twin_pol
             np.testing.assert_allclose(got[0].double().numpy(), want, rtol=0, atol=1e-4)
             robot.send_action(dict(zip(MOTOR_KEYS, got[0].tolist())))
         assert np.abs(robot.joint_positions() - start).max() > 0.1   # the arm moved (degrees)
+        # a NaN action holds the arm at its readings: NaN never reaches the robot
+        real = policy.runtime.policy.select_action
+        policy.runtime.policy.select_action = lambda o: torch.full((1, 4), float("nan"))
+        obs = robot.get_observation()
+        held = post(policy.select_action(pre(prepare_observation_for_inference(
+            build_dataset_frame(feats, obs, "observation"), torch.device("cpu"), "reach", robot.name))))
+        policy.runtime.policy.select_action = real
+        np.testing.assert_allclose(held[0].double().numpy(), [obs[k] for k in MOTOR_KEYS], atol=1e-4)
         with pytest.raises(ValueError, match="six joint readings|6 joint readings"):
             policy.select_action({"observation.state": torch.zeros(2, 6),
                                   "observation.images.corner": torch.zeros(2, 3, 32, 32)})

@@ -15,15 +15,19 @@ LeRobot's rollout has no fleetmind safety filter: the robot's own joint limits c
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from lerobot.configs.policies import PreTrainedConfig
 from lerobot.policies.pretrained import PreTrainedPolicy
 from torch import Tensor
 
 from lerobot_policy_fleetmind.configuration_fleetmind import POLICY_TYPE, FleetmindConfig
+
+log = logging.getLogger(__name__)
 
 TRAINING_REFUSAL = ("a fleetmind policy is trained by fleetmind (scripts/train.py, or the fleet job scripts/run.py) "
                     "and exported (scripts/export.py, then python -m lerobot_policy_fleetmind.export); LeRobot "
@@ -121,8 +125,14 @@ class FleetmindPolicy(PreTrainedPolicy):
         return {**batch, **mapped}
 
     def _to_robot(self, action: Tensor) -> Tensor:
-        """Robot mode: the policy's (1, 4) end-effector action -> (1, 6) joint targets (``<joint>.pos`` order)."""
+        """Robot mode: the policy's (1, 4) end-effector action -> (1, 6) joint targets (``<joint>.pos`` order).
+        A non-finite action holds the arm where it is measured (the targets are the joint readings), logged, as
+        fleetmind's deploy loop does; NaN never reaches the robot."""
         targets = self.bridge.propose(action[0].double().cpu().numpy(), self._robot_obs, self._step)
+        if not np.all(np.isfinite(targets)):
+            log.warning("fleetmind policy: non-finite action %s at step %d: holding the arm",
+                        action[0].tolist(), self._step)
+            targets = self.bridge.joints(self._robot_obs)
         self.bridge.sent(targets)
         self._step += 1
         return torch.from_numpy(targets.astype("float32"))[None]
