@@ -20,7 +20,7 @@ this module first (``experience_dict.store`` does), otherwise zarr reports the c
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -154,9 +154,6 @@ class VideoChunkCodec(ArrayBytesCodec):
         if self.pix_fmt == "yuv420p" and (shape[1] % 2 or shape[2] % 2):
             raise ValueError(f"codec {VIDEO}: yuv420p needs even frame sizes, given {shape[1]}x{shape[2]}; "
                              "use pix_fmt yuv444p")
-
-    def evolve_from_array_spec(self, array_spec: ArraySpec) -> Self:
-        return replace(self)
 
     def _encode_sync(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
         av = _av()
