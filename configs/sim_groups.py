@@ -125,6 +125,9 @@ class TaskConfig(TypedConfig):
     demonstrations take 64-103 steps on these tasks)."""
     steps_after_success: int = 10
     """The episode ends this many steps after the first success."""
+    stop_on_success: bool = True
+    """The simulator's success ends the episode (``steps_after_success`` later). False: only the time limit does, or
+    a deployment's success detector (``labels.source: detector``, which sets it false for the fleet's own envs)."""
     max_episode_steps_by_embodiment: dict[str, int] = field(default_factory=dict)
     """A mixed fleet's per-robot episode length, e.g. ``{sawyer: 150}`` beside ``max_episode_steps: 300`` for the
     SO-100 twin (``task=mixed``); an embodiment not named takes ``max_episode_steps``."""

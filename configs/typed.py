@@ -33,6 +33,7 @@ from fleet.experiment.job_config import JobConfig
 from fleet.fert.config import FertConfig
 from fleet.fert.learner_config import LearnerConfig
 from fleet.fleet_config import FleetConfig
+from fleet.labels_config import LabelsConfig
 from policies.noise_actor import SteerConfig
 from policies.train_config import TrainConfig
 
@@ -41,7 +42,7 @@ TYPED_GROUPS: dict[str, type] = {"learner": LearnerConfig, "steer": SteerConfig,
                                  "job": JobConfig, "sim": SimConfig, "chaos": ChaosConfig, "async_run": AsyncRunConfig,
                                  "ablate": AblateConfig, "compare": CompareConfig, "deploy": DeployConfig,
                                  "fleet": FleetConfig, "robot": RobotConfig, "obs": ObsConfig, "task": TaskConfig,
-                                 "store": StoreConfig}
+                                 "store": StoreConfig, "labels": LabelsConfig}
 
 
 def register() -> None:

@@ -79,11 +79,13 @@ class UnitEnv(gym.Env):
         if self.unit.embodiment in by:   # a mixed fleet: each robot's own episode length (set self.unit first)
             self.max_episode_steps = int(by[self.unit.embodiment])
         self.steps_after_success = int(tcfg.get("steps_after_success", 10))
+        self.stop_on_success = bool(tcfg.get("stop_on_success", True))
         limit = self.MAX_EPISODE_STEPS
         if self.max_episode_steps < 1 or (limit is not None and self.max_episode_steps > limit):
             raise ValueError(f"task.max_episode_steps: expected 1..{limit if limit is not None else 'inf'}"
                              + (f" ({self.FAMILY}'s limit)" if limit is not None else "")
                              + f", given {self.max_episode_steps}")
+        self._episode_steps = self.max_episode_steps   # restored by every reset (continue_episode changes it)
         if self.steps_after_success < 0:
             raise ValueError(f"task.steps_after_success: expected >= 0, given {self.steps_after_success}")
         if render_mode not in (None, "rgb_array"):
@@ -107,7 +109,8 @@ class UnitEnv(gym.Env):
             self._renderer = CameraRenderer(model, *self.image_hw, rotated=self.ROTATED_CAMERAS, **self._render_kw)
         self.observation_space = spaces.Dict(obs_spaces)
         self.action_space = spaces.Box(-1.0, 1.0, (ACTION_DIM,), np.float32)
-        self._t, self._done, self._first_success = 0, True, None
+        self._t, self._done, self._first_success, self._unstable = 0, True, None, False
+        self._first_reset_pending = True
         self._queue: deque = deque()
         self._monitor = StepMonitor()
         self._noise_rng = np.random.default_rng(0)
@@ -128,6 +131,38 @@ class UnitEnv(gym.Env):
     def _start_episode(self, latency_steps: int) -> None:
         """A new episode: step 0, no success yet, ``latency_steps`` hold actions queued."""
         self._queue = deque([HOLD_ACTION.copy() for _ in range(latency_steps)])
+        self._first_reset_pending = False
+        self.max_episode_steps = self._episode_steps
+        self._t, self._first_success, self._done, self._unstable = 0, None, False, False
+
+    def _ends(self) -> tuple[bool, bool]:
+        """``(terminated, truncated)`` after this step: terminated ``steps_after_success`` steps after the first
+        success when ``stop_on_success`` (``task.stop_on_success``; false: the simulator's success never ends an
+        episode, a deployment's success detector does), truncated at ``max_episode_steps`` steps."""
+        terminated = (self.stop_on_success and self._first_success is not None
+                      and self._t - self._first_success >= self.steps_after_success)
+        return bool(terminated), bool(not terminated and self._t >= self.max_episode_steps)
+
+    def continue_episode(self, max_steps: int) -> None:
+        """Start a new episode from the state where the last one ended, without a reset: nothing in the world
+        moves back (what a real robot can do after a failure: keep trying from where it is). The step count and
+        the success record start anew; the physics, the objects, the unit's pending actions and its observation
+        noise stream go on.
+
+        Args:
+            max_steps: the new episode's length at most, control steps (>= 1).
+
+        Raises:
+            RuntimeError: no episode has started since the env was made (``reset()`` first), or the last one
+                ended in a simulator fault (``sim_unstable``: the world is no longer the episode's).
+            ValueError: ``max_steps < 1``.
+        """
+        if int(max_steps) < 1:
+            raise ValueError(f"continue_episode: expected max_steps >= 1, given {max_steps}")
+        if self._unstable or self._first_reset_pending:
+            raise RuntimeError(f"{self.task} unit {self.unit.unit_id}: no episode to continue "
+                               "(call reset(); a diverged simulation cannot be continued)")
+        self.max_episode_steps = int(max_steps)
         self._t, self._first_success, self._done = 0, None, False
 
     def _command(self, action) -> tuple[np.ndarray, np.ndarray]:

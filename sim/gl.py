@@ -157,3 +157,51 @@ class CameraRenderer:
                 r.close()
             except Exception:  # noqa: BLE001, S110 - a context already torn down by the driver
                 pass
+
+
+_VISUAL_FIELDS = ("cam_pos", "cam_quat", "light_diffuse", "geom_rgba")
+
+
+class FrameGrabber:
+    """Camera frames of many envs through few GL contexts: one :class:`CameraRenderer` per task model, shared by
+    every robot unit's env of that task (a renderer per env costs a GL context each; a fleet process pools ~100 envs).
+
+    A unit varies its model's cameras, lights and colours (``sim.units.ModelVariation``); before each render those
+    fields (``cam_pos``, ``cam_quat``, ``light_diffuse``, ``geom_rgba`` and the headlight) are copied from the env's
+    own model into the shared renderer's, and the env's ``MjData`` is drawn, so a frame is what that unit's own
+    camera sees. What a robot's camera sees, for a success detector (``fleet.labels``) on a state-only policy.
+
+    Args:
+        height, width: frame size in pixels. rotated: as :class:`CameraRenderer`.
+    """
+
+    def __init__(self, height: int, width: int, rotated: frozenset[str] = ROTATED_CAMERAS) -> None:
+        self.height, self.width, self.rotated = int(height), int(width), frozenset(rotated)
+        self._renderers: dict[str, tuple[object, CameraRenderer]] = {}
+
+    def frames(self, env, cameras: list[str]) -> np.ndarray:
+        """(C, H, W, 3) uint8: ``cameras`` of ``env``'s current state (an env with ``task``, ``mj_model``,
+        ``mj_data``; corner cameras upright, as the env's own).
+
+        Raises:
+            RuntimeError: no working GL backend. KeyError: a camera the model lacks.
+        """
+        m = env.mj_model
+        key = str(getattr(env, "task", id(m)))
+        if key not in self._renderers:
+            import copy
+
+            own = copy.deepcopy(m)   # a private model: the renderer's visual fields are overwritten per env
+            rotated = getattr(env, "ROTATED_CAMERAS", self.rotated)
+            self._renderers[key] = (own, CameraRenderer(own, self.height, self.width, rotated=rotated))
+        own, r = self._renderers[key]
+        for f in _VISUAL_FIELDS:
+            getattr(own, f)[:] = getattr(m, f)
+        own.vis.headlight.diffuse[:] = m.vis.headlight.diffuse
+        return np.stack([r.render(env.mj_data, c) for c in cameras])
+
+    def close(self) -> None:
+        """Free every GL context (idempotent)."""
+        for _, r in self._renderers.values():
+            r.close()
+        self._renderers.clear()

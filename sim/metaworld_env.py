@@ -25,7 +25,7 @@ ENV_STATE_NAMES = ([f"obj1_{k}" for k in ("x", "y", "z", "q0", "q1", "q2", "q3")
                    + [f"obj2_{k}" for k in ("x", "y", "z", "q0", "q1", "q2", "q3")] + ["goal_x", "goal_y", "goal_z"])
 ACTION_NAMES = ["dx", "dy", "dz", "gripper"]
 _ENV_POS_DIMS = np.array([0, 1, 2, 7, 8, 9, 14, 15, 16])  # position entries of environment_state (noise goes here)
-MW_MAX_PATH_LENGTH = 500  # Meta-World raises past this many steps per episode
+MW_MAX_PATH_LENGTH = 500  # Meta-World's episode length limit (its benchmark's; one episode here stays within it)
 
 
 def _all_tasks() -> list[str]:
@@ -99,6 +99,7 @@ class MetaWorldEnv(UnitEnv):
         mw._freeze_rand_vec = False
         mw.seeded_rand_vec = True  # goals from mw.np_random, which reset() seeds
         mw._set_task_called = True
+        mw.max_path_length = 10**9   # this env truncates episodes itself; continue_episode() may chain them past 500
         mw.action_scale = mw.action_scale * np.asarray(self.unit.action_gain, dtype=np.float64)
         self._mw = mw
         self._variation = ModelVariation(mw.model)
@@ -139,12 +140,11 @@ class MetaWorldEnv(UnitEnv):
             info = {**self._info(mw_info), "success": False, "termination": SIM_UNSTABLE, "sim_unstable": diverged}
             info["episode_success"] = self._first_success is not None
             info["action"] = a
-            self._done = True
+            self._done = self._unstable = True
             return self._observation(), float(reward), True, False, info
         if mw_info["success"] and self._first_success is None:
             self._first_success = self._t
-        terminated = self._first_success is not None and self._t - self._first_success >= self.steps_after_success
-        truncated = not terminated and self._t >= self.max_episode_steps
+        terminated, truncated = self._ends()
         self._done = terminated or truncated
         info = self._info(mw_info)
         info["action"] = a

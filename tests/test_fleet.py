@@ -429,4 +429,4 @@ def test_vector_fleet_runs_failure_retries_tagged_and_batch_independent(tmp_path
         assert not np.allclose(acts[(s, True, 0)][:8], acts[(s, False, None)][:8])
     assert outs[1].keys() == outs[3].keys()
     for k in outs[1]:
-        np.testing.assert_allclose(outs[1][k], outs[3][k], atol=1e-5)
+        np.testing.assert_allclose(outs[1][k], outs[3][k], atol=1e-4)   # batch-size-dependent float sums: ~1e-5

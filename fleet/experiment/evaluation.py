@@ -74,7 +74,7 @@ def _embodiment_of(task: str) -> str:
 
 def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_per_task: int,
                   units: list[int] | None = None, progress: bool = True,
-                  tasks: list[str] | None = None) -> dict[str, list[dict]]:
+                  tasks: list[str] | None = None, acting=None) -> dict[str, list[dict]]:
     """Evaluate each arm's checkpoint on held-out units, one arm after the other on one set of workers.
 
     Args:
@@ -86,6 +86,8 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
         trials_per_task: episodes per task per arm, spread over ``units``.
         units: default ``cfg["robot"]["heldout_units"]``.
         tasks: default ``cfg["task"]["tasks"]``.
+        acting: a ``fleet.labels.Acting`` whose labels the episodes get (the validation gate of a fleet labelled by
+            its success detector; vectorised backend only); None: the simulator's (every held-out evaluation).
 
     Returns:
         ``{arm: [{"task", "unit_id", "seed", "success", "length", "policy_version", "episode_id", ...}, ...]}``.
@@ -143,7 +145,7 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
                     log.info("evaluating arm %s (%s) on units %s (vectorised)", arm, ckpt, units)
                     eps = [e | {"arm": arm} for e in run_plan_parallel(c, str(ckpt), plan, out / "eval_store",
                                                                       ecfg.batch_size, n_proc,
-                                                                      progress, arm, executor=ex)]
+                                                                      progress, arm, executor=ex, acting=acting)]
                     evaluated[fp] = arm
                 cache = out / "episodes" / f"{arm}.json"
                 cache.parent.mkdir(parents=True, exist_ok=True)
@@ -158,6 +160,8 @@ def evaluate_arms(cfg: dict, arms: dict[str, str], out_dir: str | Path, trials_p
         return {a: results[a] for a in arms}
     from fleet.coordinator import Fleet
 
+    if acting is not None:
+        raise ValueError("evaluate_arms: labels other than the simulator's need eval.backend=vector")
     first = next(iter(todo.values()))
     with Fleet(c, policy=str(first), units=units, tasks=tasks, store_url=str(out / "eval_store"),
                is_demo=False) as fleet:
@@ -195,16 +199,16 @@ def checkpoint_fingerprint(checkpoint: str | Path) -> str:
 
 def run_plan_parallel(cfg: dict, checkpoint: str, plan: list[dict], store_url: str | Path, batch_size: int = 32,
                       processes: int = 2, progress: bool = True, desc: str = "eval", executor=None,
-                      with_critic: bool = True) -> list[dict]:
+                      with_critic: bool = True, acting=None) -> list[dict]:
     """:func:`run_plan_vectorised` split over ``processes`` spawned processes by unit (so each unit's store shard
     has one writer), one torch thread each; summaries returned in plan order. ``processes <= 1`` runs here.
     ``executor``: a spawn-context ``ProcessPoolExecutor`` to reuse (its processes keep their envs).
-    ``with_critic``: as in :func:`run_plan_vectorised`."""
+    ``with_critic``, ``acting``: as in :func:`run_plan_vectorised`."""
     units = sorted({int(t["unit_id"]) for t in plan})
     parts = [[t for t in plan if units.index(int(t["unit_id"])) % max(processes, 1) == k] for k in range(max(processes, 1))]
     parts = [p for p in parts if p]
     if len(parts) <= 1:
-        res = run_plan_vectorised(cfg, checkpoint, plan, store_url, batch_size, 1, progress, desc, with_critic)
+        res = run_plan_vectorised(cfg, checkpoint, plan, store_url, batch_size, 1, progress, desc, with_critic, acting)
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
@@ -212,7 +216,8 @@ def run_plan_parallel(cfg: dict, checkpoint: str, plan: list[dict], store_url: s
         ex = executor or ProcessPoolExecutor(len(parts), mp_context=mp.get_context("spawn"))
         try:
             futs = [ex.submit(run_plan_vectorised, cfg, checkpoint, p, store_url, batch_size, 1, progress and k == 0,
-                              f"{desc} (1 of {len(parts)} processes)", with_critic) for k, p in enumerate(parts)]
+                              f"{desc} (1 of {len(parts)} processes)", with_critic, acting)
+                    for k, p in enumerate(parts)]
             res = [e for f in futs for e in f.result()]
         finally:
             if executor is None:
@@ -286,7 +291,7 @@ def record_rollouts(cfg: dict, checkpoint: str | Path, out_dir: str | Path, unit
 # ---------------------------------------------------------------------------------------------------- vectorised
 def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], store_url: str | Path,
                         batch_size: int = 32, torch_threads: int = 1, progress: bool = False,
-                        desc: str = "eval", with_critic: bool = True) -> list[dict]:
+                        desc: str = "eval", with_critic: bool = True, acting=None) -> list[dict]:
     """Run ``plan``'s trials with one policy in this process, ``batch_size`` envs stepped together and one
     batched policy call per step for all of them (Diffusion Policy's vectorised env runners do the same).
 
@@ -309,10 +314,14 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
         batch_size: envs per wave (>= 1). torch_threads: torch threads of this process.
         with_critic: False: a checkpoint's success critic is not installed, its weights act alone (K = 1) while
             its episodes still carry its registry version (the round's fleet with ``job.fleet_critic: false``).
+        acting: a :class:`fleet.labels.Acting`: how episodes are labelled (a deployment's success detector, or a
+            person's labels with the detector's frames recorded) and whether failures are followed by recovery
+            attempts from their final state (:func:`_step_wave`); None: the simulator labels and ends episodes.
 
     Returns:
         One summary per trial, in plan order: ``{"episode_id", "unit_id", "task", "seed", "success", "length",
-        "policy_version", "is_demo", "return", "wall_s"}``.
+        "policy_version", "is_demo", "return", "wall_s"}``; under ``acting`` also ``label_source`` and
+        ``oracle_success``, and ``recoveries`` (the recovery episodes' summaries) when there were any.
 
     Raises:
         ValueError: ``batch_size < 1``. (A non-finite action or observation, or diverging physics, ends that
@@ -329,6 +338,13 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
         raise ValueError(f"batch_size: expected >= 1, given {batch_size}")
     torch.set_num_threads(int(torch_threads))
     configure_storage({**dict(cfg.get("store") or {}), "url": str(store_url)})
+    labeller = None
+    if acting is not None:
+        from fleet.labels import Acting, OnlineLabeller
+
+        acting = acting if isinstance(acting, Acting) else Acting(**acting)
+        cfg = {**cfg, "task": acting.task_config(cfg["task"])}   # the detector, not the simulator, ends episodes
+        labeller = OnlineLabeller(acting) if acting.source in ("human", "detector") else None
     model, version, graph_batch = load_acting_policy(checkpoint, with_critic)
     if graph_batch is not None:   # an export's ONNX graph runs at the batch size it was exported for
         batch_size = graph_batch
@@ -352,18 +368,14 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
         if store is None:
             spec = envs[0].spec_dict()
             store = ExperienceStore.create_or_open(str(store_url), spec=spec, control_hz=spec.get("control_hz"))
-        steps, success, ret, length, why = _step_wave(model, envs, wave, max_steps, takes_generators)
+        segs = _step_wave(model, envs, wave, max_steps, takes_generators, acting, labeller)
         wall = (time.perf_counter() - t0) / len(wave)
         for i, tr in enumerate(wave):
             u = int(tr["unit_id"])
             if u not in writers:
                 writers[u] = store.writer(writer_id(u))
             tags = Exploration.from_dict(tr["explore"]).tags() if tr.get("explore") else {}
-            ep_id = _commit_trial(writers[u], envs[i], tr, steps[i], bool(success[i]), why[i], int(version), tags)
-            out.append({"episode_id": ep_id, "unit_id": u, "task": str(tr["task"]), "seed": int(tr["seed"]),
-                        "success": bool(success[i]), "length": int(length[i]), "policy_version": int(version),
-                        "is_demo": False, "return": float(ret[i]), "wall_s": wall, "termination": why[i],
-                        **{k: v for k, v in tags.items() if k != "exploration"}})
+            out.append(_commit_segments(writers[u], envs[i], tr, segs[i], int(version), tags, wall, acting))
         if bar is not None:
             bar.update(len(wave))
             bar.set_postfix_str(f"success={np.mean([e['success'] for e in out]):.2f}", refresh=False)
@@ -371,6 +383,8 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
         bar.close()
     for w in writers.values():
         w.close()
+    if labeller is not None:
+        labeller.close()
     return out
 
 
@@ -435,13 +449,25 @@ def _wave_envs(pool: dict[tuple[str, int], list], wave: list[dict], cfg: dict, m
     return envs
 
 
-def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_generators: bool):
+def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_generators: bool, acting=None,
+               labeller=None):
     """Reset every env of the wave with its trial's seed and step them together, one batched
-    ``model.select_action`` per step, until all are done. Returns ``(steps, success, return, length,
-    termination)``: per trial its list of store rows ``(obs, action, reward, progress)``, and arrays (B,) of
-    bool / float / int64, and a list of termination strings (as ``fleet.worker.RobotWorker.run_episode``)."""
+    ``model.select_action`` per step, until all are done.
+
+    Returns per trial the list of its episodes (segments), each ``{"steps": store rows (obs, action, reward,
+    progress), "success": the episode's label, "sim_success": the simulator's verdict, "return", "length", "why":
+    termination, "label": {"source", "fired_at", "p_max"} or None, "first_success": the simulator's first success
+    step or None, "explore": the recovery's ``fleet.worker.Exploration`` or None, "record": the labelled budget's
+    detector frames or None}``. Without ``acting`` a trial is one episode labelled by the simulator (as
+    ``fleet.worker.RobotWorker.run_episode``). With ``acting`` (:class:`fleet.labels.Acting`) and its
+    ``labeller`` (:class:`fleet.labels.OnlineLabeller`): ``source="detector"``: the detector judges every
+    ``labels.every`` steps and the episode ends ``task.steps_after_success`` steps after it fires (the env's own
+    success never ends it); ``"human"``: frames are recorded for the detector. With ``acting.recovery``, a failed
+    episode (by its label; not a fault) is followed at once by recovery attempts from the state where it ended
+    (``env.continue_episode``), each a new episode with its exploration, until one succeeds or they run out."""
     import torch
 
+    from fleet.labels import Recovery
     from fleet.rollout import step_trial
     from fleet.worker import Exploration, retry_noise_seed
 
@@ -450,39 +476,127 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
     gens = [torch.Generator().manual_seed(int(tr["seed"]) if ex is None else retry_noise_seed(int(tr["seed"]), ex.attempt))
             for tr, ex in zip(wave, explore)]
     temps = [1.0 if ex is None else ex.temperature for ex in explore]
-    kw = {"noise_scale": torch.tensor(temps, dtype=torch.float32)} if any(t != 1.0 for t in temps) else {}
+    recovery = Recovery(acting.recovery) if acting is not None and acting.recovery else None
+    detects = labeller is not None and labeller.detects
+    records = labeller is not None and acting.source == "human"
+    sas = int(getattr(envs[0], "steps_after_success", 0)) if envs else 0
     model.reset()
     B = len(wave)
     done = np.zeros(B, bool)
-    success, ret, length = np.zeros(B, bool), np.zeros(B), np.zeros(B, np.int64)
-    steps: list[list] = [[] for _ in range(B)]
-    why = ["max_steps"] * B
+    segs: list[list[dict]] = [[] for _ in range(B)]
+
+    def fresh(i: int, ex) -> dict:
+        return {"steps": [], "success": False, "sim_success": False, "return": 0.0, "length": 0, "why": "max_steps",
+                "label": None, "first_success": None, "explore": ex, "fired_at": None, "p_max": 0.0,
+                "record": ([], [], []) if records else None, "t": 0}
+
+    cur = [fresh(i, None) for i in range(B)]
     last_obs = list(obs)
+
+    def end(i: int, why: str, label: bool) -> None:
+        c = cur[i]
+        c["why"], c["success"] = why, bool(label)
+        if acting is not None:
+            c["label"] = {"source": acting.source, "fired_at": c["fired_at"], "p_max": round(float(c["p_max"]), 4)}
+        segs[i].append(c)
+        attempt = len(segs[i]) - 1      # recovery attempts so far
+        if (recovery is not None and not label and why == "truncated" and attempt < recovery.attempts):
+            ex = recovery.exploration(attempt)
+            envs[i].continue_episode(recovery.steps)
+            explore[i], temps[i] = ex, ex.temperature
+            cur[i] = fresh(i, ex)
+        else:
+            done[i] = True
+
     with torch.inference_mode():
-        for t in range(max_steps):
+        while not done.all():
             batch = {k: torch.as_tensor(np.stack([o[k] for o in last_obs])) for k in last_obs[0]}
+            kw = {"noise_scale": torch.tensor(temps, dtype=torch.float32)} if any(t != 1.0 for t in temps) else {}
             a = model.select_action(batch, generators=gens, **kw) if takes_generators else model.select_action(batch)
             acts = a.detach().cpu().numpy().astype(np.float32).reshape(B, -1)
-            for i in np.flatnonzero(~done):
+            live = np.flatnonzero(~done)
+            ended: dict[int, tuple[str, bool]] = {}
+            for i in live:
+                c = cur[i]
                 if explore[i] is not None:
-                    acts[i] = explore[i].perturb(acts[i], t, int(wave[i]["seed"]))
+                    acts[i] = explore[i].perturb(acts[i], c["t"], int(wave[i]["seed"]))
                 row, fault, stepped = step_trial(envs[i], last_obs[i], acts[i])   # the worker's fault rules
                 if row is not None:
-                    steps[i].append(row)
+                    c["steps"].append(row)
                 if fault is not None:    # a NaN/inf or diverging physics: the trial ends as a failure
-                    why[i], done[i], success[i] = fault, True, False
-                    length[i] = len(steps[i])
+                    c["length"] = len(c["steps"])
+                    ended[i] = (fault, False)
                     continue
                 nxt, r, term, trunc, info = stepped
-                success[i] |= bool(info["success"])
-                ret[i] += float(r)
-                length[i] = t + 1
+                c["t"] += 1
+                if info["success"] and c["first_success"] is None:
+                    c["first_success"] = c["t"]
+                c["sim_success"] |= bool(info["success"])
+                c["return"] += float(r)
+                c["length"] = c["t"]
                 last_obs[i] = nxt
                 if term or trunc:
-                    done[i], why[i] = True, "terminated" if term else "truncated"
-            if done.all():
-                break
-    return steps, success, ret, length, why
+                    ended[i] = ("terminated" if term else "truncated", c["sim_success"])
+                elif not segs[i] and c["t"] >= max_steps:   # the plan's length bound (a longer per-robot limit)
+                    ended[i] = ("max_steps", c["sim_success"])
+            if labeller is not None:
+                due = [i for i in live if i not in ended or ended[i][0] in ("terminated", "truncated")]
+                due = [i for i in due if labeller.due(cur[i]["t"]) and (not detects or cur[i]["fired_at"] is None)]
+                if due:
+                    frames = np.stack([labeller.frames(envs[i]) for i in due])
+                    states = np.stack([last_obs[i]["observation.state"] for i in due]).astype(np.float32)
+                    if detects:
+                        p = labeller.judge(frames, states, [str(wave[i]["task"]) for i in due])
+                        for j, i in enumerate(due):
+                            cur[i]["p_max"] = max(cur[i]["p_max"], float(p[j]))
+                            if p[j] > labeller.threshold:
+                                cur[i]["fired_at"] = cur[i]["t"]
+                    else:
+                        for j, i in enumerate(due):
+                            rec = cur[i]["record"]
+                            rec[0].append(frames[j])
+                            rec[1].append(states[j])
+                            rec[2].append(cur[i]["t"])
+            for i in live:
+                c = cur[i]
+                if i in ended and ended[i][0] not in ("terminated", "truncated"):
+                    end(i, *ended[i])          # a fault: no recovery
+                elif detects:
+                    if c["fired_at"] is not None and (c["t"] - c["fired_at"] >= sas or i in ended):
+                        end(i, "terminated" if c["t"] - c["fired_at"] >= sas else "truncated", True)
+                    elif i in ended:
+                        end(i, "truncated", False)
+                elif i in ended:
+                    end(i, *ended[i])
+    return segs
+
+
+def _commit_segments(w, env, tr: dict, segs: list[dict], version: int, tags: dict, wall: float, acting) -> dict:
+    """Commit one trial's episodes (:func:`_step_wave`'s segments) to its unit's writer ``w``; returns the trial's
+    summary (its first episode's; with recovery attempts, ``"recoveries"``: theirs). Each recovery episode names
+    the one before it in ``retry_of``; under ``acting`` every episode carries ``extra.label`` and ``extra.oracle``,
+    and a labelled-budget episode's detector frames are saved (``fleet.labels.save_record``)."""
+    from fleet.labels import save_record
+
+    out, prev = [], None
+    for k, sg in enumerate(segs):
+        seg_tags = dict(tags) if k == 0 else {**sg["explore"].tags(), "retry_of": prev, "recovery": True}
+        if acting is not None:
+            seg_tags.update(label=sg["label"], oracle={"success": bool(sg["sim_success"]),
+                                                       "first_success": sg["first_success"]})
+        ep_id = _commit_trial(w, env, tr, sg["steps"], bool(sg["success"]), sg["why"], version, seg_tags)
+        if sg["record"] is not None and ep_id is not None and sg["record"][0]:
+            save_record(acting.record_dir, ep_id, str(tr["task"]), *sg["record"], bool(sg["success"]),
+                        sg["first_success"])
+        summ = {"episode_id": ep_id, "unit_id": int(tr["unit_id"]), "task": str(tr["task"]), "seed": int(tr["seed"]),
+                "success": bool(sg["success"]), "length": int(sg["length"]), "policy_version": int(version),
+                "is_demo": False, "return": float(sg["return"]), "wall_s": wall, "termination": sg["why"],
+                **{kk: v for kk, v in seg_tags.items() if kk not in ("exploration", "label", "oracle")}}
+        if acting is not None:
+            summ.update(label_source=acting.source, oracle_success=bool(sg["sim_success"]))
+        out.append(summ)
+        prev = ep_id
+    return {**out[0], "recoveries": out[1:]} if len(out) > 1 else out[0]
 
 
 def _commit_trial(w, env, tr: dict, steps: list, success: bool, termination: str, version: int,

@@ -63,10 +63,41 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
     stages.start(f"seed {seed}: held-out evaluation of {len(arms)} arms, {c['eval']['trials_per_task']} trials per task")
     chosen = {a.name: ckpt[a.name] for a in arms}
     results = evaluate_arms(c, chosen, sd, int(c["eval"]["trials_per_task"]), units=heldout, progress=progress)
+    label_audit = stage_label_audit(c, sd, state, ckpt, heldout, progress)
     rounds_rec = [state.get(f"round_{r}") for r in range(int(c["fert"]["rounds"]))]
     curve = state.get("curve") if state.done("curve") else []
     return {"results": results, "checkpoints": chosen, "rounds": rounds_rec, "config": c, "state": state,
-            "learning_curve": curve}
+            "learning_curve": curve, "label_audit": label_audit}
+
+
+def stage_label_audit(c: dict, sd: Path, state: JobState, ckpt: dict, heldout: list[int],
+                      progress: bool = True) -> dict | None:
+    """With ``labels.source: detector``: the success detector audited on held-out units. The base and the final
+    ``fert`` weights (K = 1) play ``labels.audit_trials_per_task`` trials per task of a plan of their own (seed
+    stream ``eval.seed + 500``) with the detector labelling and ending episodes as on the fleet; its labels are
+    compared with the simulator's (``fleet.labels.label_audit``: precision, recall). Recorded as ``label_audit`` in
+    ``job_state.json``; None without the detector or the audit."""
+    from fleet.labels import Acting, label_audit
+    from fleet.labels_config import LabelsConfig
+
+    lc = LabelsConfig.from_dict(c.get("labels"))
+    if lc.source != "detector" or lc.audit_trials_per_task <= 0:
+        return None
+    if state.done("label_audit"):
+        return state.get("label_audit")
+    acting = Acting("detector", lc.to_dict(), detector_dir=str(sd / "detector"))
+    ca = {**c, "eval": {**c["eval"], "seed": int(c["eval"]["seed"]) + 500}}
+    arms = {k: ckpt[k] for k in ("base", "fert") if k in ckpt}
+    res = evaluate_arms(ca, arms, sd / "label_audit", lc.audit_trials_per_task, units=heldout, progress=progress,
+                        acting=acting)
+    eps = [e for v in res.values() for e in v]
+    rec = {"arms": {k: label_audit(v)["overall"] for k, v in res.items()}, **label_audit(eps)}
+    o = rec["overall"]
+    print(f"seed {c['seed']}: success detector on held-out units ({o['n']} episodes of {list(arms)}): precision "
+          f"{o['precision']}, recall {o['recall']}, accuracy {o['accuracy']} "
+          f"(tp {o['tp']}, fp {o['fp']}, fn {o['fn']}, tn {o['tn']})", flush=True)
+    state.mark("label_audit", rec)
+    return rec
 
 
 def run_job(cfg: DictConfig) -> None:

@@ -283,30 +283,34 @@ class VectorFleet:
         batch_size: envs stepped together per process. processes: spawned processes (1: this process).
         with_critic: False: the checkpoint's weights act alone (K = 1) even when it carries a success critic
             (``job.fleet_critic``); its episodes keep the version's number.
+        acting: a ``fleet.labels.Acting`` (labels from a person or the success detector, recovery from the failure
+            state; ``run(acting=)`` overrides it per call); None: the simulator labels and ends episodes.
     """
 
     def __init__(self, cfg: dict, checkpoint: str, store_url: str, batch_size: int = 32, processes: int = 2,
-                 with_critic: bool = True):
+                 with_critic: bool = True, acting=None):
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
         self.cfg, self.checkpoint, self.store_url = cfg, str(checkpoint), str(store_url)
         self.batch_size, self.processes = int(batch_size), max(1, int(processes))
-        self.with_critic = bool(with_critic)
+        self.with_critic, self.acting = bool(with_critic), acting
         self._ex = (ProcessPoolExecutor(self.processes, mp_context=mp.get_context("spawn"))
                     if self.processes > 1 else None)
         self.steps = 0
 
-    def run(self, plan: list[dict], progress: bool = True, desc: str = "fleet"):
+    def run(self, plan: list[dict], progress: bool = True, desc: str = "fleet", acting=None):
         """Run ``plan`` (``[{"task", "unit_id", "seed"[, "explore"]}]``); returns a namespace with ``episodes``
-        (one summary per trial, in plan order; ``fleet.experiment.evaluation.run_plan_vectorised``)."""
+        (one summary per trial, in plan order; ``fleet.experiment.evaluation.run_plan_vectorised``; a trial's
+        recovery episodes under its ``recoveries``). ``acting``: this call's, else the fleet's."""
         from types import SimpleNamespace
 
         from fleet.experiment.evaluation import run_plan_parallel
 
         eps = run_plan_parallel(self.cfg, self.checkpoint, plan, self.store_url, self.batch_size, self.processes,
-                                progress, desc, executor=self._ex, with_critic=self.with_critic) if plan else []
-        self.steps += sum(int(e["length"]) for e in eps)
+                                progress, desc, executor=self._ex, with_critic=self.with_critic,
+                                acting=acting if acting is not None else self.acting) if plan else []
+        self.steps += sum(int(e["length"]) + sum(int(x["length"]) for x in e.get("recoveries", ())) for e in eps)
         return SimpleNamespace(episodes=eps, failures=[])
 
     def close(self) -> None:

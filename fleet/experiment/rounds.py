@@ -16,8 +16,10 @@ from fleet.experiment.eval_config import EvalConfig
 from fleet.experiment.job_config import JobConfig
 from fleet.experiment.protocol import VectorFleet, failure_replay, fleet_plan, run_retries, success_by_task
 from fleet.experiment.state import JobState, Stages
+from fleet.fert.config import RetryConfig
 from fleet.fert.gate import make_validator
 from fleet.fert.learner_config import LearnerConfig
+from fleet.labels_config import LabelsConfig
 from fleet.registry import CheckpointRegistry, checkpoint_with_critic
 
 
@@ -30,8 +32,15 @@ def round_trials(reader, plan: list[dict], version: int) -> list:
             and not retry_of(m) and int(m.policy_version) == int(version)]
 
 
-def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress: bool = True) -> dict:
+def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress: bool = True,
+                sd: Path | None = None) -> dict:
     """One fleet round: the fixed plan of fleet episodes with the newest version, then failure retries.
+
+    With ``fert.retry.start: recovery`` a failure is followed at once by recovery attempts from the state where it
+    ended (no reset) instead of retries from its reset seed. With ``labels.source: detector`` the first
+    ``labels.budget_episodes`` trials of round 0 are labelled by a person (their detector frames recorded under
+    ``<sd>/detector/records``), the success detector is fitted on them (``<sd>/detector``), and it labels and ends
+    every later fleet episode (:func:`fleet_acting`).
 
     Resumable: trials already committed with that version are not run again. Returns the round's record
     (success, failures, retries and how many failures they recovered)."""
@@ -40,7 +49,10 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
     job = JobConfig.from_dict(c["job"])
     plan = fleet_plan(list(c["task"]["tasks"]), units, job.fleet_episodes_per_unit, int(c["seed"]), r)
     rcfg = dict(c["fert"].get("retry") or {})
+    recovering = RetryConfig.from_dict(rcfg).start == "recovery"
     backend, with_critic = job.fleet_backend, job.fleet_critic
+    if (recovering or LabelsConfig.from_dict(c.get("labels")).source != "sim") and backend != "vector":
+        raise ValueError("fert.retry.start=recovery and labels.source=detector need job.fleet_backend=vector")
     t0 = time.perf_counter()
     if backend == "vector":    # every unit's envs stepped in batches, one policy call per step (fleet.experiment.protocol)
         ckpt = reg.fetch(version, Path(c["fleet"]["cache_dir"]) / "fleet" / f"v{version:06d}")
@@ -52,19 +64,25 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
         fleet = Fleet(c, policy="latest", units=units, store_url=c["store"]["url"])
     else:
         raise ValueError(f"job.fleet_backend: expected 'vector' or 'ray', given {backend!r}")
+    detector = None
     with fleet:
         reader = ExperienceStore.open(c["store"]["url"])
         done = {(int(m.unit_id), int(m.seed)) for m in round_trials(reader, plan, version)}
         todo = [t for t in plan if (t["unit_id"], t["seed"]) not in done]
-        if todo:
-            fleet.run(plan=todo, progress=progress)
+        for part, acting in fleet_acting(c, r, plan, todo, sd, progress):
+            if part:
+                fleet.run(plan=part, progress=progress, **({"acting": acting} if acting is not None else {}))
+            if acting is not None and acting.source == "human":
+                detector = fit_detector_once(c, sd, progress)
         t_fleet = time.perf_counter() - t0
         reader.refresh()
         eps = round_trials(reader, plan, version)
         fails = [{"episode_id": m.episode_id, "task": m.task, "unit_id": int(m.unit_id), "seed": int(m.seed)}
                  for m in eps if not m.success]
         retries = {"failures": len(fails), "recovered": 0, "recovered_share": None, "retries": 0, "per_attempt": []}
-        if rcfg.get("enabled", True) and fails:
+        if recovering:
+            retries = recovery_record(reader, eps, heldout)
+        elif rcfg.get("enabled", True) and fails:
             retries = run_retries(fleet, fails, rcfg, heldout, len(plan), progress)
             retries["steps"] = sum(int(e.get("length", 0)) for e in retries.pop("episodes", []))
     wall = time.perf_counter() - t0
@@ -76,14 +94,113 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
     ran_steps = sum(int(m.length) for m in eps if (int(m.unit_id), int(m.seed)) in ran)
     rate = ran_steps / max(t_fleet, 1e-9) if ran_steps else None
     speed = f"{rate:.0f} env steps/s" if rate is not None else f"all {len(eps)} trials found in the store"
+    how = "recovery attempts from the failure state" if recovering else "retries"
     print(f"round {r}: fleet v{version}{'' if with_critic else ' (K = 1)'} {succ}/{len(eps)} successes on units {units} ({speed}, "
-          f"{backend}); {retries['failures']} failures, {retries['retries']} retries recovered "
+          f"{backend}); {retries['failures']} failures, {retries['retries']} {how} recovered "
           f"{retries['recovered']} ({_pct(retries['recovered_share'])}) {retries['per_attempt']}", flush=True)
-    return {"version": version, "successes": succ, "episodes": len(eps), "per_task": per_task, "retries": retries,
-            "failed_trials": [{k: f[k] for k in ("task", "unit_id", "seed")} for f in fails],
-            "wall_s": wall, "times": {"fleet_s": t_fleet, "retries_s": wall - t_fleet}, "backend": backend,
-            "with_critic": with_critic,
-            "env_steps": steps, "env_steps_per_s": rate}
+    rec = {"version": version, "successes": succ, "episodes": len(eps), "per_task": per_task, "retries": retries,
+           "failed_trials": [{k: f[k] for k in ("task", "unit_id", "seed")} for f in fails],
+           "wall_s": wall, "times": {"fleet_s": t_fleet, "retries_s": wall - t_fleet}, "backend": backend,
+           "with_critic": with_critic,
+           "env_steps": steps, "env_steps_per_s": rate}
+    if LabelsConfig.from_dict(c.get("labels")).source == "detector":
+        from fleet.labels import label_audit
+
+        reader.refresh()
+        audit = label_audit([m for m in reader.episodes(is_demo=False) if int(m.policy_version) == int(version)])
+        rec["labels"] = {"audit": audit, "detector": detector}
+        o = audit["overall"]
+        print(f"  labels: the success detector labelled {o['n']} episodes of v{version}; against the simulator "
+              f"(audit only): precision {_frac(o['precision'])}, recall {_frac(o['recall'])}, "
+              f"accuracy {_frac(o['accuracy'])}", flush=True)
+    return rec
+
+
+def fleet_acting(c: dict, r: int, plan: list[dict], todo: list[dict], sd: Path | None, progress: bool = True):
+    """The parts of a round's remaining trials ``todo`` and how each is labelled and continued: ``[(trials,
+    fleet.labels.Acting or None)]``, run in order.
+
+    ``labels.source: sim`` and no recovery: ``[(todo, None)]`` (the simulator labels; retries come after). With
+    recovery: one part whose failures are followed by recovery attempts. ``labels.source: detector``: in round 0,
+    the first ``labels.budget_episodes`` trials of the plan labelled by a person (frames recorded), then the rest
+    labelled by the detector (fitted between the two parts; :func:`fit_detector_once`); later rounds: all by it.
+
+    Raises:
+        ValueError: detector labels without a seed directory ``sd``, or a round after 0 with no fitted detector.
+    """
+    from fleet.labels import Acting
+
+    lc = LabelsConfig.from_dict(c.get("labels"))
+    retry = RetryConfig.from_dict(c["fert"].get("retry"))
+    recovery = retry.to_dict() if retry.enabled and retry.start == "recovery" else None
+    if lc.source == "sim":
+        return [(todo, Acting("sim", lc.to_dict(), recovery=recovery) if recovery else None)]
+    if sd is None:
+        raise ValueError("labels.source=detector: the round needs its seed directory for the detector")
+    det = Path(sd) / "detector"
+    acting = Acting("detector", lc.to_dict(), detector_dir=str(det), recovery=recovery)
+    if (det / "detector.json").is_file():
+        return [(todo, acting)]
+    if r != 0:
+        raise ValueError(f"labels.source=detector: round {r} found no fitted detector in {det}")
+    budget = {(t["unit_id"], t["seed"]) for t in plan[:lc.budget_episodes]}
+    human = Acting("human", lc.to_dict(), record_dir=str(det / "records"))
+    return [([t for t in todo if (t["unit_id"], t["seed"]) in budget], human),
+            ([t for t in todo if (t["unit_id"], t["seed"]) not in budget], acting)]
+
+
+def fit_detector_once(c: dict, sd: Path, progress: bool = True) -> dict:
+    """Fit the success detector on the labelled budget's records (``fleet.labels.fit_from_records``) into
+    ``<sd>/detector`` unless it is there; returns its fit record (``fit.json``)."""
+    import json
+
+    from fleet.labels import fit_from_records
+
+    det = Path(sd) / "detector"
+    if (det / "detector.json").is_file():
+        return json.loads((det / "fit.json").read_text()) if (det / "fit.json").is_file() else {}
+    out = fit_from_records(det / "records", c["labels"], list(c["task"]["tasks"]), det, seed=int(c["seed"]))
+    v = out["validation"]
+    print(f"  success detector: fitted on {out['episodes']} labelled episodes ({out['successes']} successes, "
+          f"{out['frames']} frames) in {out['fit_s']:.0f} s; threshold {out['threshold']}; on its "
+          f"{v['n']} held-out labelled episodes precision {_frac(v['precision'])}, recall {_frac(v['recall'])}",
+          flush=True)
+    return out
+
+
+def recovery_record(reader, eps: list, heldout: list[int]) -> dict:
+    """The round's recovery figures from the store: ``{"failures", "recovered", "recovered_share", "retries",
+    "per_attempt": [{"attempt", "run", "recovered"}], "steps"}`` over the fleet episodes ``eps`` of training units
+    that failed (by their labels) and the recovery episodes chained after them (``retry_of``)."""
+    from fleet.fert.contexts import retry_of
+
+    held = {int(u) for u in heldout}
+    failed = {m.episode_id for m in eps if not m.success and int(m.unit_id) not in held}
+    chains = {}
+    reader.refresh()
+    by_prev = {retry_of(m): m for m in reader.episodes(is_demo=False) if retry_of(m)}
+    for ep in failed:
+        chain, prev = [], ep
+        while prev in by_prev:
+            chain.append(by_prev[prev])
+            prev = by_prev[prev].episode_id
+        chains[ep] = chain
+    per_attempt: dict[int, list[int]] = {}
+    for chain in chains.values():
+        for m in chain:
+            cell = per_attempt.setdefault(int(m.extra.get("attempt", 0)), [0, 0])
+            cell[0] += 1
+            cell[1] += int(bool(m.success))
+    recovered = sum(any(m.success for m in chain) for chain in chains.values())
+    return {"failures": len(failed), "recovered": recovered,
+            "recovered_share": recovered / len(failed) if failed else None,
+            "retries": sum(len(ch) for ch in chains.values()),
+            "per_attempt": [{"attempt": a, "run": n, "recovered": k} for a, (n, k) in sorted(per_attempt.items())],
+            "steps": sum(int(m.length) for ch in chains.values() for m in ch)}
+
+
+def _frac(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
 
 
 def _pct(x) -> str:
@@ -101,7 +218,7 @@ def _fleet_round_and_learners(c: dict, sd: Path, seed: int, state: JobState, sta
     if state.done(f"round_{r}"):
         return
     t_round = time.perf_counter()
-    rec = fleet_round(c, r, fleet_units, heldout, progress)
+    rec = fleet_round(c, r, fleet_units, heldout, progress, sd)
     if r == rounds - 1 and after_last_fleet is not None:
         after_last_fleet()
     rec["learners"] = {}

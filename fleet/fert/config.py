@@ -61,6 +61,13 @@ class RetryConfig(TypedConfig):
     exploration, every action still the denoiser's own output)."""
     temperature_growth: float = 1.0
     """Temperature multiplied by this with every further attempt."""
+    start: str = "replay"
+    """replay: a retry resets the failed trial's world from its reset seed (a simulator's privilege) | recovery: it
+    goes on from the state where the failure ended, at once, as a real robot can (``fleet.labels.Recovery``;
+    ``experiment=deployed``)."""
+    recovery_steps: int = 150
+    """With ``start: recovery``: control steps of each recovery attempt (Meta-World episodes chain to 500 steps
+    at most per reset: 150 + 2 x 150 fits)."""
 
 
 @dataclass
@@ -137,6 +144,9 @@ class OnsetConfig(TypedConfig):
     signals: dict[str, Any] = field(default_factory=_default_signals)
     """``{progress key: [kind, scale]}``; kind level (higher is better) or distance (lower is better); see
     ``fleet/fert/failure.py`` for the choice."""
+    progress: bool = True
+    """Read the simulator's progress signals. False (``experiment=deployed``): a deployment has none, so a
+    failure's onset is its last ``window`` steps and retrieved segments are not gated on progress."""
 
 
 @dataclass
@@ -246,7 +256,7 @@ GateConfig._group, GateConfig._rules = "fert.gate", {
 RetryConfig._group, RetryConfig._rules = "fert.retry", {
     "enabled": boolean, "attempts": integer(0), "action_noise_std": number(0), "growth": number(0, open_lo=True),
     "hold_steps": POS, "max_share": number(0), "noise_temperature": number(0, open_lo=True),
-    "temperature_growth": number(0, open_lo=True)}
+    "temperature_growth": number(0, open_lo=True), "start": one_of("replay", "recovery"), "recovery_steps": POS}
 CriticConfig._group, CriticConfig._rules = "fert.critic", {
     "enabled": boolean, "candidates": POS, "members": POS, "hidden": POS, "dropout": number(0, 1), "updates": POS,
     "batch_size": POS, "lr": number(0, open_lo=True), "weight_decay": number(0), "gamma": number(0, 1, open_lo=True),
@@ -254,7 +264,7 @@ CriticConfig._group, CriticConfig._rules = "fert.critic", {
 MixConfig._group, MixConfig._rules = "fert.mix", {"retrieved": number(0), "distill": number(0), "replay": number(0)}
 DistillConfig._group, DistillConfig._rules = "fert.distill", {"enabled": boolean, "states_per_task": POS,
                                                               "batch_size": POS}
-OnsetConfig._group, OnsetConfig._rules = "fert.onset", {"tolerance": number(0)}
+OnsetConfig._group, OnsetConfig._rules = "fert.onset", {"tolerance": number(0), "progress": boolean}
 PriorityConfig._group, PriorityConfig._rules = "fert.priority", {
     "method": one_of("learnability", "uniform"), "window": POS, "floor": number(0, 1)}
 FertConfig._group, FertConfig._rules = "fert", {

@@ -89,7 +89,7 @@ class FertData:
         g = fc.gate
         self.gate = asdict(g) if g.enabled else None
         self.horizon = int(g.horizon or fc.segment_steps)
-        sig = fc.onset.signals
+        sig = fc.onset.signals if fc.onset.progress else {}   # no progress signal: last-window onsets, no gate
         self.signals = DEFAULT_SIGNALS if sig is None else {str(k): (str(v[0]), float(v[1])) for k, v in sig.items()}
         self.index = SuccessIndex(self.embedder, stride=fc.index_stride, include_demos=fc.include_demos,
                                   exclude_units=self.exclude_units, include_retries=fc.include_retries,

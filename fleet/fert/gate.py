@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fleet.fert.learner_config import LearnerConfig
+from fleet.labels_config import LabelsConfig
 
 
 def p_worse(wins: int, losses: int) -> float:
@@ -63,7 +64,8 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
     ``-learner.validate_tolerance`` *and* the one-sided exact McNemar test (candidate worse) has
     p < ``learner.validate_alpha``. A difference of two trials out of 30 is noise; without the test the gate
     rejected a candidate on 0 wins / 2 losses. The validator returns ``(chosen name or None, record)``; the
-    factory returns None when the gate is off."""
+    factory returns None when the gate is off. With ``labels.source: detector`` the trials are labelled (and ended)
+    by the fleet's success detector, not the simulator: the gate reads no label a deployment would not have."""
     from fleet.experiment.evaluation import evaluate_arms
     from fleet.experiment.tables import paired_differences
     from fleet.registry import CheckpointRegistry
@@ -73,6 +75,11 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
     if n <= 0:
         return None
     tol, alpha = float(lc.validate_tolerance), float(lc.validate_alpha)
+    acting = None   # a fleet labelled by its success detector validates on the detector's labels too
+    if LabelsConfig.from_dict(c.get("labels")).source == "detector":
+        from fleet.labels import Acting
+
+        acting = Acting("detector", dict(c["labels"]), detector_dir=str(Path(sd) / "detector"))
     task_tol, task_correction = lc.validate_task_tolerance, lc.validate_task_correction
 
     def validate(candidates: dict, r: int, policy_alone: bool = False) -> tuple[str | None, dict]:
@@ -90,7 +97,7 @@ def make_validator(c: dict, units: list[int], sd: Path, progress: bool = True):
         # last round as the candidate (or as the current version, when that round was rejected), is not run again
         # (evaluate_arms reuses a checkpoint's episodes on a plan by fingerprint)
         named = {f"round_{r}_current": str(current), **{f"round_{r}_{k}": str(p) for k, p in candidates.items()}}
-        res = evaluate_arms(cv, named, sd / "validation", n, units=units, progress=progress)
+        res = evaluate_arms(cv, named, sd / "validation", n, units=units, progress=progress, acting=acting)
         res = {k[len(f"round_{r}_"):]: eps for k, eps in res.items()}
         rate = {k: sum(bool(e["success"]) for e in eps) / max(len(eps), 1) for k, eps in res.items()}
         best = max(candidates, key=lambda k: (rate[k], -list(candidates).index(k)))

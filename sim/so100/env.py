@@ -336,13 +336,12 @@ class SO100Env(UnitEnv):
         if diverged is not None:   # MuJoCo reset the simulation (sim.stability): end the episode
             info.update(success=False, episode_success=self._first_success is not None, termination=SIM_UNSTABLE,
                         sim_unstable=diverged)
-            self._done = True
+            self._done = self._unstable = True
             return self._observation(), float(info["progress"]["unscaled_reward"]), True, False, info
         if info["success"] and self._first_success is None:
             self._first_success = self._t
             info["episode_success"] = True
-        terminated = self._first_success is not None and self._t - self._first_success >= self.steps_after_success
-        truncated = not terminated and self._t >= self.max_episode_steps
+        terminated, truncated = self._ends()
         self._done = terminated or truncated
         return self._observation(), float(info["progress"]["unscaled_reward"]), terminated, truncated, info
 

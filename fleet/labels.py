@@ -1,0 +1,327 @@
+"""The fleet's success labels as a deployment gets them, and recovery from the failure state.
+
+A real fleet has neither a simulator's success oracle nor a way to put the world back where a failed trial started.
+This module gives the vectorised fleet (``fleet.experiment.evaluation.run_plan_vectorised``) what it has instead
+(``experiment=deployed``; docs/FLEET_LEARNING.md, "The deployed preset"):
+
+* :class:`Acting`: how a plan's trials are labelled and continued: ``source`` ``"human"`` (the labelled budget:
+  the simulator's verdict and success moment stand in for a person's, and frames are recorded for the detector),
+  ``"detector"`` (the learned detector judges every ``labels.every`` steps, ends the episode
+  ``task.steps_after_success`` steps after it fires, and its verdict is the episode's ``success``) or ``"sim"``; and
+  ``recovery``: a failure is followed at once by recovery attempts that continue from the state where it ended.
+* :class:`OnlineLabeller`: the detector's frames (``sim.gl.FrameGrabber``: the unit's own cameras, shared GL
+  contexts), the firing rule and the frame recording.
+* :func:`fit_from_records`: the detector's fit on the labelled budget, its threshold chosen on held-out labelled
+  episodes; :func:`label_audit`: its labels against the simulator's (precision, recall).
+
+Every episode committed under an :class:`Acting` carries ``extra.label`` (``source``, ``fired_at``: the step the
+detector fired or None, ``p_max``) and ``extra.oracle`` (``success``: the simulator's verdict, read by the audit and
+the evaluation only, never by a learner).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fleet.labels_config import LabelsConfig
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("human", "detector", "sim")
+
+
+@dataclass
+class Acting:
+    """How a plan's trials are labelled and continued (picklable: it crosses to the fleet's spawned processes).
+
+    Args:
+        source: ``"human"`` | ``"detector"`` | ``"sim"`` (see the module docstring).
+        labels: ``labels`` config (a :class:`fleet.labels_config.LabelsConfig` mapping).
+        detector_dir: the fitted detector (``source="detector"``).
+        record_dir: where a labelled episode's detector frames go (``<episode_id>.npz``; ``source="human"``).
+        recovery: a ``fert.retry`` mapping with ``start: recovery`` to follow each failure with recovery attempts
+            from its final state; None: none.
+
+    Raises:
+        ValueError: an unknown source, or ``detector`` without a ``detector_dir``.
+    """
+
+    source: str
+    labels: dict
+    detector_dir: str | None = None
+    record_dir: str | None = None
+    recovery: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"Acting.source: expected one of {SOURCES}, given {self.source!r}")
+        if self.source == "detector" and not self.detector_dir:
+            raise ValueError("Acting: source 'detector' needs detector_dir (the fitted success detector)")
+        self.labels = LabelsConfig.from_dict(self.labels).to_dict()
+
+    @property
+    def stop_on_success(self) -> bool:
+        """Whether the simulator's success may end an episode (not when the detector labels)."""
+        return self.source != "detector"
+
+    def task_config(self, task_cfg: dict) -> dict:
+        """``task_cfg`` with ``stop_on_success`` as this labelling needs it."""
+        return {**dict(task_cfg), "stop_on_success": self.stop_on_success}
+
+
+class Recovery:
+    """Recovery attempts after a failure, from the state where it ended (``fert.retry`` with ``start: recovery``).
+
+    Attempt ``k`` (0-based) explores with held action noise ``action_noise_std * growth ** k`` and denoising-noise
+    temperature ``noise_temperature * temperature_growth ** k`` (``fleet.worker.Exploration``), for
+    ``recovery_steps`` steps; attempts stop at the first success (by the episode's label) or after ``attempts``.
+
+    Raises:
+        configs.rules.ConfigError: a bad ``fert.retry`` value.
+    """
+
+    def __init__(self, retry: dict) -> None:
+        from fleet.fert.config import RetryConfig
+
+        c = RetryConfig.from_dict(retry)
+        self.attempts, self.steps = int(c.attempts), int(c.recovery_steps)
+        self._c = c
+
+    def exploration(self, attempt: int):
+        """The ``fleet.worker.Exploration`` of attempt ``attempt`` (``retry_of`` set when it is committed)."""
+        from fleet.worker import Exploration
+
+        c = self._c
+        return Exploration(action_noise_std=c.action_noise_std * c.growth ** attempt, hold_steps=c.hold_steps,
+                           attempt=attempt, noise_temperature=c.noise_temperature * c.temperature_growth ** attempt)
+
+
+class OnlineLabeller:
+    """The detector's side of one process's vectorised fleet: frames of the unit's cameras, the detector's verdicts
+    and the labelled budget's frame records.
+
+    Args:
+        acting: :class:`Acting` (``source`` ``human``: record frames every ``labels.record_every`` steps;
+            ``detector``: judge every ``labels.every`` steps).
+    """
+
+    def __init__(self, acting: Acting) -> None:
+        from sim.gl import FrameGrabber
+
+        self.acting = acting
+        lc = LabelsConfig.from_dict(acting.labels)
+        self.cameras, self.every = list(lc.cameras), int(lc.every)
+        self.record_every = int(lc.record_every)
+        self.grabber = FrameGrabber(lc.image_size, lc.image_size)
+        self.detector = None
+        if acting.source == "detector":
+            from policies.success_detector import SuccessDetector
+
+            self.detector = SuccessDetector.load(acting.detector_dir)
+            if list(self.detector.spec.cameras) != self.cameras or self.detector.spec.image_size != lc.image_size:
+                raise ValueError(f"success detector {acting.detector_dir}: trained on cameras "
+                                 f"{self.detector.spec.cameras} at {self.detector.spec.image_size} px, configured "
+                                 f"labels.cameras {self.cameras} at {lc.image_size} px")
+
+    @property
+    def detects(self) -> bool:
+        return self.detector is not None
+
+    def due(self, seg_t: int) -> bool:
+        """Whether a segment at step ``seg_t`` (>= 1) is judged (detector) or recorded (labelled budget) now."""
+        if self.detector is not None:
+            return seg_t % self.every == 0
+        return self.acting.source == "human" and seg_t % self.record_every == 0
+
+    def frames(self, env) -> np.ndarray:
+        """(C, H, W, 3) uint8: the detector's cameras of ``env`` now."""
+        return self.grabber.frames(env, self.cameras)
+
+    def judge(self, frames: np.ndarray, states: np.ndarray, tasks: list[str]) -> np.ndarray:
+        """(B,) success probabilities of frames (B, C, H, W, 3) uint8 with proprioception (B, S) float32."""
+        import torch
+
+        idx = torch.tensor([self.detector.task_index(t) for t in tasks])
+        return self.detector.probability(torch.as_tensor(frames), torch.as_tensor(states, dtype=torch.float32),
+                                         idx).numpy()
+
+    @property
+    def threshold(self) -> float:
+        return float(self.detector.spec.threshold)
+
+    def close(self) -> None:
+        self.grabber.close()
+
+
+def save_record(record_dir: str | Path, episode_id: str, task: str, frames: list, states: list, steps: list,
+                success: bool, first_success: int | None) -> Path:
+    """Write one labelled episode's detector frames: ``<record_dir>/<episode_id>.npz`` with ``frames`` (K, C, H, W,
+    3) uint8, ``state`` (K, S) float32, ``step`` (K,) int64 (the episode step after which each frame was taken),
+    and the person's label (``success``, ``first_success``: the step of the success moment, -1 for none)."""
+    d = Path(record_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{episode_id}.npz"
+    np.savez_compressed(path, frames=np.asarray(frames, np.uint8), state=np.asarray(states, np.float32),
+                        step=np.asarray(steps, np.int64), task=np.array(str(task)), success=np.array(bool(success)),
+                        first_success=np.array(-1 if first_success is None else int(first_success)))
+    return path
+
+
+def load_records(record_dir: str | Path) -> list[dict]:
+    """Every labelled episode's record in ``record_dir`` (sorted by episode id): dicts of :func:`save_record`'s
+    arrays plus ``episode_id``.
+
+    Raises:
+        FileNotFoundError: no records there.
+    """
+    files = sorted(Path(record_dir).glob("*.npz"))
+    if not files:
+        raise FileNotFoundError(f"no labelled detector records in {record_dir}")
+    out = []
+    for f in files:
+        with np.load(f, allow_pickle=False) as z:
+            out.append({"episode_id": f.stem, **{k: z[k] for k in z.files}})
+    return out
+
+
+def frame_labels(rec: dict) -> np.ndarray:
+    """(K,) int64: 1 for a frame at or after the person's success moment of a successful episode, else 0."""
+    if not bool(rec["success"]):
+        return np.zeros(len(rec["step"]), np.int64)
+    return (rec["step"] >= int(rec["first_success"])).astype(np.int64)
+
+
+def _episode_verdicts(model, recs: list[dict], every: int) -> np.ndarray:
+    """(E,) the largest success probability over each record's frames at the fleet's judging steps."""
+    import torch
+
+    out = []
+    for r in recs:
+        keep = (r["step"] % every == 0)
+        if not keep.any():
+            keep[:] = True
+        t = torch.full((int(keep.sum()),), model.task_index(str(r["task"])))
+        out.append(float(model.probability(torch.as_tensor(r["frames"][keep]), torch.as_tensor(r["state"][keep]),
+                                           t).max()))
+    return np.asarray(out)
+
+
+def _stack(recs: list[dict], tasks: list[str]):
+    import torch
+
+    frames = torch.as_tensor(np.concatenate([r["frames"] for r in recs]))
+    state = torch.as_tensor(np.concatenate([r["state"] for r in recs]))
+    task = torch.as_tensor(np.concatenate([np.full(len(r["step"]), tasks.index(str(r["task"]))) for r in recs]))
+    label = torch.as_tensor(np.concatenate([frame_labels(r) for r in recs]))
+    return frames, state, task, label
+
+
+def binary_scores(pred, truth) -> dict[str, Any]:
+    """``{"n", "tp", "fp", "fn", "tn", "precision", "recall", "accuracy"}`` of boolean predictions against truths
+    (precision / recall None when undefined)."""
+    p, t = np.asarray(pred, bool), np.asarray(truth, bool)
+    tp, fp = int((p & t).sum()), int((p & ~t).sum())
+    fn, tn = int((~p & t).sum()), int((~p & ~t).sum())
+    return {"n": int(len(p)), "tp": tp, "fp": fp, "fn": fn, "tn": tn,
+            "precision": tp / (tp + fp) if tp + fp else None, "recall": tp / (tp + fn) if tp + fn else None,
+            "accuracy": (tp + tn) / len(p) if len(p) else None}
+
+
+def fit_from_records(record_dir: str | Path, labels: dict, tasks: list[str], out_dir: str | Path,
+                     seed: int = 0) -> dict[str, Any]:
+    """Fit the success detector on the labelled budget's records and save it to ``out_dir``.
+
+    The labelled episodes are split (seeded) into a fit part and ``labels.val_share`` held out. The detector is fitted
+    on the fit part; it judges the held-out episodes as the fleet would (largest probability over the frames at the
+    judging steps) and the threshold with the largest balanced accuracy is chosen (ties: nearest 0.5), unless
+    ``labels.threshold`` fixes it; it is saved with that threshold. (A refit on every labelled episode would cost
+    a second fit, ~1.5 min on one CPU thread.)
+
+    Returns:
+        ``{"episodes", "frames", "positives", "threshold", "validation": binary_scores of the held-out episodes,
+        "fit_s"}``.
+
+    Raises:
+        FileNotFoundError: no records. ValueError: the labelled budget lacks successes or failures.
+    """
+    import time
+
+    from policies.success_detector import DetectorSpec, fit_detector
+
+    lc = LabelsConfig.from_dict(labels)
+    t0 = time.perf_counter()
+    recs = load_records(record_dir)
+    truth = np.array([bool(r["success"]) for r in recs])
+    if truth.all() or not truth.any():
+        raise ValueError(f"success detector: the {len(recs)} labelled episodes in {record_dir} are all "
+                         f"{'successes' if truth.all() else 'failures'}; the budget must hold both")
+    rng = np.random.default_rng(int(seed))
+    order = rng.permutation(len(recs))
+    n_val = max(1, int(round(lc.val_share * len(recs))))
+    val, fit = [recs[i] for i in order[:n_val]], [recs[i] for i in order[n_val:]]
+
+    def spec() -> DetectorSpec:
+        S = int(recs[0]["state"].shape[-1])
+        return DetectorSpec(tasks=list(tasks), cameras=list(lc.cameras), image_size=lc.image_size, state_dim=S,
+                            width=lc.width)
+
+    kw = {"updates": lc.updates, "batch_size": lc.batch_size, "lr": lc.lr, "seed": int(seed)}
+    model, info = fit_detector(spec(), *_stack(fit, list(tasks)), **kw)
+    p_val = _episode_verdicts(model, val, lc.every)
+    t_val = np.array([bool(r["success"]) for r in val])
+    if lc.threshold is not None:
+        tau = float(lc.threshold)
+    else:
+        grid = np.round(np.arange(0.05, 0.96, 0.05), 2)
+
+        def balanced(tau: float) -> float:
+            s = binary_scores(p_val > tau, t_val)
+            tpr = s["tp"] / max(s["tp"] + s["fn"], 1)
+            tnr = s["tn"] / max(s["tn"] + s["fp"], 1)
+            return 0.5 * (tpr + tnr)
+
+        tau = float(max(grid, key=lambda x: (balanced(x), -abs(x - 0.5))))
+    val_scores = binary_scores(p_val > tau, t_val)
+    model.spec.threshold = tau
+    model.save(out_dir)
+    out = {"episodes": len(recs), "fit_episodes": len(fit), "successes": int(truth.sum()), "frames": info["frames"],
+           "positives": info["positives"], "threshold": tau, "validation": val_scores,
+           "fit_s": time.perf_counter() - t0}
+    (Path(out_dir) / "fit.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+def label_audit(episodes) -> dict[str, Any]:
+    """The detector's labels against the simulator's on committed episodes (``EpisodeMeta``: those whose
+    ``extra.label.source`` is ``detector``) or run summaries (``label_source`` / ``oracle_success``); overall and per
+    task.
+
+    Returns:
+        ``{"overall": binary_scores, "tasks": {task: binary_scores}}`` (``overall`` with ``n`` 0 when none).
+    """
+    rows: dict[str, list] = {}
+    for m in episodes:
+        if isinstance(m, dict):   # a run summary (fleet.experiment.evaluation.run_plan_vectorised)
+            if m.get("label_source") != "detector":
+                continue
+            rows.setdefault(str(m["task"]), []).append((bool(m["success"]), bool(m["oracle_success"])))
+            continue
+        lab, orc = (m.extra or {}).get("label") or {}, (m.extra or {}).get("oracle") or {}
+        if lab.get("source") != "detector" or "success" not in orc:
+            continue
+        rows.setdefault(str(m.task), []).append((bool(m.success), bool(orc["success"])))
+    every = [r for v in rows.values() for r in v]
+    overall = binary_scores([p for p, _ in every], [t for _, t in every])
+    return {"overall": overall, "tasks": {t: binary_scores([p for p, _ in v], [q for _, q in v])
+                                         for t, v in sorted(rows.items())}}
+
+
+def acting_dict(acting: Acting | None) -> dict | None:
+    """:class:`Acting` as a plain dict (None stays None)."""
+    return None if acting is None else asdict(acting)

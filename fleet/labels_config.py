@@ -1,0 +1,62 @@
+"""Where the fleet's success labels come from: Hydra's config group ``labels`` (typed, registered by ``configs.typed``).
+
+``labels.source: sim`` (the default) labels every fleet episode with the simulator's success and lets that success
+end the episode. ``labels.source: detector`` is what a real fleet has instead (``experiment=deployed``): the first
+``budget_episodes`` episodes of the first round are labelled by a person (the simulator's verdict and success
+moment stand in for theirs, counted as labelling effort), a success detector that sees only the robot's cameras and
+proprioception is fitted on them (``policies.success_detector``), and from then on it alone labels the fleet's
+episodes and ends them when it fires. The simulator's verdict is kept beside each label (``extra.oracle``) for the
+audit only. No torch, zarr, MuJoCo or Ray is imported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from configs.rules import POS, POS_NUMBER, TypedConfig, integer, names, number, one_of, optional
+
+
+@dataclass
+class LabelsConfig(TypedConfig):
+    """The fleet's success labels and, with ``source: detector``, the learned success detector (``fleet.labels``).
+
+    Raises:
+        configs.rules.ConfigError: (a ``ValueError``) every value out of range, ``labels.<key>: expected ..., given
+            ...``, or an unknown key.
+    """
+
+    source: str = "sim"
+    """sim: the simulator's success labels and ends fleet episodes | detector: the learned success detector does,
+    after a labelled budget."""
+    budget_episodes: int = 120
+    """Episodes of the first fleet round labelled by a person (the first of its fixed plan), the detector's
+    training set: the labelling effort a deployment pays once."""
+    cameras: list[str] = field(default_factory=lambda: ["corner", "topview"])
+    """The cameras the detector sees (the robot's, whatever the policy sees)."""
+    image_size: int = 64
+    """Detector frames are image_size x image_size pixels."""
+    every: int = 5
+    """The detector judges the current frame every this many control steps of a fleet episode."""
+    record_every: int = 2
+    """In a labelled episode, a frame is recorded for the detector's training every this many steps."""
+    val_share: float = 0.25
+    """Share of the labelled episodes held out to choose the detector's threshold (episode-level, online rule)."""
+    threshold: float | None = None
+    """Fixed firing threshold; null: chosen on the held-out labelled episodes (the largest balanced accuracy)."""
+    updates: int = 800
+    """AdamW updates of the detector's fit (~0.1 s each on one CPU thread)."""
+    batch_size: int = 64
+    """Frames per update."""
+    lr: float = 1.0e-3
+    """AdamW learning rate (cosine to 0)."""
+    width: int = 16
+    """Channels of the detector's first convolution."""
+    audit_trials_per_task: int = 50
+    """Held-out audit: trials per task of the base and the final version on held-out units with the detector
+    acting as on the fleet, its labels against the simulator's (precision, recall); 0: no audit."""
+
+
+LabelsConfig._group, LabelsConfig._rules = "labels", {
+    "source": one_of("sim", "detector"), "budget_episodes": POS, "cameras": names, "image_size": integer(16),
+    "every": POS, "record_every": POS, "val_share": number(0.05, 0.5), "threshold": optional(number(0, 1, True)),
+    "updates": POS, "batch_size": POS, "lr": POS_NUMBER, "width": POS, "audit_trials_per_task": integer(0)}
