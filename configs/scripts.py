@@ -85,6 +85,27 @@ AsyncRunConfig._group, AsyncRunConfig._rules = "async_run", {
 
 
 @dataclass
+class FleetSizeConfig(TypedConfig):
+    """``scripts/fleet_size.py``: the fleet-size sweep on a finished seed (the seed paper's figure): the main loop
+    once per fleet size, from the seed's demonstrations, base and (with ``labels.source: detector``) detector, every
+    unit running the same episodes per round; each size's ``fert`` (K = 1) and filtered BC + retries on the held-out
+    plan (``fleet.experiment.sweep.fleet_size_sweep``)."""
+
+    from_dir: str | None = None
+    """Required: the finished seed directory (``<run dir>/seed_<s>``): its config, demonstrations, base, detector."""
+    sizes: list[int] = field(default_factory=lambda: [4, 16, 64])
+    """Fleet sizes, units each (the first n of ``train_units``)."""
+    train_units: Any = "0:64"
+    """The training units the sizes draw from (a list or ``"start:stop"``; disjoint from the held-out units)."""
+    episodes_per_unit: int | None = None
+    """Episodes each unit runs per round (null: the seed's ``job.fleet_episodes_per_unit``)."""
+
+
+FleetSizeConfig._group, FleetSizeConfig._rules = "fleet_size", {
+    "sizes": int_list(1), "episodes_per_unit": optional(POS)}
+
+
+@dataclass
 class AblateConfig(TypedConfig):
     """``scripts/ablate.py``: fine-tune arm variants on a frozen fleet store and evaluate them paired, without
     running the fleet again. Every ``fert.*`` / ``learner.*`` override on the command line applies to the

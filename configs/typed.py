@@ -24,7 +24,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from configs.rules import ConfigError
-from configs.scripts import AblateConfig, AsyncRunConfig, ChaosConfig, CompareConfig, SimConfig
+from configs.scripts import (
+    AblateConfig,
+    AsyncRunConfig,
+    ChaosConfig,
+    CompareConfig,
+    FleetSizeConfig,
+    SimConfig,
+)
 from configs.sim_groups import ObsConfig, RobotConfig, TaskConfig
 from experience_dict.store.config import StoreConfig
 from fleet.deploy.config import DeployConfig
@@ -42,7 +49,7 @@ TYPED_GROUPS: dict[str, type] = {"learner": LearnerConfig, "steer": SteerConfig,
                                  "job": JobConfig, "sim": SimConfig, "chaos": ChaosConfig, "async_run": AsyncRunConfig,
                                  "ablate": AblateConfig, "compare": CompareConfig, "deploy": DeployConfig,
                                  "fleet": FleetConfig, "robot": RobotConfig, "obs": ObsConfig, "task": TaskConfig,
-                                 "store": StoreConfig, "labels": LabelsConfig}
+                                 "store": StoreConfig, "labels": LabelsConfig, "fleet_size": FleetSizeConfig}
 
 
 def register() -> None:

@@ -6,7 +6,8 @@
     python scripts/run.py hydra.run.dir=outputs/myrun   # a fixed run dir: re-running resumes finished stages
     python scripts/run.py 'job.arms=[base,filtered_bc,filtered_bc_retries,fert,fert_no_retries,fert_no_gate]'
     python scripts/run.py robot=shifted                 # demos on near-nominal units, fleet + held-out wider
-    python scripts/run.py 'job.fleet_sizes=[1,2,4]'     # + FERT per fleet size -> success_vs_fleet_size.png
+    python scripts/run.py 'job.fleet_sizes=[1,2,4]'     # + the loop per fleet size -> success_vs_fleet_size.png
+    python scripts/run.py experiment=deployed           # recovery, a learned success detector, no sim progress
 
 The protocol is fixed before any result (``fleet.experiment.protocol``): every trial's (task, unit, reset seed) comes
 from a plan that does not depend on scheduling. Per experiment seed ``s`` (``<run dir>/seed_<s>/``), stages

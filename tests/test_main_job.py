@@ -132,21 +132,25 @@ def test_main_job_tiny_end_to_end(tmp_path):
         ("fert", "base"), ("fert", "filtered_bc"), ("fert", "filtered_bc_retries")]
     assert all(r["average"]["pairs"] == 4 and r["average"]["seeds"] == 2 for r in paired["pairs"])
     assert "fert − base" in (out / "paired.md").read_text() and "resamples the seeds" in proc.stdout
-    # the fleet-size sweep: FERT per size from the demonstrations-only store, each on the held-out units
+    # the fleet-size sweep: the main loop per size from the seed's demonstrations, fert (K = 1) and filtered BC +
+    # retries of each size on the held-out units
     sweep = json.loads((out / "fleet_size.json").read_text())
-    assert set(sweep["arms"]) == {"fert_n1", "fert_n2"}
+    assert set(sweep["arms"]) == {"base", "fert_n1", "fert_n2", "filtered_bc_retries_n1", "filtered_bc_retries_n2"}
     assert all(row["average"]["trials"] == 2 for row in sweep["arms"].values())
     assert (out / "success_vs_fleet_size.png").stat().st_size > 1000
     sd = out / "seed_0"
-    n1 = [m for m in ExperienceStore.open(str(sd / "sweep" / "n1" / "store")).episodes(is_demo=False) if not retry_of(m)]
-    n2 = [m for m in ExperienceStore.open(str(sd / "sweep" / "n2" / "store")).episodes(is_demo=False) if not retry_of(m)]
-    # exactly sweep_episodes_per_unit (1) episodes per unit per round (1 round), with the base version
-    assert [(m.unit_id, m.policy_version) for m in n1] == [(0, 1)]
-    assert sorted((m.unit_id, m.policy_version) for m in n2) == [(0, 1), (1, 1)]
-    assert json.loads((out / "fleet_size_paired.json").read_text())["pairs"][0]["arm"] == "fert_n2"
-    assert not ExperienceStore.open(str(sd / "sweep" / "demo_store")).episodes(is_demo=False)
-    state = json.loads((sd / "job_state.json").read_text())
-    assert state["sweep_n2"]["per_version"] and (sd / "sweep" / "n2" / "registry").is_dir()
+    n1 = ExperienceStore.open(str(sd / "sweep" / "n1" / "store"))
+    n2 = ExperienceStore.open(str(sd / "sweep" / "n2" / "store"))
+    # exactly sweep_episodes_per_unit (1) episodes per unit per round (1 round), with the base version, after the
+    # seed's own demonstrations
+    assert [(m.unit_id, m.policy_version) for m in n1.episodes(is_demo=False) if not retry_of(m)] == [(0, 1)]
+    assert sorted((m.unit_id, m.policy_version) for m in n2.episodes(is_demo=False) if not retry_of(m)) == [
+        (0, 1), (1, 1)]
+    assert len(n1.episodes(is_demo=True)) == len(ExperienceStore.open(str(sd / "store")).episodes(is_demo=True))
+    pairs = [(p["arm"], p["baseline"]) for p in json.loads((out / "fleet_size_paired.json").read_text())["pairs"]]
+    assert ("fert_n2", "fert_n1") in pairs and ("fert_n2", "filtered_bc_retries_n2") in pairs
+    n2_state = json.loads((sd / "sweep" / "n2" / "job_state.json").read_text())
+    assert n2_state["round_0"]["episodes"] == 2 and (sd / "sweep" / "n2" / "registry").is_dir()
     assert list((out / "videos").rglob("*.mp4"))
     # an unknown arm is refused before any work
     bad = subprocess.run([sys.executable, "scripts/run.py", f"hydra.run.dir={tmp_path / 'badarm'}",

@@ -24,13 +24,12 @@ from fleet.experiment.reports import (
 )
 from fleet.experiment.rounds import stage_fleet_rounds
 from fleet.experiment.state import JobState, Stages, plain_config, seed_config
-from fleet.experiment.sweep import check_fleet_sizes, stage_sweep_snapshot, sweep_report
+from fleet.experiment.sweep import check_fleet_sizes, sweep_report
 from fleet.experiment.tables import paired_markdown, table_markdown
 from fleet.registry import CheckpointRegistry
 
 
-def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress: bool = True,
-             sweep: bool = False) -> dict:
+def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress: bool = True) -> dict:
     """Every stage of one experiment seed in ``sd`` (demonstrations, the two bases, the fleet rounds with the
     in-loop learners, the offline arms, the held-out evaluation), each skipped when ``job_state.json`` says it is
     done; returns ``{"results": {arm: episodes}, "checkpoints", "rounds", "config", "state"}``."""
@@ -47,8 +46,6 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
     reg = CheckpointRegistry(c["fleet"]["registry_url"])
     if reg.latest_version() is None:
         reg.publish(ckpt["base"], metadata={"run_id": "base", "round": -1, "kind": "base"})
-    if sweep and JobConfig.from_dict(c["job"]).fleet_sizes:
-        stage_sweep_snapshot(c, sd, state, reader)
     background: dict = {}
 
     def after_last_fleet() -> None:
@@ -139,7 +136,7 @@ def run_job(cfg: DictConfig) -> None:
     try:
         per_seed = {}
         for s in seeds:
-            per_seed[s] = run_seed(c, out / f"seed_{s}", s, arms, stages, sweep=s == seeds[0])
+            per_seed[s] = run_seed(c, out / f"seed_{s}", s, arms, stages)
         table, paired, fmt = write_reports(c, out, per_seed, arms, seeds, heldout, fleet_units, demo_units, units_md,
                                            time.perf_counter() - t_start)
         if sizes:

@@ -71,10 +71,11 @@ class JobConfig(TypedConfig):
     video_episodes: int = 8
     """Held-out episodes rendered at most per arm while looking for those videos."""
     fleet_sizes: list[int] | None = None
-    """E.g. ``[1, 2, 4]``: FERT rerun per fleet size (units from ``robot.train_units``), evaluated on the held-out
-    units -> ``fleet_size.md/json``, ``success_vs_fleet_size.png`` (null: no sweep)."""
+    """E.g. ``[1, 2, 4]``: after the first seed, the main loop again per fleet size (units from
+    ``robot.train_units``; ``fleet.experiment.sweep``), fert (K = 1) and filtered BC per size on the held-out units
+    -> ``fleet_size.md/json``, ``success_vs_fleet_size.png`` (null: no sweep)."""
     sweep_episodes_per_unit: int = 20
-    """Fleet-size sweep: episodes each unit runs per FERT round, exactly (a fixed collection per robot)."""
+    """Fleet-size sweep: episodes each unit runs per round, exactly (a fixed collection per robot)."""
 
 
 JobConfig._group, JobConfig._rules = "job", {

@@ -1,19 +1,22 @@
-"""The fleet-size sweep (``job.fleet_sizes``, on the first seed): FERT once per fleet size from the
-demonstrations-only store, each unit running the same episodes per round, every size evaluated on the held-out
-units (``fleet_size.md/json``, ``fleet_size_paired.md/json``, ``success_vs_fleet_size.png``)."""
+"""The fleet-size sweep (``job.fleet_sizes`` on the first seed, or ``scripts/fleet_size.py`` on a finished seed): the
+main loop once per fleet size, each unit running the same episodes per round, every size's ``fert`` (K = 1) and
+filtered BC on its own store evaluated on the held-out units (``fleet_size.md/json``, ``fleet_size_paired.md/json``,
+``success_vs_fleet_size.png``)."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import shutil
-import time
 from pathlib import Path
 
-from experience_dict.store import ExperienceStore
-from fleet.coordinator import Fleet
+from experience_dict.store import ExperienceStore, copy_episodes
+from fleet.experiment.arms import get_arms
 from fleet.experiment.evaluation import evaluate_arms
 from fleet.experiment.job_config import JobConfig
-from fleet.experiment.protocol import run_retries
-from fleet.experiment.state import JobState
+from fleet.experiment.offline import stage_offline_arms
+from fleet.experiment.rounds import stage_fleet_rounds
+from fleet.experiment.state import JobState, Stages, seed_config
 from fleet.experiment.tables import (
     paired_differences,
     plot_success_per_round,
@@ -22,8 +25,9 @@ from fleet.experiment.tables import (
     write_paired,
     write_table,
 )
-from fleet.fert.learner import FertLearner
 from fleet.registry import CheckpointRegistry
+
+SWEEP_ARMS = ("fert", "filtered_bc_retries")
 
 
 def check_fleet_sizes(sizes: list[int], train_units: list[int]) -> None:
@@ -34,124 +38,97 @@ def check_fleet_sizes(sizes: list[int], train_units: list[int]) -> None:
                          f"{len(train_units)} units: {train_units}); add training units or drop those sizes")
 
 
-def stage_sweep_snapshot(c: dict, sd: Path, state: JobState, reader) -> None:
-    """For the fleet-size sweep: a copy of the store holding the demonstrations only, taken once before any fleet
-    episode (every fleet size starts from it).
-
-    Raises:
-        SystemExit: the run directory already holds fleet episodes.
-    """
-    if state.done("demo_snapshot"):
-        return
-    if state.done("round_0") or reader.episodes(is_demo=False):
-        raise SystemExit(f"job.fleet_sizes: {sd} already holds fleet episodes; run the sweep in a fresh run dir "
-                         "(hydra.run.dir=...) so every fleet size starts from the demonstrations only")
-    snap = sd / "sweep" / "demo_store"
-    shutil.rmtree(snap, ignore_errors=True)
-    shutil.copytree(c["store"]["url"], snap)
-    state.mark("demo_snapshot", str(snap))
-
-
 def sweep_report(seed_run: dict, sd: Path, out: Path, sizes: list[int], train_units: list[int],
-                 heldout: list[int]) -> None:
-    """The fleet-size sweep on the first seed (``fleet_size_sweep``) and its outputs: ``fleet_size.md/json``,
-    ``fleet_size_paired.md/json``, ``success_vs_fleet_size.png``."""
-    sweep = fleet_size_sweep(seed_run["config"], sd, seed_run["state"], sizes, seed_run["checkpoints"]["base"],
-                             train_units, heldout)
+                 heldout: list[int]) -> dict:
+    """The fleet-size sweep on a seed (``fleet_size_sweep``) and its outputs in ``out``: ``fleet_size.md/json``,
+    ``fleet_size_paired.md/json``, ``success_vs_fleet_size.png``. Returns the sweep."""
+    sweep = fleet_size_sweep(seed_run["config"], sd, sizes, seed_run["checkpoints"]["base"], train_units, heldout)
     write_table(sweep["table"], out, "fleet_size")
     write_paired(sweep["paired"], out, "fleet_size_paired")
     plot_success_per_round(sweep["history"], out / "success_vs_fleet_size.png", x="fleet_size",
-                           title="held-out success of FERT against fleet size")
+                           title="held-out success against fleet size (episodes per unit fixed)")
     print("\nheld-out success against fleet size:\n" + table_markdown(sweep["table"]), flush=True)
+    return sweep
 
 
-def fleet_size_sweep(c: dict, out: Path, state: JobState, sizes: list[int], base_ckpt: str,
-                     train_units: list[int], heldout: list[int]) -> dict:
-    """FERT once per fleet size, each from the demonstrations-only store, evaluated on the held-out units.
+def size_config(c: dict, sub: Path, n: int, per_unit: int) -> dict:
+    """The seed's config ``c`` for a fleet of ``n`` units in ``sub``: its own store, registry and cache; ``n`` units
+    running ``per_unit`` episodes each per round; no per-round learning curve (the sizes are compared at the end)."""
+    cn = seed_config(c, sub, int(c["seed"]))
+    return {**cn, "fleet": {**cn["fleet"], "units": int(n)},
+            "job": {**cn["job"], "fleet_episodes_per_unit": int(per_unit), "curve_trials_per_task": 0,
+                    "overlap_offline_arms": False}}
+
+
+def fleet_size_sweep(c: dict, sd: Path, sizes: list[int], base_ckpt: str, train_units: list[int],
+                     heldout: list[int], progress: bool = True) -> dict:
+    """The main loop once per fleet size, from the seed's demonstrations and base, evaluated on the held-out units.
 
     As in "Learning from Fleet Experience" (success against fleet size at a fixed collection time per robot),
-    collection per robot is fixed, here exactly: every round, each of the ``n`` units runs
-    ``job.sweep_episodes_per_unit`` episodes with the current policy version, then the learner runs its FERT
-    round on the store and publishes the next version. So a fleet of ``n`` units feeds every round ``n`` times
-    the experience of one unit. (The main run's concurrent fleet cannot fix that: on a fixed number of CPU
-    cores, units share the cores, and the fleet's total episodes per round would not grow with ``n``.)
-    Everything else (rounds, updates per round, base policy, evaluation plan) is the main run's. Each size
-    runs in ``<out>/sweep/n<n>/`` (own store copied from ``sweep/demo_store``, registry, learner) and is a
-    resumable stage ``sweep_n<n>`` of ``job_state.json``; a size interrupted mid-round resumes its learner from
-    its checkpoint and tops its units up to the round's episode count.
+    collection per robot is fixed, exactly: every round each of the ``n`` units (the first ``n`` of
+    ``train_units``) runs ``job.sweep_episodes_per_unit`` episodes of the fixed plan with the newest version
+    (``fleet.experiment.rounds.fleet_round``: the same retries or recovery attempts, the same labels, the same
+    detector as the seed when it has one), then the ``fert`` learner runs its round and the gate publishes; after
+    ``fert.rounds`` rounds, filtered BC + retries is fine-tuned on that size's store with the same budget. So a fleet
+    of ``n`` units feeds every round ``n`` times the experience of one unit. Each size runs in
+    ``<sd>/sweep/n<n>/`` (its store starts with a copy of the seed's demonstrations; ``job_state.json`` of its own,
+    so it resumes from its last finished stage). Every size's ``fert`` (the newest version's weights alone, K = 1)
+    and ``filtered_bc_retries`` and the base play the seed's held-out plan.
 
     Returns:
-        ``{"table": success_table of arms "fert_n<n>", "history": {"FERT (held-out)": [{"fleet_size",
-        "successes", "trials"}]}, "paired": paired_differences of every size against the smallest}``.
+        ``{"table": success_table of "base", "fert_n<n>", "filtered_bc_retries_n<n>", "history": {"fert (K = 1)":
+        [{"fleet_size", "successes", "trials"}], "filtered BC + retries": [...]}, "paired": each size against the
+        next smaller one and fert against filtered BC per size, "sizes": {n: {"fleet_episodes", "rounds"}}}``.
+
+    Raises:
+        ValueError: a size outside ``[1, len(train_units)]``.
     """
+    check_fleet_sizes(sizes, train_units)
     per_unit = JobConfig.from_dict(c["job"]).sweep_episodes_per_unit
-    rounds = int(c["fert"]["rounds"])
-    arms = {}
-    for n in sizes:
-        sub = out / "sweep" / f"n{n}"
-        stage = f"sweep_n{n}"
-        units = train_units[:n]
-        cs = {**c, "store": {**c["store"], "url": str(sub / "store")},
-              "fleet": {**c["fleet"], "registry_url": str(sub / "registry"), "cache_dir": str(sub / "cache")},
-              # the fleet idles while the learner trains (learner.torch_threads as configured: 2 threads trained ~2x
-              # slower than 1 on the 2-core machine, docs/RESULTS.md experiment 26)
-              "learner": {**c["learner"], "min_new_episodes": 0, "max_wait_s": 0}}
-        if not state.done(stage):
-            state.mark(stage, _sweep_size(cs, sub, n, units, state.get("demo_snapshot"), base_ckpt, per_unit, rounds,
-                                          heldout))
-        arms[f"fert_n{n}"] = state.get(stage)["checkpoint"]
-    results = evaluate_arms(c, arms, out / "sweep", int(c["eval"]["trials_per_task"]), units=heldout)
+    seed = int(c["seed"])
+    demos = ExperienceStore.open(c["store"]["url"])
+    arms = get_arms(list(SWEEP_ARMS))
+    chosen: dict[str, str] = {"base": str(base_ckpt)}
+    sizes_rec: dict[str, dict] = {}
+    for n in sorted(sizes):
+        sub = sd / "sweep" / f"n{n}"
+        cn = size_config(c, sub, n, per_unit)
+        units = list(train_units[:n])
+        if not (sub / "store").exists():   # the seed's demonstrations only: every size starts from them
+            copy_episodes(demos, str(sub / "store"), demos.episodes(is_demo=True))
+        if (sd / "detector").is_dir() and not (sub / "detector").exists():   # the labelling effort is paid once
+            shutil.copytree(sd / "detector", sub / "detector")
+        reg = CheckpointRegistry(cn["fleet"]["registry_url"])
+        if reg.latest_version() is None:
+            reg.publish(base_ckpt, metadata={"run_id": "base", "round": -1, "kind": "base"})
+        state = JobState(sub / "job_state.json")
+        stages = Stages([5] * int(cn["fert"]["rounds"]) + [2])
+        print(f"\nfleet-size sweep: {n} unit(s) x {per_unit} episodes per round, {cn['fert']['rounds']} rounds "
+              f"({sub})", flush=True)
+        ckpt = {"base": str(base_ckpt)}
+        stage_fleet_rounds(cn, sub, seed, state, stages, [a for a in arms if a.in_loop], ckpt, units, heldout, reg,
+                           progress)
+        stage_offline_arms(cn, sub, seed, state, stages, [a for a in arms if not a.in_loop], ckpt,
+                           ExperienceStore.open(cn["store"]["url"]), heldout)
+        for a in SWEEP_ARMS:
+            chosen[f"{a}_n{n}"] = str(ckpt[a])
+        fleet_eps = ExperienceStore.open(cn["store"]["url"]).episodes(is_demo=False)
+        sizes_rec[str(n)] = {"fleet_episodes": len(fleet_eps), "units": units,
+                             "rounds": [state.get(f"round_{r}") for r in range(int(cn["fert"]["rounds"]))]}
+    results = evaluate_arms(c, chosen, sd / "sweep", int(c["eval"]["trials_per_task"]), units=heldout,
+                            progress=progress)
     table = success_table(results)
-    table["meta"] = {"fleet_sizes": sizes, "episodes_per_unit_per_round": per_unit, "rounds": rounds,
-                     "held_out_units": heldout, "trials_per_task": int(c["eval"]["trials_per_task"]),
-                     "checkpoints": arms,
-                     "fleet_episodes": {f"fert_n{n}": state.get(f"sweep_n{n}")["fleet_episodes"] for n in sizes}}
-    history = {"FERT (held-out)": [{"fleet_size": n, "successes": table["arms"][f"fert_n{n}"]["average"]["successes"],
-                                    "trials": table["arms"][f"fert_n{n}"]["average"]["trials"]} for n in sizes]}
-    smallest = f"fert_n{min(sizes)}"
-    paired = paired_differences(results, [(a, smallest) for a in arms if a != smallest])
-    return {"table": table, "history": history, "paired": paired}
-
-
-def _sweep_size(cs: dict, sub: Path, n: int, units: list[int], demo_snapshot: str, base_ckpt: str, per_unit: int,
-                rounds: int, heldout: list[int]) -> dict:
-    """One fleet size of ``fleet_size_sweep`` in ``sub``: ``rounds`` rounds of ``per_unit`` episodes on each of
-    ``units`` (topped up after an interruption), failure retries, one FERT round each. Returns the stage record
-    ``{"checkpoint", "fleet_episodes", "wall_s", "per_version", "learner"}``."""
-    from fleet.fert.contexts import retry_of
-
-    if not (sub / "store").exists():
-        shutil.copytree(demo_snapshot, sub / "store")
-    reg = CheckpointRegistry(cs["fleet"]["registry_url"])
-    if reg.latest_version() is None:
-        reg.publish(base_ckpt, metadata={"run_id": "base", "round": -1, "kind": "base"})
-    print(f"fleet-size sweep: FERT with {n} unit(s), {per_unit} episodes per unit per round", flush=True)
-    t0 = time.perf_counter()
-    learner = FertLearner(cs, cs["store"]["url"], cs["fleet"]["registry_url"], str(sub / "learner_fert"),
-                          base_ckpt, run_id=f"fert_n{n}")
-    with Fleet(cs, policy="latest", units=units, store_url=cs["store"]["url"]) as fleet:
-        while learner.state["round"] < rounds:
-            version = reg.latest_version()
-            reader = ExperienceStore.open(cs["store"]["url"])
-            done = min(sum(1 for m in reader.episodes(unit_id=u, is_demo=False)
-                           if int(m.policy_version) == version and not retry_of(m)) for u in units)
-            if per_unit - done > 0:
-                res = fleet.run(episodes_per_unit=per_unit - done)
-                fails = [e for e in res.episodes if not e["success"]]
-                rcfg = dict(cs["fert"].get("retry") or {})
-                if fails and rcfg.get("enabled", True):
-                    run_retries(fleet, fails, rcfg, heldout, len(res.episodes))
-            learner.run_round()
-    reader = ExperienceStore.open(cs["store"]["url"])
-    eps = [{"policy_version": m.policy_version, "success": m.success} for m in reader.episodes(is_demo=False)]
-    return {"checkpoint": learner.final_checkpoint(), "fleet_episodes": len(eps), "wall_s": time.perf_counter() - t0,
-            "per_version": _per_version(eps), "learner": learner.status()}
-
-
-def _per_version(episodes: list[dict]) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for e in episodes:
-        s = out.setdefault(str(int(e["policy_version"])), [0, 0])
-        s[0] += int(bool(e["success"]))
-        s[1] += 1
-    return out
+    table["meta"] = {"fleet_sizes": sorted(sizes), "episodes_per_unit_per_round": per_unit,
+                     "rounds": int(c["fert"]["rounds"]), "held_out_units": heldout,
+                     "trials_per_task": int(c["eval"]["trials_per_task"]), "checkpoints": chosen,
+                     "fleet_episodes": {n: r["fleet_episodes"] for n, r in sizes_rec.items()}}
+    names = {"fert": "fert (K = 1)", "filtered_bc_retries": "filtered BC + retries"}
+    history = {names[a]: [{"fleet_size": n, **{k: table["arms"][f"{a}_n{n}"]["average"][k]
+                                               for k in ("successes", "trials")}} for n in sorted(sizes)]
+               for a in SWEEP_ARMS}
+    order = sorted(sizes)
+    pairs = [(f"{a}_n{n}", f"{a}_n{m}") for a in SWEEP_ARMS for m, n in itertools.pairwise(order)]
+    pairs += [(f"fert_n{n}", f"filtered_bc_retries_n{n}") for n in order] + [(f"fert_n{n}", "base") for n in order]
+    paired = paired_differences(results, pairs)
+    (sd / "sweep" / "sizes.json").write_text(json.dumps(sizes_rec, indent=1, default=str))
+    return {"table": table, "history": history, "paired": paired, "sizes": sizes_rec}
