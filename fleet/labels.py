@@ -228,7 +228,7 @@ def binary_scores(pred, truth) -> dict[str, Any]:
     p, t = np.asarray(pred, bool), np.asarray(truth, bool)
     tp, fp = int((p & t).sum()), int((p & ~t).sum())
     fn, tn = int((~p & t).sum()), int((~p & ~t).sum())
-    return {"n": int(len(p)), "tp": tp, "fp": fp, "fn": fn, "tn": tn,
+    return {"n": len(p), "tp": tp, "fp": fp, "fn": fn, "tn": tn,
             "precision": tp / (tp + fp) if tp + fp else None, "recall": tp / (tp + fn) if tp + fn else None,
             "accuracy": (tp + tn) / len(p) if len(p) else None}
 
@@ -263,7 +263,7 @@ def fit_from_records(record_dir: str | Path, labels: dict, tasks: list[str], out
                          f"{'successes' if truth.all() else 'failures'}; the budget must hold both")
     rng = np.random.default_rng(int(seed))
     order = rng.permutation(len(recs))
-    n_val = max(1, int(round(lc.val_share * len(recs))))
+    n_val = max(1, round(lc.val_share * len(recs)))
     val, fit = [recs[i] for i in order[:n_val]], [recs[i] for i in order[n_val:]]
 
     def spec() -> DetectorSpec:
