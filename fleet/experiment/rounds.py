@@ -107,6 +107,8 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
         from fleet.labels import label_audit
 
         reader.refresh()
+        if detector is None and r == 0:   # a resumed round 0 fitted its detector before: its record
+            detector = fit_detector_once(c, sd, progress)
         audit = label_audit([m for m in reader.episodes(is_demo=False) if int(m.policy_version) == int(version)])
         rec["labels"] = {"audit": audit, "detector": detector}
         o = audit["overall"]
