@@ -151,6 +151,7 @@ def test_main_job_tiny_end_to_end(tmp_path):
     assert ("fert_n2", "fert_n1") in pairs and ("fert_n2", "filtered_bc_retries_n2") in pairs
     n2_state = json.loads((sd / "sweep" / "n2" / "job_state.json").read_text())
     assert n2_state["round_0"]["episodes"] == 2 and (sd / "sweep" / "n2" / "registry").is_dir()
+    state = json.loads((sd / "job_state.json").read_text())
     assert list((out / "videos").rglob("*.mp4"))
     # an unknown arm is refused before any work
     bad = subprocess.run([sys.executable, "scripts/run.py", f"hydra.run.dir={tmp_path / 'badarm'}",
