@@ -238,7 +238,9 @@ def test_second_process_waits_for_the_shard_then_continues_the_seeds(tmp_path, c
 
     th = threading.Thread(target=second)
     th.start()
-    time.sleep(1.5)
+    deadline = time.monotonic() + 30.0   # the second worker's message, however loaded the machine (1.5 s flaked)
+    while "waits up to" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert "w" not in got and f"pid {os.getpid()}" in caplog.text and "waits up to" in caplog.text
     a.run_episode()                                   # committed while the second one waits
     a.close()
