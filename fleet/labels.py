@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -321,7 +321,3 @@ def label_audit(episodes) -> dict[str, Any]:
     return {"overall": overall, "tasks": {t: binary_scores([p for p, _ in v], [q for _, q in v])
                                          for t, v in sorted(rows.items())}}
 
-
-def acting_dict(acting: Acting | None) -> dict | None:
-    """:class:`Acting` as a plain dict (None stays None)."""
-    return None if acting is None else asdict(acting)

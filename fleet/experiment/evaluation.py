@@ -485,12 +485,12 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
     done = np.zeros(B, bool)
     segs: list[list[dict]] = [[] for _ in range(B)]
 
-    def fresh(i: int, ex) -> dict:
+    def fresh(ex) -> dict:
         return {"steps": [], "success": False, "sim_success": False, "return": 0.0, "length": 0, "why": "max_steps",
                 "label": None, "first_success": None, "explore": ex, "fired_at": None, "p_max": 0.0,
                 "record": ([], [], []) if records else None, "t": 0}
 
-    cur = [fresh(i, None) for i in range(B)]
+    cur = [fresh(None) for _ in range(B)]
     last_obs = list(obs)
 
     def end(i: int, why: str, label: bool) -> None:
@@ -504,7 +504,7 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
             ex = recovery.exploration(attempt)
             envs[i].continue_episode(recovery.steps)
             explore[i], temps[i] = ex, ex.temperature
-            cur[i] = fresh(i, ex)
+            cur[i] = fresh(ex)
         else:
             done[i] = True
 
