@@ -67,7 +67,10 @@ class Acting:
 
     @property
     def stop_on_success(self) -> bool:
-        """Whether the simulator's success may end an episode (not when the detector labels)."""
+        """Whether the simulator's success may end an episode (not when the detector labels, nor in a labelled
+        episode with ``labels.budget_full_length``)."""
+        if self.source == "human":
+            return not bool(self.labels.get("budget_full_length", False))
         return self.source != "detector"
 
     def task_config(self, task_cfg: dict) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from configs.rules import POS, POS_NUMBER, TypedConfig, integer, names, number, one_of, optional
+from configs.rules import POS, POS_NUMBER, TypedConfig, boolean, integer, names, number, one_of, optional
 
 
 @dataclass
@@ -39,6 +39,9 @@ class LabelsConfig(TypedConfig):
     """The detector judges the current frame every this many control steps of a fleet episode."""
     record_every: int = 2
     """In a labelled episode, a frame is recorded for the detector's training every this many steps."""
+    budget_full_length: bool = False
+    """Labelled-budget episodes run their whole time budget after the person's success mark (the simulator's success
+    does not end them): about 15x the detector's positive frames, and frames of what a robot does after success."""
     val_share: float = 0.25
     """Share of the labelled episodes held out to choose the detector's threshold (episode-level, online rule)."""
     threshold: float | None = None
@@ -58,5 +61,5 @@ class LabelsConfig(TypedConfig):
 
 LabelsConfig._group, LabelsConfig._rules = "labels", {
     "source": one_of("sim", "detector"), "budget_episodes": POS, "cameras": names, "image_size": integer(16),
-    "every": POS, "record_every": POS, "val_share": number(0.05, 0.5), "threshold": optional(number(0, 1, True)),
+    "every": POS, "record_every": POS, "budget_full_length": boolean, "val_share": number(0.05, 0.5), "threshold": optional(number(0, 1, True)),
     "updates": POS, "batch_size": POS, "lr": POS_NUMBER, "width": POS, "audit_trials_per_task": integer(0)}

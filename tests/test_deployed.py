@@ -323,3 +323,22 @@ def test_fleet_size_sweep_holds_the_episodes_per_unit_fixed(tmp_path):
         assert {t["task"] for t in plan} == set(tasks)
     with pytest.raises(ValueError, match="outside"):
         check_fleet_sizes([4, 64], list(range(16)))
+
+
+def test_labelled_budget_episodes_can_run_their_whole_time_budget(tmp_path):
+    """``labels.budget_full_length``: a labelled episode is not ended by the simulator's success; it runs to
+    ``task.max_episode_steps`` and its detector frames are recorded to the end (the person's mark stays the first
+    success)."""
+    from fleet.experiment.protocol import VectorFleet
+    from fleet.labels import Acting, load_records
+
+    assert Acting("human", {}).stop_on_success and not Acting("human", {"budget_full_length": True}).stop_on_success
+    ckpt = tiny_aed_checkpoint(tmp_path / "a", seed=0, perturb=0.3)
+    c = _plain(make_cfg(tmp_path, "task.tasks=[reach-v3]", "task.max_episode_steps=12"))
+    plan = [{"task": "reach-v3", "unit_id": u, "seed": 40 + u} for u in (0, 1)]
+    acting = Acting("human", {"budget_full_length": True, "record_every": 3}, record_dir=str(tmp_path / "rec"))
+    with VectorFleet(c, str(ckpt), str(tmp_path / "store"), batch_size=2, processes=1, acting=acting) as vf:
+        eps = vf.run(plan=plan, progress=False).episodes
+    assert [e["length"] for e in eps] == [12, 12]
+    recs = load_records(tmp_path / "rec")
+    assert len(recs) == 2 and all(list(r["step"]) == [3, 6, 9, 12] for r in recs)
