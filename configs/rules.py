@@ -31,9 +31,10 @@ def integer(lo: int | None = None) -> Rule:
     return rule
 
 
-def number(lo: float | None = None, hi: float | None = None, open_lo: bool = False) -> Rule:
+def number(lo: float | None = None, hi: float | None = None, open_lo: bool = False, finite: bool = False) -> Rule:
     def rule(v):
         ok = not isinstance(v, bool) and isinstance(v, int | float) and not math.isnan(v)
+        ok = ok and (not finite or math.isfinite(v))
         if ok and lo is not None:
             ok = v > lo if open_lo else v >= lo
         if ok and hi is not None:
@@ -41,7 +42,7 @@ def number(lo: float | None = None, hi: float | None = None, open_lo: bool = Fal
         if ok:
             return None
         rng = (f" > {lo}" if open_lo else f" >= {lo}") if lo is not None else ""
-        return "a number" + rng + (f" and <= {hi}" if hi is not None else "")
+        return ("a finite number" if finite else "a number") + rng + (f" and <= {hi}" if hi is not None else "")
     return rule
 
 
@@ -74,6 +75,8 @@ def names(v) -> str | None:
 
 POS = integer(1)
 POS_NUMBER = number(0, open_lo=True)
+FINITE_POS = number(0, open_lo=True, finite=True)
+"""A positive, finite number: a limit that ``inf`` must not switch off (an explicit null does, with its warning)."""
 
 
 def check_fields(obj: Any, rules: Mapping[str, Rule], prefix: str) -> list[str]:

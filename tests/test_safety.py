@@ -158,3 +158,17 @@ def test_watchdog_calls_run_in_one_worker_thread_and_errors_propagate():
         Watchdog(deadline_s=1.0, hang_s=0.5)
     wd.close()
     hung.close()
+
+
+@pytest.mark.parametrize("key", ["max_step_deg", "max_step_gripper", "deadline_s", "hang_s"])
+def test_inf_cannot_switch_a_safety_limit_off_silently(key):
+    """``inf`` would switch a limit off without the warning an explicit null gets: the config check refuses it,
+    naming the key; null (where allowed) stays the way to switch a limit off."""
+    from configs.rules import ConfigError
+    from fleet.deploy.config import SafetyConfig
+
+    with pytest.raises(ConfigError, match=rf"deploy\.safety\.{key}: expected .*finite"):
+        SafetyConfig.from_dict({key: float("inf")})
+    assert getattr(SafetyConfig.from_dict({key: 1.5}), key) == 1.5
+    if key != "hang_s":
+        assert getattr(SafetyConfig.from_dict({key: None}), key) is None

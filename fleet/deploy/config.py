@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from configs.rules import POS, POS_NUMBER, TypedConfig, boolean, int_list, integer, one_of, optional
+from configs.rules import FINITE_POS, POS, POS_NUMBER, TypedConfig, boolean, int_list, integer, one_of, optional
 
 LABELS = ("sim", "operator", "classifier", "none")
 WORKSPACE_M = ((-0.05, 0.39, 0.005), (0.29, 0.81, 0.28))   # tcp box, twin frame, metres: its target box + 3 cm
@@ -184,7 +184,8 @@ BridgeConfig._group, BridgeConfig._rules = "deploy.bridge", {
 @dataclass
 class SafetyConfig(TypedConfig):
     """The limits checked on every action before it is sent (``fleet/deploy/safety.py``); each trigger is logged
-    and counted in the report. Switching a protection off takes an explicit null for it (logged as a warning)."""
+    and counted in the report. Switching a protection off takes an explicit null for it (logged as a warning);
+    ``inf`` is refused (it would switch a limit off without that warning)."""
 
     joint_limits_deg: Any = None
     """``{joint: [low, high]}`` overrides, degrees; the rest: the SO-100 MJCF joint ranges."""
@@ -205,8 +206,8 @@ class SafetyConfig(TypedConfig):
 
 SafetyConfig._group, SafetyConfig._rules = "deploy.safety", {
     "joint_limits_deg": lambda v: None if v is None or isinstance(v, Mapping) else "null or {joint: [low, high]}",
-    "max_step_deg": optional(POS_NUMBER), "max_step_gripper": optional(POS_NUMBER),
-    "deadline_s": optional(POS_NUMBER), "max_misses": integer(0), "hang_s": POS_NUMBER}
+    "max_step_deg": optional(FINITE_POS), "max_step_gripper": optional(FINITE_POS),
+    "deadline_s": optional(FINITE_POS), "max_misses": integer(0), "hang_s": FINITE_POS}
 
 
 @dataclass
