@@ -96,7 +96,8 @@ class PolicyRuntime:
             ``select_action``'s chunks among K samples (``self.critic``: whether one was installed).
         num_threads: ONNX Runtime's intra-op threads (None: torch's current setting).
     Raises:
-        ValueError: ``num_inference_steps`` out of range, or given for a policy without denoising steps;
+        ValueError: ``export.json``'s action dimension or names that do not match the model's ``action_dim``;
+            ``num_inference_steps`` not an integer or out of range, or given for a policy without denoising steps;
             ``compile`` for a policy that offers no compiled inference; an unknown backend; ``backend="onnx"``
             without a graph for the step count (names the graphs the export has) or with ``compile``.
         ImportError: ``backend="onnx"`` without onnxruntime.
@@ -114,7 +115,16 @@ class PolicyRuntime:
         if num_inference_steps is not None and not self.denoises:
             raise ValueError(f"num_inference_steps={num_inference_steps}: policy type {policy.name!r} has no "
                              "denoising steps")
+        act = (meta.get("features") or {}).get("action") or {}
+        dims = {"features.action.dim": act.get("dim"),
+                "len(features.action.names)": None if act.get("names") is None else len(act["names"])}
+        bad = {k: v for k, v in dims.items() if v is not None and int(v) != int(self.config.action_dim)}
+        if bad:
+            raise ValueError(f"export.json: {', '.join(f'{k} = {v}' for k, v in bad.items())}, but the model acts in "
+                             f"{self.config.action_dim} dimensions (policy_config.action_dim): a mismatched export")
         if num_inference_steps is not None:
+            if isinstance(num_inference_steps, bool) or int(num_inference_steps) != num_inference_steps:
+                raise ValueError(f"num_inference_steps: expected an integer, given {num_inference_steps!r}")
             n = int(num_inference_steps)
             if not 1 <= n <= self.config.num_train_timesteps:
                 raise ValueError(f"num_inference_steps: expected 1..{self.config.num_train_timesteps}, given {n}")

@@ -371,3 +371,23 @@ def test_image_policy_exports_to_onnx_and_ships_a_critic_that_sees_its_camera(tm
                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
                          check=False, env={**os.environ, "WANDB_MODE": "disabled"})
     assert out.returncode != 0 and "sees cameras ['observation.images.corner']" in out.stderr + out.stdout, out.stderr
+
+
+def test_an_export_whose_action_names_do_not_fit_the_model_is_refused_at_load(exported, tmp_path):
+    """An ``export.json`` naming more (or fewer) actions than the model outputs is refused when the runtime is built,
+    not discovered at the first step; a fractional step count is refused instead of rounded down."""
+    import json
+    import shutil
+
+    _, folder = exported
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    meta = json.loads((bad / "export.json").read_text())
+    dim = int(meta["policy_config"]["action_dim"])
+    meta["features"]["action"]["names"] = [f"j{i}" for i in range(dim + 2)]
+    (bad / "export.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=rf"len\(features.action.names\) = {dim + 2}, but the model acts in {dim}"):
+        PolicyRuntime.load(bad)
+    with pytest.raises(ValueError, match=r"num_inference_steps: expected an integer, given 2.7"):
+        PolicyRuntime.load(folder, num_inference_steps=2.7)
+    assert PolicyRuntime.load(folder, num_inference_steps=2).config.num_inference_steps == 2
