@@ -110,6 +110,12 @@ def model_card(meta: dict[str, Any], success_table: Any = None) -> str:
         f"- tasks: {', '.join(tr['tasks']) if tr.get('tasks') else 'not recorded'}",
         f"- store: `{tr.get('store') or 'not recorded'}`; step: {tr.get('step', 'not recorded')}",
     ]
+    if tr.get("store_episodes") is not None:
+        lines.append(f"- the store when this version was published: {tr['store_episodes']} episodes "
+                     f"({tr.get('store_demos', '?')} demonstrations)")
+    if "parent_version" in tr:
+        lines.append("- fine-tuned from: " + (f"version {tr['parent_version']}" if tr["parent_version"] is not None
+                                                else "demonstrations (a base)"))
     if tr.get("train_summary"):
         lines.append(f"- run summary: `{json.dumps(tr['train_summary'])}`")
     if src.get("metadata"):
@@ -125,7 +131,7 @@ def model_card(meta: dict[str, Any], success_table: Any = None) -> str:
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, control_hz: float | None = None,
                       success_table: Any = None, source: dict[str, Any] | None = None,
-                      overwrite: bool = False, onnx_steps: list[int] | None = None, onnx_batch_size: int = 1,
+                      training: dict[str, Any] | None = None, overwrite: bool = False, onnx_steps: list[int] | None = None, onnx_batch_size: int = 1,
                       onnx_optimize: bool = True) -> Path:
     """Export ``checkpoint_dir`` (a ``save_pretrained`` folder) to ``out_dir``; returns ``out_dir``.
 
@@ -134,6 +140,9 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, contro
         success_table: JSON-able success table for the model card (``{task: {column: value}}``, ...).
         source: provenance (``{"kind": "checkpoint" | "registry", "path", "registry_url", "version",
             "metadata"}``).
+        training: what the checkpoint was trained on, over what its run directory says
+            (:func:`training_provenance`): e.g. a registry version's ``tasks``, ``store``, ``control_hz``,
+            ``store_episodes`` and ``parent_version`` (``fleet.lineage``).
         overwrite: replace an existing ``out_dir``.
         onnx_steps: DDIM step counts to also export the chunk sampler for as ONNX graphs
             (``policies.onnx.export_onnx``; ``onnx/chunk_ddim<steps>_b<batch>.onnx``, each checked against
@@ -174,7 +183,9 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, contro
                                     "absolute_dims": list(getattr(cfg, "absolute_action_dims", []))}},
             "control_hz": None if control_hz is None else float(control_hz),
             "parameters": policy.num_parameters(), "policy_config": cfg.to_dict(),
-            "training": training_provenance(src), "source": {"kind": "checkpoint", "path": str(src), **(source or {})},
+            "training": {**training_provenance(src), **{k: v for k, v in (training or {}).items()
+                                                        if v is not None or k == "parent_version"}},
+            "source": {"kind": "checkpoint", "path": str(src), **(source or {})},
             "git": git_commit(), "success_table": success_table,
             "files": {f: sha256_file(tmp / f) for f in files},
         }

@@ -154,7 +154,9 @@ def prepare(c: dict, src: Path, out: Path) -> str:
         if not dst.exists():
             src_store = ExperienceStore.open(str(src / "store"))
             copy_episodes(src_store, str(dst), src_store.episodes(is_demo=True), writer_id="demos")
-        reg.publish(base, metadata={"run_id": "base", "round": -1, "kind": "base"})
+        from fleet.lineage import lineage
+
+        reg.publish(base, metadata={"run_id": "base", "round": -1, "kind": "base", **lineage(str(dst), None)})
     return base
 
 

@@ -85,6 +85,7 @@ def main(cfg: DictConfig) -> None:
     ecfg = ExportConfig.from_dict(cfg.deploy.export)
     table = json.loads(Path(ecfg.success_table).read_text()) if ecfg.success_table else None
     with tempfile.TemporaryDirectory() as tmp:
+        training = None
         if ecfg.checkpoint:
             ckpt, source = resolve_checkpoint(ecfg.checkpoint), None
         else:
@@ -94,11 +95,20 @@ def main(cfg: DictConfig) -> None:
             version = None if str(ecfg.version) == "latest" else int(ecfg.version)
             ckpt = reg.fetch(version, Path(tmp) / "ckpt")
             manifest = json.loads((ckpt / "MANIFEST.json").read_text())
-            source = {"kind": "registry", "registry_url": str(ecfg.registry_url), "version": manifest["version"],
-                      "metadata": manifest.get("metadata")}
-        hz = ecfg.control_hz if ecfg.control_hz is not None else store_control_hz(ckpt)
+            md = manifest.get("metadata") or {}
+            source = {"kind": "registry", "path": str(ecfg.registry_url), "registry_url": str(ecfg.registry_url),
+                      "version": manifest["version"], "metadata": md}
+            # what the fleet published with the version (fleet.lineage): its rate, tasks, store and parent
+            training = {k: md.get(k) for k in ("control_hz", "tasks", "store", "store_episodes", "store_demos",
+                                               "parent_version")}
+        hz = ecfg.control_hz if ecfg.control_hz is not None else (training or {}).get("control_hz")
+        hz = hz if hz is not None else store_control_hz(ckpt)
+        if hz is None:
+            log.warning("export: no control rate recorded for %s (not in its registry metadata, training summary or "
+                        "store); set deploy.export.control_hz=<Hz>: the deployer refuses an export without one",
+                        ecfg.checkpoint or f"{ecfg.registry_url} version {ecfg.version}")
         out = export_checkpoint(ckpt, ecfg.out_dir, control_hz=hz, success_table=table, source=source,
-                                overwrite=bool(ecfg.overwrite), onnx_steps=onnx_steps(ecfg.onnx_steps, ckpt),
+                                training=training, overwrite=bool(ecfg.overwrite), onnx_steps=onnx_steps(ecfg.onnx_steps, ckpt),
                                 onnx_batch_size=int(ecfg.onnx_batch_size), onnx_optimize=bool(ecfg.onnx_optimize))
     meta = json.loads((out / "export.json").read_text())
     print(json.dumps({"export_dir": str(out), "files": sorted(meta["files"]), "parameters": meta["parameters"],

@@ -391,3 +391,44 @@ def test_an_export_whose_action_names_do_not_fit_the_model_is_refused_at_load(ex
     with pytest.raises(ValueError, match=r"num_inference_steps: expected an integer, given 2.7"):
         PolicyRuntime.load(folder, num_inference_steps=2.7)
     assert PolicyRuntime.load(folder, num_inference_steps=2).config.num_inference_steps == 2
+
+
+def test_a_published_version_carries_its_rate_tasks_and_lineage_into_the_export(exported, tmp_path):
+    """A version published with ``fleet.lineage`` (as the job and the learner publish) exports with its control
+    rate, tasks, store snapshot and parent version, with no ``control_hz`` given and no training run directory; the
+    model card names the registry, not the temporary folder the version was fetched into."""
+    import json
+
+    from experience_dict.store import ExperienceStore
+    from fleet.lineage import lineage
+    from fleet.registry import CheckpointRegistry
+    from tests.test_store import PROGRESS, SPEC, write_episode
+
+    policy, _ = exported
+    url = str(tmp_path / "store")
+    w = ExperienceStore.create_or_open(url, SPEC, progress_keys=PROGRESS, chunk_bytes=4096).writer("unit-0000")
+    write_episode(w, 0, 0, task="reach-v3", is_demo=True)
+    write_episode(w, 0, 1, task="push-v3")
+    w.close()
+    ckpt = tmp_path / "ckpt"
+    policy.save_pretrained(ckpt)
+    reg = CheckpointRegistry(str(tmp_path / "registry"))
+    v0 = reg.publish(ckpt, metadata={"run_id": "base", "round": -1, **lineage(url, None)})
+    v1 = reg.publish(ckpt, metadata={"run_id": "fert", "round": 0, **lineage(url, reg.latest_version())})
+    res = subprocess.run(
+        [sys.executable, "scripts/export.py", f"deploy.export.registry_url={tmp_path / 'registry'}",
+         "deploy.export.version=latest", f"deploy.export.out_dir={tmp_path / 'out'}", "deploy.export.onnx_steps=[]",
+         f"hydra.run.dir={tmp_path / 'hydra'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "MUJOCO_GL": "egl"}, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    meta = json.loads((tmp_path / "out" / "export.json").read_text())
+    assert meta["control_hz"] == 80.0 and meta["source"]["version"] == v1
+    tr = meta["training"]
+    assert tr["tasks"] == ["push-v3", "reach-v3"] and tr["store"] == url and tr["parent_version"] == v0
+    assert tr["store_episodes"] == 2 and tr["store_demos"] == 1
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "control rate: 80.0 Hz" in card and "tasks: push-v3, reach-v3" in card
+    source_line = next(line for line in card.splitlines() if line.startswith("- source:"))
+    assert str(tmp_path / "registry") in source_line and "ckpt" not in source_line   # not the fetched temp copy
+    assert f"fine-tuned from: version {v0}" in card and "2 episodes (1 demonstrations)" in card

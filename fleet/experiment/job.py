@@ -26,6 +26,7 @@ from fleet.experiment.rounds import stage_fleet_rounds
 from fleet.experiment.state import JobState, Stages, plain_config, seed_config
 from fleet.experiment.sweep import check_fleet_sizes, sweep_report
 from fleet.experiment.tables import paired_markdown, table_markdown
+from fleet.lineage import lineage
 from fleet.registry import CheckpointRegistry
 
 
@@ -45,7 +46,8 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
                                          need_no_aed=needs_no_aed(arms))
     reg = CheckpointRegistry(c["fleet"]["registry_url"])
     if reg.latest_version() is None:
-        reg.publish(ckpt["base"], metadata={"run_id": "base", "round": -1, "kind": "base"})
+        reg.publish(ckpt["base"], metadata={"run_id": "base", "round": -1, "kind": "base",
+                                            **lineage(c["store"]["url"], None)})
     background: dict = {}
 
     def after_last_fleet() -> None:

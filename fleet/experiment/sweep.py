@@ -100,7 +100,10 @@ def fleet_size_sweep(c: dict, sd: Path, sizes: list[int], base_ckpt: str, train_
             shutil.copytree(sd / "detector", sub / "detector")
         reg = CheckpointRegistry(cn["fleet"]["registry_url"])
         if reg.latest_version() is None:
-            reg.publish(base_ckpt, metadata={"run_id": "base", "round": -1, "kind": "base"})
+            from fleet.lineage import lineage
+
+            reg.publish(base_ckpt, metadata={"run_id": "base", "round": -1, "kind": "base",
+                                             **lineage(cn["store"]["url"], None)})
         state = JobState(sub / "job_state.json")
         stages = Stages([5] * int(cn["fert"]["rounds"]) + [2])
         print(f"\nfleet-size sweep: {n} unit(s) x {per_unit} episodes per round, {cn['fert']['rounds']} rounds "

@@ -295,8 +295,11 @@ class FertLearner:
             if md.get("run_id") == self.run_id and md.get("round") == r:
                 log.info("round %d already published as v%d; not publishing again", r, v)
                 return v
+        from fleet.lineage import lineage
+
         v = reg.publish(checkpoint, metadata={"run_id": self.run_id, "round": r, "step": int(out["step"]),
-                                              "kind": "fert", "loss": (out.get("metrics") or {}).get("loss")})
+                                              "kind": "fert", "loss": (out.get("metrics") or {}).get("loss"),
+                                              **lineage(self.store_url, reg.latest_version())})
         self.state["published"].append(v)
         return v
 
