@@ -163,16 +163,19 @@ class OnlineLabeller:
 
 
 def save_record(record_dir: str | Path, episode_id: str, task: str, frames: list, states: list, steps: list,
-                success: bool, first_success: int | None) -> Path:
+                success: bool, first_success: int | None, done_now: list | None = None) -> Path:
     """Write one labelled episode's detector frames: ``<record_dir>/<episode_id>.npz`` with ``frames`` (K, C, H, W,
     3) uint8, ``state`` (K, S) float32, ``step`` (K,) int64 (the episode step after which each frame was taken),
-    and the person's label (``success``, ``first_success``: the step of the success moment, -1 for none)."""
+    and the person's labels: ``success``, ``first_success`` (the step of the success moment, -1 for none) and,
+    when given, ``done_now`` (K,) bool: whether the task is done in each frame (the person's per-frame mark; the
+    simulator's success at that step stands in for it)."""
     d = Path(record_dir)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{episode_id}.npz"
     np.savez_compressed(path, frames=np.asarray(frames, np.uint8), state=np.asarray(states, np.float32),
                         step=np.asarray(steps, np.int64), task=np.array(str(task)), success=np.array(bool(success)),
-                        first_success=np.array(-1 if first_success is None else int(first_success)))
+                        first_success=np.array(-1 if first_success is None else int(first_success)),
+                        **({} if done_now is None else {"done_now": np.asarray(done_now, bool)}))
     return path
 
 
@@ -193,8 +196,20 @@ def load_records(record_dir: str | Path) -> list[dict]:
     return out
 
 
-def frame_labels(rec: dict) -> np.ndarray:
-    """(K,) int64: 1 for a frame at or after the person's success moment of a successful episode, else 0."""
+def frame_labels(rec: dict, mode: str = "ever") -> np.ndarray:
+    """(K,) int64 frame labels of one record. ``mode`` ``"ever"``: 1 for a frame at or after the person's success
+    moment of a successful episode, else 0; ``"now"``: 1 where the task is done in that frame (``done_now``).
+
+    Raises:
+        ValueError: ``"now"`` for a record without ``done_now`` (recorded before it was kept), or an unknown mode.
+    """
+    if mode == "now":
+        if "done_now" not in rec:
+            raise ValueError(f"labels.frame_label=now: record {rec.get('episode_id')} has no per-frame marks "
+                             "(done_now); record the budget again or use frame_label=ever")
+        return np.asarray(rec["done_now"], np.int64)
+    if mode != "ever":
+        raise ValueError(f"labels.frame_label: expected 'ever' or 'now', given {mode!r}")
     if not bool(rec["success"]):
         return np.zeros(len(rec["step"]), np.int64)
     return (rec["step"] >= int(rec["first_success"])).astype(np.int64)
@@ -215,13 +230,13 @@ def _episode_verdicts(model, recs: list[dict], every: int) -> np.ndarray:
     return np.asarray(out)
 
 
-def _stack(recs: list[dict], tasks: list[str]):
+def _stack(recs: list[dict], tasks: list[str], mode: str = "ever"):
     import torch
 
     frames = torch.as_tensor(np.concatenate([r["frames"] for r in recs]))
     state = torch.as_tensor(np.concatenate([r["state"] for r in recs]))
     task = torch.as_tensor(np.concatenate([np.full(len(r["step"]), tasks.index(str(r["task"]))) for r in recs]))
-    label = torch.as_tensor(np.concatenate([frame_labels(r) for r in recs]))
+    label = torch.as_tensor(np.concatenate([frame_labels(r, mode) for r in recs]))
     return frames, state, task, label
 
 
@@ -275,7 +290,7 @@ def fit_from_records(record_dir: str | Path, labels: dict, tasks: list[str], out
                             width=lc.width)
 
     kw = {"updates": lc.updates, "batch_size": lc.batch_size, "lr": lc.lr, "seed": int(seed)}
-    model, info = fit_detector(spec(), *_stack(fit, list(tasks)), **kw)
+    model, info = fit_detector(spec(), *_stack(fit, list(tasks), lc.frame_label), **kw)
     p_val = _episode_verdicts(model, val, lc.every)
     t_val = np.array([bool(r["success"]) for r in val])
     if lc.threshold is not None:

@@ -42,6 +42,10 @@ class LabelsConfig(TypedConfig):
     budget_full_length: bool = False
     """Labelled-budget episodes run their whole time budget after the person's success mark (the simulator's success
     does not end them): about 15x the detector's positive frames, and frames of what a robot does after success."""
+    frame_label: str = "ever"
+    """What the detector learns per frame: ever | now. ever: done from the person's success moment to the end of a
+    successful episode; now: done in this frame (the person's per-frame mark). A task whose success is a moment
+    (reach passes through its goal and moves on) is mislabelled by ever in the frames after it."""
     val_share: float = 0.25
     """Share of the labelled episodes held out to choose the detector's threshold (episode-level, online rule)."""
     threshold: float | None = None
@@ -61,5 +65,6 @@ class LabelsConfig(TypedConfig):
 
 LabelsConfig._group, LabelsConfig._rules = "labels", {
     "source": one_of("sim", "detector"), "budget_episodes": POS, "cameras": names, "image_size": integer(16),
-    "every": POS, "record_every": POS, "budget_full_length": boolean, "val_share": number(0.05, 0.5), "threshold": optional(number(0, 1, True)),
+    "every": POS, "record_every": POS, "budget_full_length": boolean, "frame_label": one_of("ever", "now"),
+    "val_share": number(0.05, 0.5), "threshold": optional(number(0, 1, True)),
     "updates": POS, "batch_size": POS, "lr": POS_NUMBER, "width": POS, "audit_trials_per_task": integer(0)}

@@ -342,3 +342,39 @@ def test_labelled_budget_episodes_can_run_their_whole_time_budget(tmp_path):
     assert [e["length"] for e in eps] == [12, 12]
     recs = load_records(tmp_path / "rec")
     assert len(recs) == 2 and all(list(r["step"]) == [3, 6, 9, 12] for r in recs)
+    # each frame carries the person's per-frame mark (the simulator's success at that step), for frame_label=now
+    assert all(r["done_now"].dtype == bool and r["done_now"].shape == (4,) for r in recs)
+
+
+def test_frame_label_now_learns_a_success_that_is_a_moment(tmp_path):
+    """``labels.frame_label=now``: a success that shows only while it lasts (reach passes through its goal) is
+    learned from the per-frame marks; ``ever`` labels the frames after it as done, ``now`` does not."""
+    from fleet.labels import fit_from_records, frame_labels, load_records, save_record
+
+    rng = np.random.default_rng(1)
+    steps = list(range(2, 31, 2))
+    for e in range(24):
+        ok = e % 2 == 0
+        first = int(rng.integers(3, 8)) * 2 if ok else None
+        now = [ok and first <= s < first + 6 for s in steps]
+        frames = []
+        for s, d in zip(steps, now):
+            f = rng.integers(0, 60, (1, 16, 16, 3)).astype(np.uint8)
+            if d:
+                f[0, 4:10, 4:10] = 250
+            frames.append(f)
+        save_record(tmp_path / "rec", f"unit-0000-{e:06d}", "reach-v3", frames,
+                    [rng.normal(size=4).astype(np.float32) for _ in steps], steps, ok, first, done_now=now)
+    rec = load_records(tmp_path / "rec")[0]
+    assert frame_labels(rec, "now").sum() == 3 and frame_labels(rec, "ever").sum() > 3
+    with pytest.raises(ValueError, match="frame_label"):
+        frame_labels(rec, "sometimes")
+    labels = {"cameras": ["corner"], "image_size": 16, "every": 2, "updates": 150, "batch_size": 32, "width": 8,
+              "val_share": 0.25, "frame_label": "now"}
+    out = fit_from_records(tmp_path / "rec", labels, ["reach-v3"], tmp_path / "det", seed=0)
+    assert out["validation"]["precision"] == 1.0 and out["validation"]["recall"] == 1.0
+    z = dict(np.load(next((tmp_path / "rec").glob("*.npz"))))
+    del z["done_now"]
+    np.savez(tmp_path / "old.npz", **z)
+    with pytest.raises(ValueError, match="no per-frame marks"):
+        frame_labels({"episode_id": "old", **dict(np.load(tmp_path / "old.npz"))}, "now")

@@ -488,7 +488,7 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
     def fresh(ex) -> dict:
         return {"steps": [], "success": False, "sim_success": False, "return": 0.0, "length": 0, "why": "max_steps",
                 "label": None, "first_success": None, "explore": ex, "fired_at": None, "p_max": 0.0,
-                "record": ([], [], []) if records else None, "t": 0}
+                "record": ([], [], [], []) if records else None, "t": 0, "now": False}
 
     cur = [fresh(None) for _ in range(B)]
     last_obs = list(obs)
@@ -529,6 +529,7 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
                     continue
                 nxt, r, term, trunc, info = stepped
                 c["t"] += 1
+                c["now"] = bool(info["success"])
                 if info["success"] and c["first_success"] is None:
                     c["first_success"] = c["t"]
                 c["sim_success"] |= bool(info["success"])
@@ -557,6 +558,7 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
                             rec[0].append(frames[j])
                             rec[1].append(states[j])
                             rec[2].append(cur[i]["t"])
+                            rec[3].append(cur[i]["now"])
             for i in live:
                 c = cur[i]
                 if i in ended and ended[i][0] not in ("terminated", "truncated"):
@@ -586,8 +588,9 @@ def _commit_segments(w, env, tr: dict, segs: list[dict], version: int, tags: dic
                                                        "first_success": sg["first_success"]})
         ep_id = _commit_trial(w, env, tr, sg["steps"], bool(sg["success"]), sg["why"], version, seg_tags)
         if sg["record"] is not None and ep_id is not None and sg["record"][0]:
-            save_record(acting.record_dir, ep_id, str(tr["task"]), *sg["record"], bool(sg["success"]),
-                        sg["first_success"])
+            frames, states, steps, now = sg["record"]
+            save_record(acting.record_dir, ep_id, str(tr["task"]), frames, states, steps, bool(sg["success"]),
+                        sg["first_success"], done_now=now)
         summ = {"episode_id": ep_id, "unit_id": int(tr["unit_id"]), "task": str(tr["task"]), "seed": int(tr["seed"]),
                 "success": bool(sg["success"]), "length": int(sg["length"]), "policy_version": int(version),
                 "is_demo": False, "return": float(sg["return"]), "wall_s": wall, "termination": sg["why"],
