@@ -346,6 +346,35 @@ def test_labelled_budget_episodes_can_run_their_whole_time_budget(tmp_path):
     assert all(r["done_now"].dtype == bool and r["done_now"].shape == (4,) for r in recs)
 
 
+def test_a_labelled_episode_run_past_its_success_is_stored_as_the_success_would_have_ended_it(tmp_path, monkeypatch):
+    """With ``labels.budget_full_length`` the detector's frames go on to the time budget, but the store gets the
+    episode cut where the simulator's success would have ended it (``first_success + steps_after_success``): the
+    learner's data is the same as without the option."""
+    from experience_dict.store import ExperienceStore
+    from fleet.experiment.protocol import VectorFleet
+    from fleet.labels import Acting, load_records
+    from sim.metaworld_env import MetaWorldEnv
+
+    orig = MetaWorldEnv.step
+
+    def succeeds_from_step_4(self, action):        # a real env whose success is forced from its 4th step on
+        obs, r, term, trunc, info = orig(self, action)
+        return obs, r, term, trunc, {**info, "success": self._t >= 4}
+
+    monkeypatch.setattr(MetaWorldEnv, "step", succeeds_from_step_4)
+    ckpt = tiny_aed_checkpoint(tmp_path / "a", seed=0, perturb=0.3)
+    c = _plain(make_cfg(tmp_path, "task.tasks=[reach-v3]", "task.max_episode_steps=12", "task.steps_after_success=2"))
+    plan = [{"task": "reach-v3", "unit_id": 0, "seed": 40}]
+    acting = Acting("human", {"budget_full_length": True, "record_every": 3}, record_dir=str(tmp_path / "rec"))
+    with VectorFleet(c, str(ckpt), str(tmp_path / "store"), batch_size=1, processes=1, acting=acting) as vf:
+        eps = vf.run(plan=plan, progress=False).episodes
+    assert eps[0]["success"] and eps[0]["length"] == 6 and eps[0]["termination"] == "terminated"
+    (m,) = ExperienceStore.open(str(tmp_path / "store")).episodes()
+    assert m.length == 6 and m.extra["oracle"]["first_success"] == 4
+    (rec,) = load_records(tmp_path / "rec")
+    assert list(rec["step"]) == [3, 6, 9, 12] and list(rec["done_now"]) == [False, True, True, True]
+
+
 def test_frame_label_now_learns_a_success_that_is_a_moment(tmp_path):
     """``labels.frame_label=now``: a success that shows only while it lasts (reach passes through its goal) is
     learned from the per-frame marks; ``ever`` labels the frames after it as done, ``now`` does not."""

@@ -577,7 +577,8 @@ def _commit_segments(w, env, tr: dict, segs: list[dict], version: int, tags: dic
     """Commit one trial's episodes (:func:`_step_wave`'s segments) to its unit's writer ``w``; returns the trial's
     summary (its first episode's; with recovery attempts, ``"recoveries"``: theirs). Each recovery episode names
     the one before it in ``retry_of``; under ``acting`` every episode carries ``extra.label`` and ``extra.oracle``,
-    and a labelled-budget episode's detector frames are saved (``fleet.labels.save_record``)."""
+    and a labelled-budget episode's detector frames are saved (``fleet.labels.save_record``); one that ran past its
+    success for them (``labels.budget_full_length``) is committed up to where the success would have ended it."""
     from fleet.labels import save_record
 
     out, prev = [], None
@@ -586,14 +587,22 @@ def _commit_segments(w, env, tr: dict, segs: list[dict], version: int, tags: dic
         if acting is not None:
             seg_tags.update(label=sg["label"], oracle={"success": bool(sg["sim_success"]),
                                                        "first_success": sg["first_success"]})
-        ep_id = _commit_trial(w, env, tr, sg["steps"], bool(sg["success"]), sg["why"], version, seg_tags)
+        steps, why, length, ret = sg["steps"], sg["why"], int(sg["length"]), float(sg["return"])
+        if acting is not None and acting.source == "human" and not acting.stop_on_success \
+                and sg["first_success"] is not None:
+            # a labelled episode ran on past its success for the detector's frames (labels.budget_full_length):
+            # the store gets the episode as the simulator's success would have ended it
+            length = min(length, int(sg["first_success"]) + int(getattr(env, "steps_after_success", 0)))
+            steps, why = steps[:length], "terminated"
+            ret = float(sum(float(row[2]) for row in steps))
+        ep_id = _commit_trial(w, env, tr, steps, bool(sg["success"]), why, version, seg_tags)
         if sg["record"] is not None and ep_id is not None and sg["record"][0]:
             frames, states, steps, now = sg["record"]
             save_record(acting.record_dir, ep_id, str(tr["task"]), frames, states, steps, bool(sg["success"]),
                         sg["first_success"], done_now=now)
         summ = {"episode_id": ep_id, "unit_id": int(tr["unit_id"]), "task": str(tr["task"]), "seed": int(tr["seed"]),
-                "success": bool(sg["success"]), "length": int(sg["length"]), "policy_version": int(version),
-                "is_demo": False, "return": float(sg["return"]), "wall_s": wall, "termination": sg["why"],
+                "success": bool(sg["success"]), "length": length, "policy_version": int(version),
+                "is_demo": False, "return": ret, "wall_s": wall, "termination": why,
                 **{kk: v for kk, v in seg_tags.items() if kk not in ("exploration", "label", "oracle")}}
         if acting is not None:
             summ.update(label_source=acting.source, oracle_success=bool(sg["sim_success"]))
