@@ -618,6 +618,18 @@ def import_dataset(root: str | Path, store_url: str, repo_id: str | None = None,
     robot_type = info.get("robot_type") or "unknown"
     imported, skipped, frames, created = [], [], 0, {}
     onsets: dict[str, int] = {}
+    # the source store's episode ids -> this store's, so a retry's ``retry_of`` names its episode here; an episode
+    # is imported after the one it retries (a chain in dataset order or not)
+    src_id = {i: str(side_eps[i]["episode_id"]) for i in side_eps if side_eps[i].get("episode_id") is not None}
+    new_id = {src_id[i]: eid for (i, _), eid in done.items() if i in src_id}
+    by_src = {v: k for k, v in src_id.items()}
+
+    def depth(i: int, seen: int = 0) -> int:
+        parent = ((side_eps.get(i) or {}).get("extra") or {}).get("retry_of")
+        return 0 if parent not in by_src or seen > len(sel) else 1 + depth(by_src[parent], seen + 1)
+
+    position = {i: k for k, i in enumerate(sel)}
+    sel = sorted(sel, key=lambda i: (depth(i), position[i]))
     writer = store.writer(writer_id)
     try:
         bar = tqdm(sel, desc="import", unit="ep", disable=not progress)
@@ -679,6 +691,9 @@ def import_dataset(root: str | Path, store_url: str, repo_id: str | None = None,
             extra["lerobot"] = {"repo_id": repo_id, "root": str(root.resolve()), "episode_index": ep, "task": s0,
                                 "fps": int(meta.fps), **({"tasks": strings} if len(strings) > 1 else {}),
                                 **({"source_episode_id": side["episode_id"]} if "episode_id" in side else {})}
+            if extra.get("retry_of") is not None:   # the retried episode's id in this store, or no link
+                extra["lerobot"]["source_retry_of"] = extra["retry_of"]
+                extra["retry_of"] = new_id.get(str(extra["retry_of"]))
             writer.begin_episode(unit_id=unit_id if unit_id is not None else side.get("unit_id", EXTERNAL_UNIT_ID),
                                  embodiment=embodiment or side.get("embodiment") or robot_type, task=name,
                                  policy_version=pv, seed=side.get("seed", -1), is_demo=demo,
@@ -686,7 +701,9 @@ def import_dataset(root: str | Path, store_url: str, repo_id: str | None = None,
             for t in range(T):
                 writer.add_step({k: steps[k][t] for k in obs_keys}, steps["action"][t], float(reward[t]),
                                 {k: float(prog[k][t]) for k in pkeys})
-            ep_id = writer.commit(success=ok)
+            ep_id = writer.commit(success=ok, termination=side.get("termination"))
+            if "episode_id" in side:
+                new_id[str(side["episode_id"])] = ep_id
             if side.get("failure_onset") is not None:
                 onsets[ep_id] = int(side["failure_onset"])
             imported.append(ep_id)

@@ -296,3 +296,34 @@ def test_lerobot_is_imported_lazily_and_its_absence_is_explained(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "pip install 'fleetmind[lerobot]'" in out.stdout and "make install" in out.stdout
+
+
+def test_round_trip_keeps_retry_links_and_terminations(tmp_path):
+    """A retry's ``retry_of`` names its episode in the store it is imported into (the source id kept under
+    ``extra.lerobot.source_retry_of``), whatever order the dataset holds them in; ``termination`` comes back."""
+    from tests.test_store import PROGRESS, SPEC, make_step
+
+    url = str(tmp_path / "src")
+    w = ExperienceStore.create_or_open(url, SPEC, progress_keys=PROGRESS, chunk_bytes=4096).writer("unit-0000")
+    ids = []
+    for k, (ok, why, extra) in enumerate([(False, "truncated", {}), (False, "truncated", {"attempt": 0}),
+                                          (True, "terminated", {"attempt": 1})]):
+        if k:
+            extra = {**extra, "retry_of": ids[-1]}
+        w.begin_episode(unit_id=0, embodiment="sawyer", task="reach-v3", policy_version=1, seed=7, is_demo=False,
+                        extra=extra)
+        for t in range(6):
+            w.add_step(*make_step(0, k, t))
+        ids.append(w.commit(success=ok, termination=why))
+    w.close()
+    out_dir = tmp_path / "ds"
+    export_dataset(url, out_dir, repo_id="local/retries", episode_ids=list(reversed(ids)), video=False, progress=False)
+    dst_url = str(tmp_path / "back")
+    import_dataset(out_dir, dst_url, progress=False)
+    dst = {e.extra["lerobot"]["source_episode_id"]: e for e in ExperienceStore.open(dst_url).episodes()}
+    assert set(dst) == set(ids)
+    first, retry0, retry1 = (dst[i] for i in ids)
+    assert first.termination == "truncated" and retry1.termination == "terminated"
+    assert "retry_of" not in first.extra
+    assert retry0.extra["retry_of"] == first.episode_id and retry1.extra["retry_of"] == retry0.episode_id
+    assert retry1.extra["lerobot"]["source_retry_of"] == ids[1] and retry1.extra["attempt"] == 1
