@@ -89,6 +89,13 @@ def _cross(cfg: Mapping) -> list[str]:
     hg = _ints(cfg, "policy.aed.history_actions", "policy.aed.group_size")
     if hg and hg[1] > 0 and hg[0] % hg[1]:
         out.append(f"policy.aed.history_actions: expected a multiple of policy.aed.group_size ({hg[1]}), given {hg[0]}")
+    _, codec = _get(cfg, "store.image_codec")
+    _, pix = _get(cfg, "store.image_pix_fmt")
+    _, images = _get(cfg, "obs.images")
+    size = _ints(cfg, "obs.image_size")
+    if codec == "h264" and pix in (None, "yuv420p") and images and size and size[0] % 2:
+        out.append(f"store.image_codec: h264 with store.image_pix_fmt yuv420p needs an even obs.image_size, given "
+                   f"{size[0]} (set store.image_pix_fmt=yuv444p or an even size)")
     hp = _ints(cfg, "policy.horizon", "policy.action_patch")
     if hp and hp[1] > 0 and hp[0] % hp[1]:
         out.append(f"policy.horizon: expected a multiple of policy.action_patch ({hp[1]}), given {hp[0]}")

@@ -42,6 +42,8 @@ VARIANTS = {
     "all64": {"cams": CAMS, "size": 64, "updates": 800},
     "all96": {"cams": CAMS, "size": 96, "updates": 800},
     "all64_2k": {"cams": CAMS, "size": 64, "updates": 2000},
+    "all64_nostate": {"cams": CAMS, "size": 64, "updates": 800, "state": False},
+    "all96_nostate": {"cams": CAMS, "size": 96, "updates": 800, "state": False},
 }
 # Meta-World v3's success cuts on info["obj_to_target"] (metaworld/envs/sawyer_*_v3.py), for records without
 # per-frame marks
@@ -102,7 +104,9 @@ def run_variant(recs: list[dict], tasks: list[str], v: dict, label: str, folds: 
     from policies.success_detector import DetectorSpec, fit_detector
 
     idx = [CAMS.index(c) for c in v["cams"]]
-    R = [{**r, "frames": resize(r["frames"][:, idx], v["size"])} for r in recs]
+    # "state": False: the detector sees no proprioception (zeros), only the cameras
+    R = [{**r, "frames": resize(r["frames"][:, idx], v["size"]),
+          **({} if v.get("state", True) else {"state": np.zeros_like(r["state"])})} for r in recs]
     truth = np.array([bool(r["success"]) for r in R])
     parts = np.array_split(np.random.default_rng(0).permutation(len(R)), folds)
     pred = {rule: np.zeros(len(R), bool) for rule in RULES}

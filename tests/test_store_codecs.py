@@ -114,3 +114,27 @@ def test_codec_arguments_are_checked(tmp_path, renders):
         VideoChunkCodec().validate(shape=(8, 33, 32, 3), dtype=np.dtype("uint8"), chunk_grid=None)
     with pytest.raises(ValueError, match=r"\(T, H, W, C\) uint8"):
         FrameDeltaCodec().validate(shape=(8, 4), dtype=np.dtype("float32"), chunk_grid=None)
+
+
+def test_an_odd_camera_size_takes_yuv444p_or_is_refused_before_anything_is_made(tmp_path):
+    """``obs.image_size`` 25 with ``store.image_codec=h264``: yuv420p (the default) is refused by the config check
+    and by ``create_or_open`` (a ``SpecMismatchError``, a ``StoreError``, nothing created); ``image_pix_fmt=
+    yuv444p`` stores and reads it back (issue 52, item 4)."""
+    from configs.schema import problems
+    from experience_dict.store import StoreError
+
+    odd = sim_episodes(1, 12, 25, task="push-v3")
+    spec, eps = odd
+    with pytest.raises(StoreError, match=r"even frame sizes; observation.images.corner is 25x25.*image_pix_fmt"):
+        write(tmp_path / "a", spec, eps, image_codec="h264")
+    assert not (tmp_path / "a").exists()
+    store = write(tmp_path / "b", spec, eps, image_codec="h264", image_pix_fmt="yuv444p")
+    (e,) = store.episodes()
+    got = store.load_episode(e.episode_id, keys=[CAM])[CAM]
+    want = np.stack([o[CAM] for o in eps[0]["obs"]])
+    assert got.shape == want.shape and np.abs(got.astype(float) - want).mean() < 8   # lossy, as the reader allows
+    assert store.meta["image_pix_fmt"] == "yuv444p"
+    cfg = {"obs": {"images": True, "image_size": 25}, "store": {"image_codec": "h264"}}
+    assert any("needs an even obs.image_size, given 25" in p for p in problems(cfg))
+    cfg["store"]["image_pix_fmt"] = "yuv444p"
+    assert not any("image_pix_fmt" in p for p in problems(cfg))

@@ -101,13 +101,16 @@ class StoreConfig(TypedConfig):
     docs/PERFORMANCE.md)."""
     image_crf: int = 18
     """New stores with ``image_codec=h264``: libx264's constant rate factor (0-51; lower is better quality)."""
+    image_pix_fmt: str = "yuv420p"
+    """New stores with ``image_codec=h264``: yuv420p (chroma at half resolution; even frame sizes only) | yuv444p
+    (full chroma, any frame size)."""
     demos: DemosConfig = field(default_factory=DemosConfig)
     """``scripts/collect_demos.py``."""
     bench: StoreBenchConfig = field(default_factory=StoreBenchConfig)
     """``scripts/bench_store.py``."""
 
 
-LAYOUT_KEYS = ("chunk_bytes", "max_chunk_rows", "image_clevel", "image_codec", "image_crf")
+LAYOUT_KEYS = ("chunk_bytes", "max_chunk_rows", "image_clevel", "image_codec", "image_crf", "image_pix_fmt")
 """The ``store`` keys that set a new store's layout: ``ExperienceStore.create_or_open``'s keyword arguments."""
 
 
@@ -125,5 +128,6 @@ StoreConfig._group, StoreConfig._rules = "store", {
     "on_corrupt": one_of("raise", "skip"), "chunk_bytes": POS, "max_chunk_rows": POS,
     "image_clevel": lambda v: integer(0)(v) or (None if v <= 9 else "an integer 0..9 (Blosc's zstd levels)"),
     "image_codec": one_of("delta-zstd", "zstd", "h264"),
-    "image_crf": lambda v: integer(0)(v) or (None if v <= 51 else "an integer 0..51 (libx264's CRF)")}
+    "image_crf": lambda v: integer(0)(v) or (None if v <= 51 else "an integer 0..51 (libx264's CRF)"),
+    "image_pix_fmt": one_of("yuv420p", "yuv444p")}
 StoreConfig._nested = {"demos": DemosConfig, "bench": StoreBenchConfig}

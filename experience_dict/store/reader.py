@@ -17,6 +17,7 @@ from experience_dict.stats import IMAGE_STRIDE, merge_sketches
 from experience_dict.store.codecs import IMAGE_CODECS, LOSSY_IMAGE_CODECS, LOSSY_MEAN_TOL
 from experience_dict.store.schema import (
     _META_ATTR,
+    _is_image,
     INLINE_ARRAYS,
     LOWDIM,
     READABLE_SCHEMA_VERSIONS,
@@ -148,7 +149,7 @@ class ExperienceStore:
     def create_or_open(cls, url: str, spec: dict, control_hz: float | None = None,
                        progress_keys: Sequence[str] | None = None, chunk_bytes: int = 1 << 20,
                        max_chunk_rows: int = 1024, image_clevel: int = 1, image_codec: str = "delta-zstd",
-                       image_crf: int = 18) -> ExperienceStore:
+                       image_crf: int = 18, image_pix_fmt: str = "yuv420p") -> ExperienceStore:
         """Open the store at ``url`` for writing, creating it from ``spec`` if it does not exist.
 
         Args:
@@ -170,17 +171,23 @@ class ExperienceStore:
                 ``zstd`` (lossless: Blosc/zstd on the frames as they are, the store's format before 2026-12-05) or
                 ``h264`` (lossy: each chunk one H.264 stream at CRF ``image_crf``; frames read back approximately).
             image_crf: libx264's constant rate factor for ``image_codec="h264"`` (0-51, lower is better).
+            image_pix_fmt: the H.264 pixel format for ``image_codec="h264"``: ``yuv420p`` (chroma at half
+                resolution; needs even frame sizes) or ``yuv444p`` (full chroma; any size, ~1.5x the bytes).
 
         Raises:
             SpecMismatchError: the store exists with a different feature spec (names the key, expected and
                 given) or the spec is malformed.
             SchemaVersionError: the store exists with a schema version this code cannot append to.
-            ValueError: an unknown ``image_codec`` or an ``image_crf`` outside 0..51.
+            ValueError: an unknown ``image_codec`` or ``image_pix_fmt``, or an ``image_crf`` outside 0..51.
+            SpecMismatchError: (a new store) ``h264`` with ``yuv420p`` and a camera of odd height or width; nothing
+                is created.
         """
         if image_codec not in IMAGE_CODECS:
             raise ValueError(f"image_codec must be one of {IMAGE_CODECS}, given {image_codec!r}")
         if not 0 <= int(image_crf) <= 51:
             raise ValueError(f"image_crf must be 0..51 (libx264's constant rate factor), given {image_crf}")
+        if image_pix_fmt not in ("yuv420p", "yuv444p"):
+            raise ValueError(f"image_pix_fmt must be yuv420p or yuv444p, given {image_pix_fmt!r}")
         parsed = _parse_spec(spec, control_hz, progress_keys)
         zstore = _zarr_store(str(url), read_only=False)
         try:
@@ -188,10 +195,19 @@ class ExperienceStore:
             exists = True
         except (FileNotFoundError, zarr.errors.GroupNotFoundError):
             exists = False
+        if not exists and image_codec == "h264" and image_pix_fmt == "yuv420p":
+            odd = {k: f["shape"][:2] for k, f in parsed["features"].items()
+                   if _is_image(f) and (f["shape"][0] % 2 or f["shape"][1] % 2)}
+            if odd:
+                k, hw = next(iter(odd.items()))
+                raise SpecMismatchError(f"store {url}: image_codec h264 with pix_fmt yuv420p needs even frame sizes; "
+                                        f"{k} is {hw[0]}x{hw[1]} (set store.image_pix_fmt=yuv444p, an even "
+                                        "obs.image_size, or another store.image_codec)")
         if not exists:
             meta = {"schema_version": SCHEMA_VERSION, "created": time.time(),
                     "chunk_bytes": int(chunk_bytes), "max_chunk_rows": int(max_chunk_rows),
                     "image_clevel": int(image_clevel), "image_codec": str(image_codec), "image_crf": int(image_crf),
+                    "image_pix_fmt": str(image_pix_fmt),
                     **parsed,
                     "packed_keys": [k for k, f in parsed["features"].items() if _packable(f)]}
             try:
@@ -886,7 +902,8 @@ def copy_episodes(src: ExperienceStore, dst_url: str, episodes: Sequence[Episode
         destination exists with another spec. CorruptChunkError: a source chunk fails its checksum (nothing
         of that episode is committed).
     """
-    layout = {k: src.meta[k] for k in ("chunk_bytes", "max_chunk_rows", "image_clevel", "image_crf") if k in src.meta}
+    layout = {k: src.meta[k] for k in ("chunk_bytes", "max_chunk_rows", "image_clevel", "image_crf", "image_pix_fmt")
+              if k in src.meta}
     dst = ExperienceStore.create_or_open(dst_url, src.spec, control_hz=src.control_hz,
                                          progress_keys=src.progress_keys,
                                          image_codec=src.meta.get("image_codec", "zstd"), **layout)

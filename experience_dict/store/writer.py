@@ -275,7 +275,8 @@ class EpisodeWriter:
                     if codec == "delta-zstd":   # lossless: each frame minus the one before (codecs.py)
                         filters = (FrameDeltaCodec(),)
                     elif codec == "h264":   # lossy: a chunk is one H.264 stream, then only the checksum
-                        serializer, comp = VideoChunkCodec(crf=meta["image_crf"]), None   # set with the codec
+                        serializer, comp = VideoChunkCodec(crf=meta["image_crf"],   # set with the codec
+                                                           pix_fmt=meta.get("image_pix_fmt", "yuv420p")), None
                 else:  # lowdim: a commit re-encodes its partly filled last chunk; lz4 is ~10x faster than
                     # zstd level 3 there for ~8 % more bytes (byte-shuffled float32 state / action rows)
                     comp = BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")
