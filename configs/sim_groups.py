@@ -107,9 +107,30 @@ class ObsConfig(TypedConfig):
     """Reflections."""
     shadowsize: int = 256
     """Shadow map texels when shadows are on (MuJoCo's default 4096)."""
+    point_cloud: bool = False
+    """Add ``observation.point_cloud``: the depth cameras' workspace point cloud, (num_points, 3) float32 metres in
+    the robot's base frame (``sim.pointcloud``, after DP3; ``obs=pointcloud``)."""
+    point_cameras: list[str] = field(default_factory=lambda: ["corner", "corner3"])
+    """Depth cameras whose points are merged."""
+    point_image_size: Any = 64
+    """Depth image size, pixels: an int or ``[height, width]``."""
+    num_points: int = 512
+    """Points after farthest-point sampling (DP3: 512 on Meta-World)."""
+    crop_min: list[float] | None = None
+    """Workspace box, lower corner (x, y, z) metres in the robot's base frame; null: the embodiment's own."""
+    crop_max: list[float] | None = None
+    """Workspace box, upper corner; null: the embodiment's own."""
 
 
-ObsConfig._group, ObsConfig._rules = "obs", {"image_size": _image_size, "shadowsize": POS}
+def _xyz(v) -> str | None:
+    if v is None or (isinstance(v, list | tuple) and len(v) == 3 and all(number(finite=True)(x) is None for x in v)):
+        return None
+    return "null or [x, y, z] metres"
+
+
+ObsConfig._group, ObsConfig._rules = "obs", {"image_size": _image_size, "shadowsize": POS,
+                                             "point_image_size": _image_size, "num_points": POS,
+                                             "crop_min": _xyz, "crop_max": _xyz}
 
 
 @dataclass

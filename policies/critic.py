@@ -49,24 +49,44 @@ class CriticFeatures(nn.Module):
     """
 
     def __init__(self, state_keys: Sequence[str] = (), image_keys: Sequence[str] = (),
-                 image_channels: Sequence[int] | None = None):
+                 image_channels: Sequence[int] | None = None, point_keys: Sequence[str] = (),
+                 point_channels: Sequence[int] | None = None, point_dim: int | None = None):
         super().__init__()
         self.state_keys, self.image_keys = list(state_keys), list(image_keys)
         self.image_channels = [int(c) for c in image_channels] if image_channels else None
         if self.image_keys and not self.image_channels:
             raise ValueError(f"CriticFeatures: image keys {self.image_keys} need the encoder's image_channels")
+        self.point_keys = list(point_keys)
+        self.point_channels = [int(c) for c in point_channels] if point_channels else None
+        self.point_dim = int(point_dim) if point_dim else None
+        if self.point_keys and not (self.point_channels and self.point_dim):
+            raise ValueError(f"CriticFeatures: point keys {self.point_keys} need the encoder's point_channels and dim")
         self.images = nn.ModuleDict()
         if self.image_keys:
             from policies.aed_diffusion.modeling_aed_diffusion import ImageEncoder
 
             self.images = nn.ModuleDict({k.replace(".", "_"): ImageEncoder(self.image_channels, 1)
                                          for k in self.image_keys})
-            self.requires_grad_(False)
+        self.points = nn.ModuleDict()
+        if self.point_keys:
+            from policies.aed_diffusion.modeling_aed_diffusion import PointEncoder
+
+            self.points = nn.ModuleDict({k.replace(".", "_"): PointEncoder(self.point_channels, self.point_dim)
+                                         for k in self.point_keys})
+            for k in self.point_keys:   # the policy's coordinate normalisation, copied with its encoder
+                self.register_buffer(f"{k.replace('.', '_')}_centre", torch.zeros(3))
+                self.register_buffer(f"{k.replace('.', '_')}_half", torch.ones(3))
+        self.requires_grad_(False)
+
+    def spec(self) -> dict:
+        """The keyword arguments that rebuild these features (``critic.json`` holds them)."""
+        return {"state_keys": self.state_keys, "image_keys": self.image_keys, "image_channels": self.image_channels,
+                "point_keys": self.point_keys, "point_channels": self.point_channels, "point_dim": self.point_dim}
 
     @property
     def keys(self) -> list[str]:
         """Every observation key read, state keys first."""
-        return [*self.state_keys, *self.image_keys]
+        return [*self.state_keys, *self.image_keys, *self.point_keys]
 
     def image_dim(self) -> int:
         """Feature width the cameras add (0 without cameras)."""
@@ -75,14 +95,24 @@ class CriticFeatures(nn.Module):
     @classmethod
     def from_policy(cls, policy, images: bool = True) -> CriticFeatures:
         """The features for ``policy``: its 1-D inputs as state keys and, with ``images`` and a policy that encodes
-        cameras (an ``obs_encoder`` with ``images``), its camera keys through frozen copies of its encoders."""
+        cameras or point clouds (an ``obs_encoder`` with ``images`` / ``points``), those keys through frozen copies
+        of its encoders (a point cloud with the policy's coordinate normalisation)."""
         shapes = policy.config.input_shapes
         state = [k for k, shape in shapes.items() if len(shape) == 1]
         enc = getattr(getattr(policy, "obs_encoder", None), "images", None)
+        penc = getattr(getattr(policy, "obs_encoder", None), "points", None)
         cams = [k for k, shape in shapes.items() if len(shape) == 3] if images and enc is not None else []
-        feats = cls(state, cams, list(policy.config.image_channels) if cams else None)
+        pts = [k for k, shape in shapes.items() if len(shape) == 2] if images and penc is not None else []
+        feats = cls(state, cams, list(policy.config.image_channels) if cams else None, pts,
+                    list(policy.config.point_channels) if pts else None, int(policy.config.dim) if pts else None)
         for k in cams:
             feats.images[k.replace(".", "_")].load_state_dict(enc[k.replace(".", "_")].state_dict())
+        for k in pts:
+            n = k.replace(".", "_")
+            feats.points[n].load_state_dict(penc[n].state_dict())
+            centre, half = policy.normalizer._ab(k)
+            getattr(feats, f"{n}_centre").copy_(centre.detach().cpu())
+            getattr(feats, f"{n}_half").copy_(half.detach().cpu())
         return feats.eval()
 
     @torch.no_grad()
@@ -98,6 +128,11 @@ class CriticFeatures(nn.Module):
             for k in self.image_keys:
                 x = normalize_image(torch.as_tensor(frames[k]).to(dev))
                 out.append(self.images[k.replace(".", "_")](x).flatten(1).float().cpu())
+        for k in self.point_keys:
+            n = k.replace(".", "_")
+            centre = getattr(self, f"{n}_centre")
+            x = (torch.as_tensor(frames[k]).to(centre.device).float() - centre) / getattr(self, f"{n}_half")
+            out.append(self.points[n](x).float().cpu())
         return torch.cat(out, -1)
 
 
@@ -113,13 +148,16 @@ class SuccessCritic(nn.Module):
         state_keys: observation keys concatenated (in this order) into the state.
         image_keys / image_channels: cameras scored through frozen copies of the policy's image encoder
             (:class:`CriticFeatures`; ``frame`` holds them).
+        point_keys / point_channels / point_dim: point clouds scored through frozen copies of the policy's point
+            encoder (``point_dim`` its output width).
 
     Inputs are standardised with the ``mean`` / ``std`` buffers (set by :func:`fit_critic`).
     """
 
     def __init__(self, state_dim: int, action_dim: int, chunk_steps: int, members: int = 5, hidden: int = 256,
                  dropout: float = 0.2, state_keys: Sequence[str] = (), image_keys: Sequence[str] = (),
-                 image_channels: Sequence[int] | None = None):
+                 image_channels: Sequence[int] | None = None, point_keys: Sequence[str] = (),
+                 point_channels: Sequence[int] | None = None, point_dim: int | None = None):
         super().__init__()
         if min(state_dim, action_dim, chunk_steps, members, hidden) < 1:
             raise ValueError(f"SuccessCritic: every size must be >= 1, given state_dim={state_dim}, action_dim="
@@ -127,7 +165,7 @@ class SuccessCritic(nn.Module):
         self.state_dim, self.action_dim, self.chunk_steps = int(state_dim), int(action_dim), int(chunk_steps)
         self.members, self.hidden, self.dropout = int(members), int(hidden), float(dropout)
         self.state_keys = list(state_keys)
-        self.frame = CriticFeatures(state_keys, image_keys, image_channels)
+        self.frame = CriticFeatures(state_keys, image_keys, image_channels, point_keys, point_channels, point_dim)
         self.image_keys, self.image_channels = self.frame.image_keys, self.frame.image_channels
         d_in = 2 * self.state_dim + self.chunk_steps * self.action_dim
         self.nets = nn.ModuleList([nn.Sequential(
@@ -162,8 +200,7 @@ class SuccessCritic(nn.Module):
     def config(self) -> dict:
         return {"state_dim": self.state_dim, "action_dim": self.action_dim, "chunk_steps": self.chunk_steps,
                 "members": self.members, "hidden": self.hidden, "dropout": self.dropout,
-                "state_keys": self.state_keys, "image_keys": self.image_keys,
-                "image_channels": self.image_channels}
+                **self.frame.spec()}
 
 
 def save_critic(critic: SuccessCritic, directory: str | Path, candidates: int) -> Path:
@@ -201,7 +238,8 @@ def load_critic(directory: str | Path, device: str = "cpu") -> tuple[SuccessCrit
         cfg = json.loads((d / CRITIC_CONFIG).read_text())
         critic = SuccessCritic(int(cfg["state_dim"]), int(cfg["action_dim"]), int(cfg["chunk_steps"]),
                                int(cfg["members"]), int(cfg["hidden"]), float(cfg["dropout"]), cfg["state_keys"],
-                               cfg.get("image_keys") or (), cfg.get("image_channels"))
+                               cfg.get("image_keys") or (), cfg.get("image_channels"), cfg.get("point_keys") or (),
+                               cfg.get("point_channels"), cfg.get("point_dim"))
         candidates = int(cfg["candidates"])
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"checkpoint {str(d)!r}: malformed {CRITIC_CONFIG}: {e}") from None

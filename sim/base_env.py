@@ -38,6 +38,10 @@ class UnitEnv(gym.Env):
     """The camera names this embodiment's model defines."""
     ROTATED_CAMERAS: frozenset[str] = frozenset()
     """Cameras whose raw render is rolled 180 degrees in this model (rendered upright by turning them back)."""
+    BASE_BODY: str = "base"
+    """The robot's base body: ``observation.point_cloud`` is in its frame."""
+    POINT_CROP: tuple[tuple[float, float, float], tuple[float, float, float]] = ((-1.0, -1.0, 0.005), (1.0, 1.0, 1.0))
+    """The workspace box of the point cloud in the base frame, metres: (lower corner, upper corner)."""
     FAMILY: str = "sim"
     """The embodiment's name in messages (``Meta-World``, ``SO-100``)."""
     DEFAULT_MAX_EPISODE_STEPS: int = 500
@@ -70,6 +74,21 @@ class UnitEnv(gym.Env):
         if self.images and not self.cameras:
             raise ValueError(f"obs.images is true but obs.cameras is empty; name at least one of "
                              f"{', '.join(self.CAMERAS)}")
+        self.cloud_spec = None
+        if bool(ocfg.get("point_cloud", False)):
+            from sim.pointcloud import CloudSpec
+
+            psize = ocfg.get("point_image_size", 64)
+            phw = (int(psize), int(psize)) if np.isscalar(psize) else tuple(int(s) for s in psize)
+            for c in ocfg.get("point_cameras", ["corner"]) or []:
+                if c not in self.CAMERAS:
+                    raise ValueError(f"obs.point_cameras: unknown camera {c!r}; valid {self.FAMILY} cameras: "
+                                     f"{', '.join(self.CAMERAS)}")
+            lo = ocfg.get("crop_min") or self.POINT_CROP[0]
+            hi = ocfg.get("crop_max") or self.POINT_CROP[1]
+            self.cloud_spec = CloudSpec(tuple(ocfg.get("point_cameras", ["corner"]) or ()), phw,
+                                        int(ocfg.get("num_points", 512)), tuple(float(x) for x in lo),
+                                        tuple(float(x) for x in hi), self.BASE_BODY)
         self._render_kw = {"shadows": bool(ocfg.get("shadows", False)),
                            "reflections": bool(ocfg.get("reflections", False)),
                            "shadowsize": int(ocfg.get("shadowsize", 256))}
@@ -107,6 +126,13 @@ class UnitEnv(gym.Env):
             for c in self.cameras:
                 obs_spaces[f"observation.images.{c}"] = spaces.Box(0, 255, (*self.image_hw, 3), np.uint8)
             self._renderer = CameraRenderer(model, *self.image_hw, rotated=self.ROTATED_CAMERAS, **self._render_kw)
+        self._cloud = None
+        if self.cloud_spec is not None:
+            from sim.pointcloud import DepthPointCloud
+
+            obs_spaces["observation.point_cloud"] = spaces.Box(-np.inf, np.inf, (self.cloud_spec.num_points, 3),
+                                                               np.float32)
+            self._cloud = DepthPointCloud(model, self.cloud_spec)
         self.observation_space = spaces.Dict(obs_spaces)
         self.action_space = spaces.Box(-1.0, 1.0, (ACTION_DIM,), np.float32)
         self._t, self._done, self._first_success, self._unstable = 0, True, None, False
@@ -123,10 +149,26 @@ class UnitEnv(gym.Env):
         return obs
 
     def _spec_with_embodiment(self, spec: dict) -> dict:
-        """``spec`` with the ``observation.embodiment`` entry when ``obs.embodiment_feature`` is on."""
+        """``spec`` with the ``observation.embodiment`` entry when ``obs.embodiment_feature`` is on, and the
+        ``observation.point_cloud`` entry with ``obs.point_cloud``."""
         if self.embodiment_feature:
             spec = {**spec, "observation.embodiment": embodiment_spec()}
+        if self.cloud_spec is not None:
+            from sim.pointcloud import GRID_M
+
+            cs = self.cloud_spec
+            spec = {**spec, "observation.point_cloud": {
+                "shape": [cs.num_points, 3], "dtype": "float32", "names": ["point", "xyz"], "grid_m": GRID_M,
+                "unit": f"m, the robot's base frame ({cs.base_body}); depth cameras {list(cs.cameras)} at "
+                        f"{cs.image_hw[0]}x{cs.image_hw[1]}, cropped to {list(cs.crop_min)}..{list(cs.crop_max)}, "
+                        "farthest-point sampled"}}
         return spec
+
+    def _with_cloud(self, obs: dict, model, data) -> dict:
+        """``obs`` with ``observation.point_cloud`` of the current ``data`` when ``obs.point_cloud`` is on."""
+        if self._cloud is not None:
+            obs["observation.point_cloud"] = self._cloud(data)
+        return obs
 
     def _start_episode(self, latency_steps: int) -> None:
         """A new episode: step 0, no success yet, ``latency_steps`` hold actions queued."""
@@ -199,6 +241,9 @@ class UnitEnv(gym.Env):
         if self._renderer is not None:
             self._renderer.close()
             self._renderer = None
+        if getattr(self, "_cloud", None) is not None:
+            self._cloud.close()
+            self._cloud = None
 
     @property
     def pending_actions(self) -> np.ndarray:

@@ -109,13 +109,15 @@ class CameraRenderer:
         shadowsize: shadow map size in texels (MuJoCo default 4096).
         rotated: camera names whose raw image is rolled 180 degrees in this model (Meta-World's ``corner*``, the
             default; the SO-100 twin's cameras are upright: none).
+        depth: render linear depth (metres along the optical axis, (H, W) float32, as the raw buffer: never turned)
+            instead of RGB (``sim.pointcloud``).
 
     Raises:
         RuntimeError: no working GL backend; the message says what to install.
     """
 
     def __init__(self, model, height: int, width: int, shadows: bool = False, reflections: bool = False,
-                 shadowsize: int = 256, rotated: frozenset[str] = ROTATED_CAMERAS) -> None:
+                 shadowsize: int = 256, rotated: frozenset[str] = ROTATED_CAMERAS, depth: bool = False) -> None:
         import mujoco
 
         if os.environ.get("MUJOCO_GL", "").lower() in ("disable", "disabled", "off", "false", "0"):
@@ -130,6 +132,9 @@ class CameraRenderer:
         except Exception as e:  # GL context creation failed (EGL without device, OSMesa missing, ...)
             raise RuntimeError(f"could not create a MuJoCo offscreen renderer with "
                                f"MUJOCO_GL={os.environ.get('MUJOCO_GL')!r}: {e}. " + INSTALL_HINT) from e
+        if depth:
+            self._r.enable_depth_rendering()
+        self.depth = bool(depth)
         self._r.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = bool(shadows)
         self._r.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = bool(reflections)
         self.height, self.width = int(height), int(width)
@@ -142,9 +147,11 @@ class CameraRenderer:
 
     def render(self, data, camera: str) -> np.ndarray:
         """Render ``camera`` of the current ``data``; (H, W, 3) uint8 RGB, upright (``rotated`` cameras turned
-        back 180°)."""
+        back 180°); a depth renderer: (H, W) float32 metres, as rendered."""
         self._r.update_scene(data, camera=camera)
         img = self._r.render()
+        if self.depth:
+            return img
         if camera in self.rotated:
             img = np.flip(img, (0, 1))
         return np.ascontiguousarray(img)

@@ -78,6 +78,10 @@ class MetaWorldEnv(UnitEnv):
     CAMERAS = CAMERAS
     ROTATED_CAMERAS = ROTATED_CAMERAS   # Meta-World's corner cameras are rolled 180 degrees (sim.gl)
     FAMILY = "Meta-World"
+    BASE_BODY = "base"   # the Sawyer's base, at the world origin
+    # the table top (z = 0) and the wall behind the objects (y ~ 0.98) cut off; the arm's links and every task's
+    # objects stay (reach's goal marker included)
+    POINT_CROP = ((-0.6, 0.25, 0.005), (0.6, 0.95, 0.7))
     DEFAULT_MAX_EPISODE_STEPS = MAX_EPISODE_STEPS = MW_MAX_PATH_LENGTH
 
     def __init__(self, task: str, unit_id: int = 0, robot_cfg: Any = None, obs_cfg: Any = None,
@@ -117,6 +121,13 @@ class MetaWorldEnv(UnitEnv):
         self._variation.apply(self.unit, self._mw.data)  # from stored nominal values: never compounds
         self._mw.seed(mw_seed)
         raw, _ = self._mw.reset()
+        if self.images or self.cloud_spec is not None:
+            # Meta-World places the goal site after its last physics update; without a forward pass the reset
+            # frame draws the goal marker where the previous episode had it (2-17 cm off). Kinematics only: the
+            # state is unchanged, and step() does the same pass after every physics update.
+            import mujoco
+
+            mujoco.mj_forward(self._mw.model, self._mw.data)
         self._raw = np.asarray(raw, dtype=np.float64)
         self._noise_rng = np.random.default_rng([noise_seed, self.unit.unit_id])
         self._start_episode(self.unit.action_latency)
@@ -200,7 +211,7 @@ class MetaWorldEnv(UnitEnv):
         if self.images:
             for c in self.cameras:
                 obs[f"observation.images.{c}"] = self._renderer.render(self._mw.data, c)
-        return self._with_embodiment(obs)
+        return self._with_cloud(self._with_embodiment(obs), self._mw.model, self._mw.data)
 
     def _info(self, mw_info: dict) -> dict[str, Any]:
         success = bool(mw_info["success"])

@@ -17,7 +17,6 @@ from experience_dict.stats import IMAGE_STRIDE, merge_sketches
 from experience_dict.store.codecs import IMAGE_CODECS, LOSSY_IMAGE_CODECS, LOSSY_MEAN_TOL
 from experience_dict.store.schema import (
     _META_ATTR,
-    _is_image,
     INLINE_ARRAYS,
     LOWDIM,
     READABLE_SCHEMA_VERSIONS,
@@ -28,6 +27,8 @@ from experience_dict.store.schema import (
     SpecMismatchError,
     StoreError,
     StoreNotFoundError,
+    _is_image,
+    _is_points,
     _layout,
     _packable,
     _parse_spec,
@@ -442,6 +443,8 @@ class ExperienceStore:
         shape = self.features[key]["shape"]
         if len(shape) == 3 and values.dtype == np.uint8:   # images: the sketch's every-4th-pixel subsample
             flat = values[:, ::IMAGE_STRIDE, ::IMAGE_STRIDE].reshape(-1, shape[-1])
+        elif _is_points(self.features[key]):   # point clouds: per coordinate over every point
+            flat = values.reshape(-1, shape[-1])
         else:
             flat = values.reshape(len(values), -1)
         why = None

@@ -179,6 +179,12 @@ def _is_image(feat: dict) -> bool:
     return np.dtype(feat["dtype"]) == np.uint8 and len(feat["shape"]) == 3
 
 
+def _is_points(feat: dict) -> bool:
+    """A point cloud: float32 ``(N, 3)`` coordinates on a ``grid_m`` grid (``observation.point_cloud``). Its
+    statistics are per coordinate (x, y, z) over every point, as an image's are per channel."""
+    return (feat.get("grid_m") is not None and np.dtype(feat["dtype"]) == np.float32 and len(feat["shape"]) == 2 and int(feat["shape"][-1]) == 3)
+
+
 def _chunk_rows(feat: dict, chunk_bytes: int, max_chunk_rows: int) -> int:
     row_bytes = int(np.prod(feat["shape"], dtype=np.int64)) * np.dtype(feat["dtype"]).itemsize
     return int(np.clip(chunk_bytes // max(row_bytes, 1), 1, max_chunk_rows))

@@ -23,7 +23,7 @@ from fsspec import AbstractFileSystem
 from zarr.codecs import BloscCodec, Crc32cCodec
 
 from experience_dict.stats import episode_sketch, histogram_sketch
-from experience_dict.store.codecs import FrameDeltaCodec, VideoChunkCodec
+from experience_dict.store.codecs import POINT_GRID_MAX, FrameDeltaCodec, PointGridCodec, VideoChunkCodec
 from experience_dict.store.schema import (
     _PLAIN_SCALARS,
     _WRITER_ID_RE,
@@ -38,6 +38,7 @@ from experience_dict.store.schema import (
     _chunk_rows,
     _image_histogram,
     _is_image,
+    _is_points,
     _pack_sketch,
     decode_inline_rows,
     encode_inline_rows,
@@ -227,6 +228,8 @@ class EpisodeWriter:
         self._obs_set = frozenset(self._obs_keys)
         self._obs_check = [(k, self._shape[k], self._dtype[k]) for k in self._obs_keys]
         self._obs_own = [(k, self._cols[k]) for k in self._obs_keys if where[k][1] is None]
+        feats = self.store.meta["features"]
+        self._grids = {k: float(feats[k]["grid_m"]) for k, _ in self._obs_own if _is_points(feats[k])}
         self._obs_low = [(k, slice(*where[k][1][:2])) for k in self._obs_keys if where[k][1] is not None]
         self._act_shape, self._act_dtype = self._shape["action"], self._dtype["action"]
         self._act_col = self._cols["action"] if where["action"][1] is None else None
@@ -277,6 +280,9 @@ class EpisodeWriter:
                     elif codec == "h264":   # lossy: a chunk is one H.264 stream, then only the checksum
                         serializer, comp = VideoChunkCodec(crf=meta["image_crf"],   # set with the codec
                                                            pix_fmt=meta.get("image_pix_fmt", "yuv420p")), None
+                elif _is_points(meta["features"].get(name, {})):   # 0.1 mm int16 grid indices, byte-shuffled zstd
+                    serializer = PointGridCodec(grid_m=float(meta["features"][name]["grid_m"]))
+                    comp = BloscCodec(cname="zstd", clevel=3, shuffle="shuffle", typesize=2)
                 else:  # lowdim: a commit re-encodes its partly filled last chunk; lz4 is ~10x faster than
                     # zstd level 3 there for ~8 % more bytes (byte-shuffled float32 state / action rows)
                     comp = BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")
@@ -430,8 +436,9 @@ class EpisodeWriter:
         if n == self._room:  # a step buffer is full: double it (amortised O(1) per step)
             self._grow()
         row = self._start + n
+        snapped = {key: self._snap(key, obs[key], grid) for key, grid in self._grids.items()}
         for key, col in self._obs_own:
-            col.buf[row - col.lo] = obs[key]
+            col.buf[row - col.lo] = snapped[key] if key in snapped else obs[key]
         low = self._low
         lr = low.buf[row - low.lo]  # this step's lowdim row (a view)
         for key, sl in self._obs_low:
@@ -664,12 +671,24 @@ class EpisodeWriter:
         self._plan()
         return episode_id
 
+    def _snap(self, key: str, v: np.ndarray, grid: float) -> np.ndarray:
+        """A point cloud ``v`` on its feature's ``grid`` (metres), so that ``PointGridCodec`` stores it exactly.
+
+        Raises:
+            SpecMismatchError: a coordinate beyond the int16 grid (nothing is buffered).
+        """
+        k = np.rint(np.asarray(v, dtype=np.float64) / grid)
+        if k.size and np.abs(k).max() > POINT_GRID_MAX:
+            raise SpecMismatchError(f"obs[{key!r}]: a coordinate of {np.abs(v).max():.4f} m is beyond the store's "
+                                    f"point grid ({POINT_GRID_MAX * grid:.4f} m at {grid} m)")
+        return (k * grid).astype(np.float32)
+
     def _sketch(self, col: _Column, start: int, end: int, streamed: int) -> dict:
         """Statistics sketch of rows ``start..end-1`` of ``col``. Images: the pixel histograms of rows before
         ``streamed`` come from the chunk writers (counted while each chunk was in cache), the rest from the
-        buffer; their sum gives the sketch."""
+        buffer; their sum gives the sketch. Point clouds: per coordinate over every point."""
         if not col.image:
-            return episode_sketch(col.buf[start - col.lo:end - col.lo])
+            return episode_sketch(col.buf[start - col.lo:end - col.lo], is_image=col.name in self._grids)
         a = max(start, streamed)
         parts = [f.result() for name, f in self._pixels if name == col.name]
         if end > a:

@@ -353,7 +353,8 @@ def run_plan_vectorised(cfg: dict, checkpoint: str | Path, plan: list[dict], sto
     pool = env_pool(cfg)
     max_envs = (cfg.get("eval") or {}).get("max_envs")   # bound on this process's pooled envs (_wave_envs); null:
     if max_envs is None:                                  # 4 x batch_size state-only (the default job never evicts),
-        max_envs = (2 if (cfg.get("obs") or {}).get("images") else 4) * int(batch_size)   # 2 x with images
+        o = cfg.get("obs") or {}                          # 2 x with images or point clouds (a GL context each)
+        max_envs = (2 if o.get("images") or o.get("point_cloud") else 4) * int(batch_size)
     store, writers = None, {}
     out: list[dict] = []
     bar = None

@@ -300,7 +300,7 @@ class FertAlgorithm:
                 int(policy.config.n_action_steps), int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
                 dataclasses.asdict(ccfg), int(seed), int(self.lcfg.torch_threads or torch.get_num_threads()),
                 str(out_dir), ccfg.candidates,
-                (feats.image_keys, feats.image_channels, {k: v.cpu() for k, v in feats.state_dict().items()}))
+                (feats.spec(), {k: v.cpu() for k, v in feats.state_dict().items()}))
         ex = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         fut = ex.submit(fit_critic_process, *args)
         t0 = time.perf_counter()
@@ -375,8 +375,8 @@ def fit_critic_process(store_url: str, episode_ids: list[str], state_keys: list[
                        out_dir: str, candidates: int, images: tuple | None = None) -> dict:
     """:meth:`FertAlgorithm.start_critic_fit`'s process: ``fleet.fert.critic_fit.fit_critic`` on the episodes
     ``episode_ids`` of the store at ``store_url`` with ``threads`` torch threads on the CPU; the critic is saved
-    to ``out_dir`` (``policies.critic.save_critic``). ``images``: ``(image_keys, image_channels, the frozen
-    encoders' state dict)`` of :func:`critic_features` (None or no keys: state vectors only). Returns the fit's
+    to ``out_dir`` (``policies.critic.save_critic``). ``images``: ``(CriticFeatures.spec(), the frozen encoders'
+    state dict)`` of :func:`critic_features` (None: state vectors only). Returns the fit's
     record with ``fit_s``.
 
     Raises:
@@ -392,9 +392,9 @@ def fit_critic_process(store_url: str, episode_ids: list[str], state_keys: list[
     reader = ExperienceStore.open(store_url)
     by_id = {m.episode_id: m for m in reader.episodes()}
     feats = CriticFeatures(state_keys)
-    if images and images[0]:
-        feats = CriticFeatures(state_keys, images[0], images[1])
-        feats.load_state_dict(images[2])
+    if images:
+        feats = CriticFeatures(**images[0])
+        feats.load_state_dict(images[1])
     critic, rec = fit_critic(reader, [by_id[i] for i in episode_ids], state_keys, action_dim, chunk_steps,
                              steps_after_success, cfg, seed=seed, device="cpu", features=feats.eval())
     save_critic(critic, out_dir, candidates)

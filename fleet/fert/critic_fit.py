@@ -115,7 +115,7 @@ def fit_critic(reader, episodes: Sequence, state_keys: Sequence[str], action_dim
         val[:] = False
     S, P, A, Y = (torch.as_tensor(data[k]).to(device) for k in ("state", "prev_state", "chunk", "target"))
     critic = SuccessCritic(S.shape[1], int(action_dim), int(chunk_steps), int(c["members"]), int(c["hidden"]),
-                           float(c["dropout"]), features.state_keys, features.image_keys, features.image_channels)
+                           float(c["dropout"]), **features.spec())
     critic.frame.load_state_dict(features.state_dict())
     critic = critic.to(device)
     tr = torch.as_tensor(~val, device=S.device)

@@ -56,7 +56,9 @@ class AEDDiffusionConfig:
     """Every hyperparameter of the AED diffusion policy.
 
     Features (LeRobot names): ``input_shapes`` maps each observation key to its per-frame shape:
-    ``observation.state``-like keys ``[d]`` (float), ``observation.images.<cam>`` keys ``[H, W, 3]`` (uint8).
+    ``observation.state``-like keys ``[d]`` (float), ``observation.images.<cam>`` keys ``[H, W, 3]`` (uint8),
+    ``observation.point_cloud`` keys ``[N, 3]`` (float32 metres, a depth camera's workspace cloud: DP3's encoder, an
+    MLP over points with max-pooling, ``point_channels``; one token per frame).
     Actions are ``action_dim``-d; ``relative_action_dims`` are summed within a history group,
     ``absolute_action_dims`` take the group's last command.
 
@@ -98,6 +100,8 @@ class AEDDiffusionConfig:
     state_hidden: int = 96
     image_channels: list[int] = field(default_factory=lambda: [16, 32, 64])
     image_pool: int = 2              # image tokens per frame = image_pool ** 2
+    # point-cloud encoder widths (DP3: 64, 128, 256, each Linear -> LayerNorm -> ReLU, then max over the points)
+    point_channels: list[int] = field(default_factory=lambda: [64, 128, 256])
     # diffusion
     num_train_timesteps: int = 100
     beta_schedule: str = "squaredcos_cap_v2"
@@ -126,6 +130,9 @@ class AEDDiffusionConfig:
             if k.startswith("observation.images."):
                 if len(shape) != 3 or shape[2] != 3:
                     raise ValueError(f"input_shapes[{k!r}]: expected [H, W, 3], given {shape}")
+            elif k.startswith("observation.point_cloud"):
+                if len(shape) != 2 or shape[1] != 3 or shape[0] < 1:
+                    raise ValueError(f"input_shapes[{k!r}]: expected [N, 3] points, given {shape}")
             elif len(shape) != 1 or shape[0] < 1:
                 raise ValueError(f"input_shapes[{k!r}]: expected [d] for a state key, given {shape}")
         dims = sorted(list(self.relative_action_dims) + list(self.absolute_action_dims))
@@ -147,6 +154,8 @@ class AEDDiffusionConfig:
         if self.num_inference_steps > self.num_train_timesteps:
             raise ValueError(f"num_inference_steps ({self.num_inference_steps}) must be <= num_train_timesteps "
                              f"({self.num_train_timesteps})")
+        if not self.point_channels or min(self.point_channels) < 1:
+            raise ValueError(f"point_channels: expected positive widths, given {self.point_channels}")
         for name in ("state_norm", "action_norm"):
             if getattr(self, name) not in ("min_max", "mean_std"):
                 raise ValueError(f"{name}: expected 'min_max' or 'mean_std', given {getattr(self, name)!r}")
@@ -168,7 +177,18 @@ class AEDDiffusionConfig:
 
     @property
     def state_keys(self) -> list[str]:
-        return [k for k in self.input_shapes if not k.startswith("observation.images.")]
+        """Vector observation keys (``[d]``): one MLP token each."""
+        return [k for k in self.input_shapes if not k.startswith(("observation.images.", "observation.point_cloud"))]
+
+    @property
+    def point_keys(self) -> list[str]:
+        """Point-cloud keys (``[N, 3]``): one point-encoder token each."""
+        return [k for k in self.input_shapes if k.startswith("observation.point_cloud")]
+
+    @property
+    def normalized_keys(self) -> list[str]:
+        """Keys normalised from the store's statistics (per dimension; a point cloud per coordinate)."""
+        return self.state_keys + self.point_keys
 
     @property
     def image_keys(self) -> list[str]:

