@@ -122,15 +122,24 @@ class OnlineLabeller:
         self.cameras, self.every = list(lc.cameras), int(lc.every)
         self.record_every = int(lc.record_every)
         self.grabber = FrameGrabber(lc.image_size, lc.image_size)
+        self.image_size = int(lc.image_size)
+        self.clouds = None
+        if lc.point_cloud:
+            from sim.pointcloud import CloudGrabber
+
+            self.clouds = CloudGrabber(lc.point_cameras, (lc.point_image_size, lc.point_image_size), lc.num_points,
+                                       lc.crop_max)
         self.detector = None
         if acting.source == "detector":
             from policies.success_detector import SuccessDetector
 
             self.detector = SuccessDetector.load(acting.detector_dir)
-            if list(self.detector.spec.cameras) != self.cameras or self.detector.spec.image_size != lc.image_size:
-                raise ValueError(f"success detector {acting.detector_dir}: trained on cameras "
-                                 f"{self.detector.spec.cameras} at {self.detector.spec.image_size} px, configured "
-                                 f"labels.cameras {self.cameras} at {lc.image_size} px")
+            sp = self.detector.spec
+            want_points = int(lc.num_points) if lc.point_cloud else 0
+            if list(sp.cameras) != self.cameras or sp.image_size != lc.image_size or sp.num_points != want_points:
+                raise ValueError(f"success detector {acting.detector_dir}: trained on cameras {sp.cameras} at "
+                                 f"{sp.image_size} px and {sp.num_points} cloud points, configured labels.cameras "
+                                 f"{self.cameras} at {lc.image_size} px and {want_points} points")
 
     @property
     def detects(self) -> bool:
@@ -143,16 +152,24 @@ class OnlineLabeller:
         return self.acting.source == "human" and seg_t % self.record_every == 0
 
     def frames(self, env) -> np.ndarray:
-        """(C, H, W, 3) uint8: the detector's cameras of ``env`` now."""
+        """(C, H, W, 3) uint8: the detector's cameras of ``env`` now (C = 0 without cameras)."""
+        if not self.cameras:
+            return np.zeros((0, self.image_size, self.image_size, 3), np.uint8)
         return self.grabber.frames(env, self.cameras)
 
-    def judge(self, frames: np.ndarray, states: np.ndarray, tasks: list[str]) -> np.ndarray:
-        """(B,) success probabilities of frames (B, C, H, W, 3) uint8 with proprioception (B, S) float32."""
+    def cloud(self, env) -> np.ndarray | None:
+        """(N, 3) float32: the detector's point cloud of ``env`` now (``labels.point_cloud``), else None."""
+        return None if self.clouds is None else self.clouds.cloud(env)
+
+    def judge(self, frames: np.ndarray, states: np.ndarray, tasks: list[str],
+              clouds: np.ndarray | None = None) -> np.ndarray:
+        """(B,) success probabilities of frames (B, C, H, W, 3) uint8 with proprioception (B, S) float32 and, for a
+        detector that reads one, clouds (B, N, 3) float32."""
         import torch
 
         idx = torch.tensor([self.detector.task_index(t) for t in tasks])
         return self.detector.probability(torch.as_tensor(frames), torch.as_tensor(states, dtype=torch.float32),
-                                         idx).numpy()
+                                         idx, None if clouds is None else torch.as_tensor(clouds)).numpy()
 
     @property
     def threshold(self) -> float:
@@ -160,22 +177,27 @@ class OnlineLabeller:
 
     def close(self) -> None:
         self.grabber.close()
+        if self.clouds is not None:
+            self.clouds.close()
 
 
 def save_record(record_dir: str | Path, episode_id: str, task: str, frames: list, states: list, steps: list,
-                success: bool, first_success: int | None, done_now: list | None = None) -> Path:
+                success: bool, first_success: int | None, done_now: list | None = None,
+                clouds: list | None = None) -> Path:
     """Write one labelled episode's detector frames: ``<record_dir>/<episode_id>.npz`` with ``frames`` (K, C, H, W,
     3) uint8, ``state`` (K, S) float32, ``step`` (K,) int64 (the episode step after which each frame was taken),
     and the person's labels: ``success``, ``first_success`` (the step of the success moment, -1 for none) and,
     when given, ``done_now`` (K,) bool: whether the task is done in each frame (the person's per-frame mark; the
-    simulator's success at that step stands in for it)."""
+    simulator's success at that step stands in for it) and, with ``labels.point_cloud``, ``clouds`` (K, N, 3)
+    float32 metres."""
     d = Path(record_dir)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{episode_id}.npz"
     np.savez_compressed(path, frames=np.asarray(frames, np.uint8), state=np.asarray(states, np.float32),
                         step=np.asarray(steps, np.int64), task=np.array(str(task)), success=np.array(bool(success)),
                         first_success=np.array(-1 if first_success is None else int(first_success)),
-                        **({} if done_now is None else {"done_now": np.asarray(done_now, bool)}))
+                        **({} if done_now is None else {"done_now": np.asarray(done_now, bool)}),
+                        **({} if not clouds else {"clouds": np.asarray(clouds, np.float32)}))
     return path
 
 
@@ -225,19 +247,33 @@ def _episode_verdicts(model, recs: list[dict], every: int) -> np.ndarray:
         if not keep.any():
             keep[:] = True
         t = torch.full((int(keep.sum()),), model.task_index(str(r["task"])))
+        clouds = torch.as_tensor(r["clouds"][keep]) if model.spec.num_points else None
         out.append(float(model.probability(torch.as_tensor(r["frames"][keep]), torch.as_tensor(r["state"][keep]),
-                                           t).max()))
+                                           t, clouds).max()))
     return np.asarray(out)
 
 
-def _stack(recs: list[dict], tasks: list[str], mode: str = "ever"):
+def record_clouds(rec: dict) -> np.ndarray:
+    """(K, N, 3) float32: a record's point clouds.
+
+    Raises:
+        ValueError: the record holds none (recorded without ``labels.point_cloud``)."""
+    if "clouds" not in rec:
+        raise ValueError(f"labels.point_cloud: record {rec.get('episode_id')} holds no point clouds (record the "
+                         "budget again with labels.point_cloud=true)")
+    return np.asarray(rec["clouds"], np.float32)
+
+
+def _stack(recs: list[dict], tasks: list[str], mode: str = "ever", clouds: bool = False):
+    """``(frames, state, task, label, clouds or None)`` tensors of every frame of ``recs``."""
     import torch
 
     frames = torch.as_tensor(np.concatenate([r["frames"] for r in recs]))
     state = torch.as_tensor(np.concatenate([r["state"] for r in recs]))
     task = torch.as_tensor(np.concatenate([np.full(len(r["step"]), tasks.index(str(r["task"]))) for r in recs]))
     label = torch.as_tensor(np.concatenate([frame_labels(r, mode) for r in recs]))
-    return frames, state, task, label
+    cl = torch.as_tensor(np.concatenate([record_clouds(r) for r in recs])) if clouds else None
+    return frames, state, task, label, cl
 
 
 def binary_scores(pred, truth) -> dict[str, Any]:
@@ -287,10 +323,11 @@ def fit_from_records(record_dir: str | Path, labels: dict, tasks: list[str], out
     def spec() -> DetectorSpec:
         S = int(recs[0]["state"].shape[-1])
         return DetectorSpec(tasks=list(tasks), cameras=list(lc.cameras), image_size=lc.image_size, state_dim=S,
-                            width=lc.width)
+                            width=lc.width, num_points=int(lc.num_points) if lc.point_cloud else 0)
 
     kw = {"updates": lc.updates, "batch_size": lc.batch_size, "lr": lc.lr, "seed": int(seed)}
-    model, info = fit_detector(spec(), *_stack(fit, list(tasks), lc.frame_label), **kw)
+    *data, clouds = _stack(fit, list(tasks), lc.frame_label, clouds=bool(lc.point_cloud))
+    model, info = fit_detector(spec(), *data, clouds=clouds, **kw)
     p_val = _episode_verdicts(model, val, lc.every)
     t_val = np.array([bool(r["success"]) for r in val])
     if lc.threshold is not None:

@@ -32,7 +32,18 @@ class LabelsConfig(TypedConfig):
     """Episodes of the first fleet round labelled by a person (the first of its fixed plan), the detector's
     training set: the labelling effort a deployment pays once."""
     cameras: list[str] = field(default_factory=lambda: ["corner", "topview"])
-    """The cameras the detector sees (the robot's, whatever the policy sees)."""
+    """The cameras the detector sees (the robot's, whatever the policy sees); [] with ``point_cloud``: none."""
+    point_cloud: bool = False
+    """The detector also sees the depth cameras' workspace point cloud (``sim.pointcloud.CloudGrabber``: metric
+    geometry, e.g. how far a window has slid or the hand is from a marker)."""
+    point_cameras: list[str] = field(default_factory=lambda: ["corner", "corner3"])
+    """Depth cameras of the detector's point cloud."""
+    point_image_size: int = 64
+    """Depth image size of the detector's point cloud, pixels."""
+    num_points: int = 256
+    """Points of the detector's cloud (farthest-point sampled)."""
+    crop_max: list[float] | None = None
+    """The detector cloud's workspace box, upper corner (base frame, metres); null: the embodiment's."""
     image_size: int = 64
     """Detector frames are image_size x image_size pixels."""
     every: int = 5
@@ -62,9 +73,29 @@ class LabelsConfig(TypedConfig):
     """Held-out audit: trials per task of the base and the final version on held-out units with the detector
     acting as on the fleet, its labels against the simulator's (precision, recall); 0: no audit."""
 
+    def problems(self, prefix: str | None = None) -> list[str]:
+        """The field rules, and: the detector sees something (a camera or the point cloud)."""
+        bad = super().problems(prefix)
+        if not self.cameras and not self.point_cloud:
+            bad.append(f"{prefix or self._group}.cameras: expected at least one camera unless point_cloud is true, "
+                       "given []")
+        return bad
+
+
+def _xyz(v) -> str | None:
+    ok = v is None or (isinstance(v, list | tuple) and len(v) == 3 and all(number(finite=True)(x) is None for x in v))
+    return None if ok else "null or [x, y, z] metres"
+
+
+def _cameras(v) -> str | None:
+    return None if isinstance(v, list | tuple) and all(isinstance(x, str) and x for x in v) \
+        else "a list of camera names"
+
 
 LabelsConfig._group, LabelsConfig._rules = "labels", {
-    "source": one_of("sim", "detector"), "budget_episodes": POS, "cameras": names, "image_size": integer(16),
+    "source": one_of("sim", "detector"), "budget_episodes": POS, "cameras": _cameras, "image_size": integer(16),
+    "point_cloud": boolean, "point_cameras": names, "point_image_size": integer(8), "num_points": POS,
+    "crop_max": _xyz,
     "every": POS, "record_every": POS, "budget_full_length": boolean, "frame_label": one_of("ever", "now"),
     "val_share": number(0.05, 0.5), "threshold": optional(number(0, 1, True)),
     "updates": POS, "batch_size": POS, "lr": POS_NUMBER, "width": POS, "audit_trials_per_task": integer(0)}

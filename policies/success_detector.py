@@ -4,11 +4,15 @@ A real fleet has no simulator to say whether an episode succeeded. It labels its
 trained on a small labelled budget, as LeRobot's reward-classifier API and HIL-SERL (Luo et al. 2024) do: a frame
 classifier that fires when the task is done and ends the episode. :class:`SuccessDetector` is that classifier:
 
-* inputs: ``frames`` (B, C, H, W, 3) uint8, one image per configured camera; ``state`` (B, S) float32, the
-  robot's proprioception (``observation.state``: end-effector position in metres and gripper opening); ``task``
-  (B,) int64, the task's index in the detector's task list. Never the object's simulator state.
+* inputs: ``frames`` (B, C, H, W, 3) uint8, one image per configured camera (C may be 0); ``state`` (B, S)
+  float32, the robot's proprioception (``observation.state``: end-effector position in metres and gripper opening);
+  ``task`` (B,) int64, the task's index in the detector's task list; with ``num_points``, ``clouds`` (B, N, 3)
+  float32, the depth cameras' workspace point cloud in the robot's base frame (``sim.pointcloud``). Never the
+  object's simulator state.
 * per camera a small convolutional encoder (shared weights, a learned camera embedding), the state through an MLP,
-  a task embedding; an MLP head gives one logit: the probability that the task is done at this frame.
+  a task embedding, the cloud through a PointNet (a shared MLP over each point's position and its offset from the
+  hand, max-pooled: Qi et al. 2017, the encoder DP3 uses); an MLP head gives one logit: the probability that the
+  task is done at this frame.
 
 It is trained with :func:`fit_detector` (binary cross-entropy, random-shift augmentation as in DrQ, Kostrikov et al.
 2020) and saved as ``detector.safetensors`` + ``detector.json`` (never pickled). ``fleet.labels`` records the frames,
@@ -44,10 +48,17 @@ class DetectorSpec:
     """Probability above which a frame is judged a success (chosen on the labelled budget's validation episodes)."""
     state_mean: list[float] = field(default_factory=list)
     state_std: list[float] = field(default_factory=list)
+    num_points: int = 0
+    """Points of the cloud the detector reads (0: no cloud)."""
+    cloud_mean: list[float] = field(default_factory=list)
+    cloud_std: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not self.tasks or not self.cameras:
-            raise ValueError(f"DetectorSpec: expected tasks and cameras, given {self.tasks}, {self.cameras}")
+        if not self.tasks or not (self.cameras or self.num_points):
+            raise ValueError(f"DetectorSpec: expected tasks and cameras or a point cloud, given {self.tasks}, "
+                             f"{self.cameras}, num_points={self.num_points}")
+        if self.num_points < 0:
+            raise ValueError(f"DetectorSpec.num_points: expected >= 0, given {self.num_points}")
         if min(self.image_size, self.state_dim, self.width) < 1:
             raise ValueError(f"DetectorSpec: expected positive sizes, given image_size={self.image_size}, "
                              f"state_dim={self.state_dim}, width={self.width}")
@@ -76,38 +87,65 @@ class SuccessDetector(nn.Module):
         self.camera_embed = nn.Parameter(torch.zeros(len(spec.cameras), 4 * w))
         self.state_mlp = nn.Sequential(nn.Linear(spec.state_dim, 2 * w), nn.GELU(), nn.Linear(2 * w, 2 * w))
         self.task_embed = nn.Embedding(len(spec.tasks), 2 * w)
-        self.head = nn.Sequential(nn.Linear(4 * w * len(spec.cameras) + 4 * w, 4 * w), nn.GELU(),
+        cloud_w = 0
+        if spec.num_points:
+            # PointNet over (x, y, z, x - hand_x, y - hand_y, z - hand_z): where each point is and where it is from the
+            # gripper; max over the points
+            self.point_mlp = nn.Sequential(nn.Linear(6, 2 * w), nn.LayerNorm(2 * w), nn.ReLU(),
+                                           nn.Linear(2 * w, 4 * w), nn.LayerNorm(4 * w), nn.ReLU(),
+                                           nn.Linear(4 * w, 8 * w), nn.LayerNorm(8 * w), nn.ReLU())
+            cloud_w = 8 * w
+            cm = torch.tensor(spec.cloud_mean or [0.0] * 3, dtype=torch.float32)
+            cs = torch.tensor(spec.cloud_std or [1.0] * 3, dtype=torch.float32)
+            self.register_buffer("cloud_mean", cm)
+            self.register_buffer("cloud_std", cs.clamp_min(1e-6))
+        self.head = nn.Sequential(nn.Linear(4 * w * len(spec.cameras) + 4 * w + cloud_w, 4 * w), nn.GELU(),
                                   nn.Linear(4 * w, 1))
         mean = torch.tensor(spec.state_mean or [0.0] * spec.state_dim, dtype=torch.float32)
         std = torch.tensor(spec.state_std or [1.0] * spec.state_dim, dtype=torch.float32)
         self.register_buffer("state_mean", mean)
         self.register_buffer("state_std", std.clamp_min(1e-6))
 
-    def forward(self, frames: torch.Tensor, state: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
+    def forward(self, frames: torch.Tensor, state: torch.Tensor, task: torch.Tensor,
+                clouds: torch.Tensor | None = None) -> torch.Tensor:
         """(B,) logits that the task is done.
 
         Args:
-            frames: (B, C, H, W, 3) uint8 (or float in 0..255). state: (B, S) float32. task: (B,) int64.
+            frames: (B, C, H, W, 3) uint8 (or float in 0..255); C = 0 without cameras. state: (B, S) float32, the
+                first three entries the hand's position (metres, base frame). task: (B,) int64. clouds: (B, N, 3)
+                float32 metres (``spec.num_points`` N; None without a cloud).
 
         Raises:
             ValueError: shapes that do not match the spec.
         """
         B, C = frames.shape[:2]
-        if C != len(self.spec.cameras) or tuple(frames.shape[2:]) != (self.spec.image_size, self.spec.image_size, 3):
+        if C != len(self.spec.cameras) or (C and tuple(frames.shape[2:]) != (self.spec.image_size,
+                                                                             self.spec.image_size, 3)):
             raise ValueError(f"SuccessDetector: expected frames (B, {len(self.spec.cameras)}, {self.spec.image_size}, "
                              f"{self.spec.image_size}, 3), given {tuple(frames.shape)}")
         if state.shape != (B, self.spec.state_dim):
             raise ValueError(f"SuccessDetector: expected state (B, {self.spec.state_dim}), given {tuple(state.shape)}")
-        x = frames.reshape(B * C, *frames.shape[2:]).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-        f = self.encoder(x).reshape(B, C, -1) + self.camera_embed
-        s = self.state_mlp((state.float() - self.state_mean) / self.state_std)
-        return self.head(torch.cat([f.reshape(B, -1), s, self.task_embed(task.long())], -1)).squeeze(-1)
+        parts = []
+        if C:
+            x = frames.reshape(B * C, *frames.shape[2:]).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+            parts.append((self.encoder(x).reshape(B, C, -1) + self.camera_embed).reshape(B, -1))
+        parts += [self.state_mlp((state.float() - self.state_mean) / self.state_std), self.task_embed(task.long())]
+        if self.spec.num_points:
+            if clouds is None or tuple(clouds.shape) != (B, self.spec.num_points, 3):
+                raise ValueError(f"SuccessDetector: expected clouds (B, {self.spec.num_points}, 3), given "
+                                 f"{None if clouds is None else tuple(clouds.shape)}")
+            p = clouds.float()
+            rel = (p - state[:, None, :3].float()) / self.cloud_std
+            p = (p - self.cloud_mean) / self.cloud_std
+            parts.append(self.point_mlp(torch.cat([p, rel], -1)).amax(1))
+        return self.head(torch.cat(parts, -1)).squeeze(-1)
 
     @torch.no_grad()
-    def probability(self, frames, state, task) -> torch.Tensor:
+    def probability(self, frames, state, task, clouds=None) -> torch.Tensor:
         """(B,) success probabilities in [0, 1] (eval mode)."""
         self.eval()
-        return torch.sigmoid(self(torch.as_tensor(frames), torch.as_tensor(state), torch.as_tensor(task)))
+        return torch.sigmoid(self(torch.as_tensor(frames), torch.as_tensor(state), torch.as_tensor(task),
+                                  None if clouds is None else torch.as_tensor(clouds)))
 
     def task_index(self, task: str) -> int:
         """The index of ``task`` in the detector's task list.
@@ -169,13 +207,16 @@ def random_shift(frames: torch.Tensor, pad: int, generator: torch.Generator) -> 
 
 def fit_detector(spec: DetectorSpec, frames: torch.Tensor, state: torch.Tensor, task: torch.Tensor,
                  label: torch.Tensor, updates: int = 1500, batch_size: int = 128, lr: float = 1e-3,
-                 weight_decay: float = 1e-4, shift_px: int = 3, seed: int = 0) -> tuple[SuccessDetector, dict]:
+                 weight_decay: float = 1e-4, shift_px: int = 3, seed: int = 0,
+                 clouds: torch.Tensor | None = None, jitter_m: float = 0.002) -> tuple[SuccessDetector, dict]:
     """Train a :class:`SuccessDetector` on labelled frames (binary cross-entropy, positives re-weighted to balance
     the classes, AdamW, random shifts).
 
     Args:
         spec: the detector's spec (its ``state_mean`` / ``state_std`` are set here from ``state``).
         frames: (N, C, H, W, 3) uint8. state: (N, S) float32. task: (N,) int64. label: (N,) {0, 1}.
+        clouds: (N, P, 3) float32 metres when ``spec.num_points``; augmented with Gaussian noise of ``jitter_m``
+            metres per coordinate (a depth sensor's noise; PointNet's jitter augmentation).
 
     Returns:
         ``(detector in eval mode, {"frames", "positives", "loss"})``.
@@ -188,6 +229,12 @@ def fit_detector(spec: DetectorSpec, frames: torch.Tensor, state: torch.Tensor, 
         raise ValueError(f"fit_detector: expected frames of both classes, given {n} frames with {pos} positives")
     spec.state_mean = state.float().mean(0).tolist()
     spec.state_std = state.float().std(0).clamp_min(1e-3).tolist()
+    if spec.num_points:
+        if clouds is None or tuple(clouds.shape[1:]) != (spec.num_points, 3) or len(clouds) != n:
+            raise ValueError(f"fit_detector: expected clouds ({n}, {spec.num_points}, 3), given "
+                             f"{None if clouds is None else tuple(clouds.shape)}")
+        flat = clouds.float().reshape(-1, 3)
+        spec.cloud_mean, spec.cloud_std = flat.mean(0).tolist(), flat.std(0).clamp_min(1e-3).tolist()
     g = torch.Generator().manual_seed(int(seed))
     torch.manual_seed(int(seed))
     model = SuccessDetector(spec)
@@ -200,8 +247,13 @@ def fit_detector(spec: DetectorSpec, frames: torch.Tensor, state: torch.Tensor, 
         idx = torch.randint(0, n, (min(int(batch_size), n),), generator=g)
         f = frames[idx]
         B, C = f.shape[:2]
-        f = random_shift(f.reshape(B * C, *f.shape[2:]), shift_px, g).reshape(f.shape)
-        logit = model(f, state[idx], task[idx])
+        if C:
+            f = random_shift(f.reshape(B * C, *f.shape[2:]), shift_px, g).reshape(f.shape)
+        cl = None
+        if spec.num_points:
+            cl = clouds[idx].float()
+            cl = cl + torch.randn(cl.shape, generator=g) * float(jitter_m)
+        logit = model(f, state[idx], task[idx], cl)
         loss = nn.functional.binary_cross_entropy_with_logits(logit, label[idx].float(), pos_weight=pos_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()

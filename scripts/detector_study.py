@@ -44,6 +44,11 @@ VARIANTS = {
     "all64_2k": {"cams": CAMS, "size": 64, "updates": 2000},
     "all64_nostate": {"cams": CAMS, "size": 64, "updates": 800, "state": False},
     "all96_nostate": {"cams": CAMS, "size": 96, "updates": 800, "state": False},
+    # the depth cameras' point cloud (records made with labels.point_cloud=true): alone with proprioception, and
+    # beside the wrist camera (experiment 53)
+    "pc": {"cams": [], "size": 64, "updates": 800, "cloud": True},
+    "pc_2k": {"cams": [], "size": 64, "updates": 2000, "cloud": True},
+    "pc_grip64": {"cams": ["gripperPOV"], "size": 64, "updates": 800, "cloud": True},
 }
 # Meta-World v3's success cuts on info["obj_to_target"] (metaworld/envs/sawyer_*_v3.py), for records without
 # per-frame marks
@@ -100,10 +105,12 @@ def run_variant(recs: list[dict], tasks: list[str], v: dict, label: str, folds: 
     """Held-out verdicts ``{rule: (E,) bool}`` and per-frame probabilities of every episode for one variant."""
     import torch
 
-    from fleet.labels import frame_labels
+    from fleet.labels import frame_labels, record_clouds
     from policies.success_detector import DetectorSpec, fit_detector
 
-    idx = [CAMS.index(c) for c in v["cams"]]
+    cams = [str(c) for c in recs[0].get("cameras", CAMS)]   # the records' own camera order
+    idx = [cams.index(c) for c in v["cams"]]
+    cloud = bool(v.get("cloud", False))
     # "state": False: the detector sees no proprioception (zeros), only the cameras
     R = [{**r, "frames": resize(r["frames"][:, idx], v["size"]),
           **({} if v.get("state", True) else {"state": np.zeros_like(r["state"])})} for r in recs]
@@ -118,16 +125,18 @@ def run_variant(recs: list[dict], tasks: list[str], v: dict, label: str, folds: 
         return (torch.as_tensor(np.concatenate([r["frames"] for r in sel])),
                 torch.as_tensor(np.concatenate([r["state"] for r in sel])),
                 torch.as_tensor(np.concatenate([np.full(len(r["step"]), tasks.index(str(r["task"]))) for r in sel])),
-                torch.as_tensor(np.concatenate([frame_labels(r, label) for r in sel])))
+                torch.as_tensor(np.concatenate([frame_labels(r, label) for r in sel])),
+                torch.as_tensor(np.concatenate([record_clouds(r) for r in sel])) if cloud else None)
 
     def probs(model, ids):
         out = []
         for i in ids:
             r = R[i]
             t = torch.full((len(r["step"]),), model.task_index(str(r["task"])))
-            out.append(np.concatenate([model.probability(torch.as_tensor(r["frames"][a:a + 256]),
-                                                         torch.as_tensor(r["state"][a:a + 256]), t[a:a + 256]).numpy()
-                                       for a in range(0, len(t), 256)]))
+            out.append(np.concatenate([model.probability(
+                torch.as_tensor(r["frames"][a:a + 256]), torch.as_tensor(r["state"][a:a + 256]), t[a:a + 256],
+                torch.as_tensor(record_clouds(r)[a:a + 256]) if cloud else None).numpy()
+                for a in range(0, len(t), 256)]))
         return out
 
     t0 = time.time()
@@ -136,8 +145,10 @@ def run_variant(recs: list[dict], tasks: list[str], v: dict, label: str, folds: 
         n_val = round(0.25 * len(rest))
         val, fit = rest[:n_val], rest[n_val:]
         spec = DetectorSpec(tasks=tasks, cameras=v["cams"], image_size=v["size"],
-                            state_dim=int(R[0]["state"].shape[-1]))
-        model, info = fit_detector(spec, *stack(fit), updates=v["updates"], batch_size=64, seed=k)
+                            state_dim=int(R[0]["state"].shape[-1]),
+                            num_points=int(record_clouds(R[0]).shape[1]) if cloud else 0)
+        *data, clouds = stack(fit)
+        model, info = fit_detector(spec, *data, clouds=clouds, updates=v["updates"], batch_size=64, seed=k)
         pv, ph = probs(model, val), probs(model, held)
         for p, i in zip(ph, held):
             traces[i] = p

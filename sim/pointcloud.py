@@ -161,3 +161,44 @@ class DepthPointCloud:
     def close(self) -> None:
         """Free the GL context (idempotent)."""
         self._r.close()
+
+
+class CloudGrabber:
+    """Point clouds of many envs through few GL contexts: one :class:`DepthPointCloud` per task model (a private
+    copy), shared by every robot unit's env of that task, drawn with the env's own ``MjData`` (so with its unit's
+    camera pose: a fixed camera's pose is in ``data.cam_xpos`` / ``cam_xmat``). What a robot's depth camera sees,
+    for a success detector on any policy (``fleet.labels``); the :class:`sim.gl.FrameGrabber` of depth.
+
+    Args:
+        cameras: depth cameras merged. image_hw: depth image (height, width), pixels. num_points: N.
+        crop_max: the workspace box's upper corner (base frame, metres) instead of the embodiment's (``POINT_CROP``).
+    """
+
+    def __init__(self, cameras: Sequence[str], image_hw: tuple[int, int], num_points: int,
+                 crop_max: Sequence[float] | None = None) -> None:
+        self.cameras, self.image_hw, self.num_points = tuple(cameras), tuple(int(s) for s in image_hw), int(num_points)
+        self.crop_max = tuple(float(x) for x in crop_max) if crop_max is not None else None
+        self._clouds: dict[str, DepthPointCloud] = {}
+
+    def cloud(self, env) -> np.ndarray:
+        """(N, 3) float32 metres in the robot's base frame: ``env``'s workspace cloud now (an env with ``task``,
+        ``mj_model``, ``mj_data``, ``BASE_BODY`` and ``POINT_CROP``).
+
+        Raises:
+            RuntimeError: no working GL backend. ValueError: a camera the model lacks.
+        """
+        key = str(getattr(env, "task", id(env.mj_model)))
+        if key not in self._clouds:
+            import copy
+
+            lo, hi = env.POINT_CROP
+            spec = CloudSpec(self.cameras, self.image_hw, self.num_points, tuple(lo),
+                             self.crop_max if self.crop_max is not None else tuple(hi), env.BASE_BODY)
+            self._clouds[key] = DepthPointCloud(copy.deepcopy(env.mj_model), spec)
+        return self._clouds[key](env.mj_data)
+
+    def close(self) -> None:
+        """Free every GL context (idempotent)."""
+        for c in self._clouds.values():
+            c.close()
+        self._clouds.clear()

@@ -489,7 +489,7 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
     def fresh(ex) -> dict:
         return {"steps": [], "success": False, "sim_success": False, "return": 0.0, "length": 0, "why": "max_steps",
                 "label": None, "first_success": None, "explore": ex, "fired_at": None, "p_max": 0.0,
-                "record": ([], [], [], []) if records else None, "t": 0, "now": False}
+                "record": ([], [], [], [], []) if records else None, "t": 0, "now": False}
 
     cur = [fresh(None) for _ in range(B)]
     last_obs = list(obs)
@@ -547,8 +547,10 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
                 if due:
                     frames = np.stack([labeller.frames(envs[i]) for i in due])
                     states = np.stack([last_obs[i]["observation.state"] for i in due]).astype(np.float32)
+                    clouds = [labeller.cloud(envs[i]) for i in due]
+                    clouds = None if clouds[0] is None else np.stack(clouds)
                     if detects:
-                        p = labeller.judge(frames, states, [str(wave[i]["task"]) for i in due])
+                        p = labeller.judge(frames, states, [str(wave[i]["task"]) for i in due], clouds)
                         for j, i in enumerate(due):
                             cur[i]["p_max"] = max(cur[i]["p_max"], float(p[j]))
                             if p[j] > labeller.threshold:
@@ -560,6 +562,8 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
                             rec[1].append(states[j])
                             rec[2].append(cur[i]["t"])
                             rec[3].append(cur[i]["now"])
+                            if clouds is not None:
+                                rec[4].append(clouds[j])
             for i in live:
                 c = cur[i]
                 if i in ended and ended[i][0] not in ("terminated", "truncated"):
@@ -598,9 +602,9 @@ def _commit_segments(w, env, tr: dict, segs: list[dict], version: int, tags: dic
             ret = float(sum(float(row[2]) for row in steps))
         ep_id = _commit_trial(w, env, tr, steps, bool(sg["success"]), why, version, seg_tags)
         if sg["record"] is not None and ep_id is not None and sg["record"][0]:
-            frames, states, steps, now = sg["record"]
+            frames, states, steps, now, clouds = sg["record"]
             save_record(acting.record_dir, ep_id, str(tr["task"]), frames, states, steps, bool(sg["success"]),
-                        sg["first_success"], done_now=now)
+                        sg["first_success"], done_now=now, clouds=clouds)
         summ = {"episode_id": ep_id, "unit_id": int(tr["unit_id"]), "task": str(tr["task"]), "seed": int(tr["seed"]),
                 "success": bool(sg["success"]), "length": length, "policy_version": int(version),
                 "is_demo": False, "return": ret, "wall_s": wall, "termination": why,
