@@ -332,7 +332,7 @@ def test_detector_reads_the_cloud_relative_to_the_hand():
     spec = DetectorSpec(tasks=["reach-v3"], cameras=[], num_points=P)
     frames = torch.zeros((n, 0, 64, 64, 3), dtype=torch.uint8)
     tr, te = slice(0, 500), slice(500, n)
-    model, info = fit_detector(spec, frames[tr], torch.as_tensor(state[tr]), torch.zeros(500, dtype=torch.long),
+    model, _ = fit_detector(spec, frames[tr], torch.as_tensor(state[tr]), torch.zeros(500, dtype=torch.long),
                                torch.as_tensor(label[tr].astype(np.int64)), updates=300, batch_size=64,
                                clouds=torch.as_tensor(clouds[tr]))
     p = model.probability(frames[te], torch.as_tensor(state[te]), torch.zeros(100, dtype=torch.long),
