@@ -44,7 +44,7 @@ class WandbConfig(TypedConfig):
 def _bench_defaults() -> dict[str, Any]:
     return {
         "devices": ["cpu", "cuda"],   # cuda is skipped when no GPU is visible
-        "configs": ["state", "image"],   # state: policy/aed_diffusion; image: policy/aed_diffusion_image
+        "configs": ["state", "image"],   # state | image | image64 | pointcloud (scripts/bench_policy.py)
         "batch_size": 64, "train_iters": 5, "infer_iters": 5, "warmup": 2, "num_threads": None,
         "compile": False,    # torch.compile; on CUDA also the denoiser with mode=reduce-overhead (CUDA graphs)
         "amp_bf16": False,

@@ -5,8 +5,10 @@
     python scripts/bench_policy.py 'train.bench.configs=[image]' \
         'train.bench.policy_overrides={action_patch: 4, condition_layers: 0}'   # a policy option, both AED arms
 
-For each device and each config (the default state-only policy, ``policy=aed_diffusion``, and the 96x96-image
-policy, ``configs/policy/aed_diffusion_image.yaml``): training samples/s and peak memory on random batches of
+For each device and each config (``state``: the default state-only policy, ``policy=aed_diffusion``; ``image``: the
+96x96-image policy, ``configs/policy/aed_diffusion_image.yaml``; ``image64``: ``experiment=vision_cpu``'s policy, the
+state and one 64x64 camera; ``pointcloud``: ``experiment=pointcloud``'s, the state and a 128-point depth cloud through
+DP3's encoder): training samples/s and peak memory on random batches of
 the policy's windows (fused AdamW, grad clip, as ``train_policy``), CPU tokenization time per batch (the
 data-path preprocessor; first sight and memoised), and the latency of one action chunk with DDIM
 ``num_inference_steps`` (10) at batch 1 and 32, with the per-chunk cache of the observation/prefix tokens'
@@ -15,7 +17,10 @@ denoiser states and without it (``use_cache=False``), and their ratio (CUDA: syn
 Same-process baselines, timed interleaved with the AED policy: the same policy without the AED prefix
 (``aed.enabled=false``, MT loss as configured: the main job's ablation arm) always, and LeRobot's
 ``DiffusionPolicy`` of similar parameter count when ``lerobot`` is importable.
-Writes ``<output_dir>/bench_policy.json``.
+Writes ``<output_dir>/bench_policy.json``; with ``state`` among the configs, every other config's training samples/s
+and chunk latency also as a ratio to ``state`` measured in the same run (``ratio_*_vs_state``).
+
+    python scripts/bench_policy.py 'train.bench.configs=[state,image64,pointcloud]' train.bench.devices=[cpu]
 """
 
 from __future__ import annotations
@@ -40,8 +45,20 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "policy"
 STATE_SHAPES = {"observation.state": [4], "observation.environment_state": [17]}
 
 
-def load_policy_cfg(name: str, image_size: int, overrides: dict | None = None) -> AEDDiffusionConfig:
-    """A policy config file of configs/policy (defaults merged) -> AEDDiffusionConfig with Meta-World shapes."""
+# the deployable presets' policies: (policy file, its overrides, its input shapes); experiment=vision_cpu and
+# experiment=pointcloud (configs/experiment/*.yaml)
+PRESETS = {
+    "image64": ("aed_diffusion", {"action_patch": 1, "condition_layers": None},
+                {"observation.state": [4], "observation.images.corner": [64, 64, 3]}),
+    "pointcloud": ("aed_diffusion", {"point_channels": [64, 128]},
+                   {"observation.state": [4], "observation.point_cloud": [128, 3]}),
+}
+
+
+def load_policy_cfg(name: str, image_size: int, overrides: dict | None = None,
+                    shapes: dict | None = None) -> AEDDiffusionConfig:
+    """A policy config file of configs/policy (defaults merged) -> AEDDiffusionConfig with Meta-World shapes
+    (``shapes``: these input shapes instead)."""
     node = OmegaConf.load(CONFIG_DIR / f"{name}.yaml")
     base = OmegaConf.create()
     for d in node.pop("defaults", []) or []:
@@ -50,9 +67,10 @@ def load_policy_cfg(name: str, image_size: int, overrides: dict | None = None) -
     d = OmegaConf.to_container(OmegaConf.merge(base, node, overrides or {}), resolve=True)
     d.pop("input_keys", None)
     images = d.pop("images", False)
-    shapes = dict(STATE_SHAPES)
-    if images:
-        shapes["observation.images.corner"] = [image_size, image_size, 3]
+    if shapes is None:
+        shapes = dict(STATE_SHAPES)
+        if images:
+            shapes["observation.images.corner"] = [image_size, image_size, 3]
     return AEDDiffusionConfig.from_dict({**d, "input_shapes": shapes})
 
 
@@ -64,8 +82,8 @@ def synthetic(cfg: AEDDiffusionConfig):
     tok = ActionTokenizer.fit(eps, r=cfg.aed.group_size, relative_dims=cfg.relative_action_dims,
                               absolute_dims=cfg.absolute_action_dims, scale=cfg.aed.tokenizer_scale,
                               vocab_size=cfg.aed.tokenizer_vocab_size)
-    stats = {k: {"min": [-1.0] * v[0], "max": [1.0] * v[0], "mean": [0.0] * v[0], "std": [1.0] * v[0]}
-             for k, v in cfg.input_shapes.items() if len(v) == 1}
+    stats = {k: {"min": [-1.0] * v[-1], "max": [1.0] * v[-1], "mean": [0.0] * v[-1], "std": [1.0] * v[-1]}
+             for k, v in cfg.input_shapes.items() if len(v) in (1, 2)}   # a point cloud: per coordinate
     stats["action"] = {"min": [-1.0] * cfg.action_dim, "max": [1.0] * cfg.action_dim,
                        "mean": [0.0] * cfg.action_dim, "std": [1.0] * cfg.action_dim}
     return stats, tok
@@ -289,15 +307,21 @@ def main(cfg: DictConfig) -> None:
         for cname in bc["configs"]:
             pol = "aed_diffusion_image" if cname == "image" else "aed_diffusion"
             size = int(cfg.obs.image_size)
-            img = size if cname == "image" else None
+            img = size if cname == "image" else (64 if cname == "image64" else None)
             over = dict(bc.get("policy_overrides") or {})  # e.g. {action_patch: 4, condition_layers: 0}
-            pair = bench_pair({"aed": load_policy_cfg(pol, size, over),
-                               "no_aed": load_policy_cfg(pol, size, {**over, "aed": {"enabled": False}})}, dev, bc,
-                              extra={"lerobot_diffusion": lambda n, img=img: LeRobotSetup(dev, bc, img, n)})
+            shapes = None
+            if cname in PRESETS:
+                pol, pre, shapes = PRESETS[cname]
+                over = {**pre, **over}
+            extra = {} if cname == "pointcloud" else {   # LeRobot's DiffusionPolicy has no point-cloud encoder
+                "lerobot_diffusion": lambda n, img=img: LeRobotSetup(dev, bc, img, n)}
+            pair = bench_pair({"aed": load_policy_cfg(pol, size, over, shapes),
+                               "no_aed": load_policy_cfg(pol, size, {**over, "aed": {"enabled": False}}, shapes)},
+                              dev, bc, extra=extra)
             r = pair["aed"]
             r["baseline_no_aed"] = pair["no_aed"]
             r["ratio_train_samples_per_s_vs_no_aed"] = r["train_samples_per_s"] / pair["no_aed"]["train_samples_per_s"]
-            r["lerobot_diffusion"] = lr_res = pair["lerobot_diffusion"]
+            r["lerobot_diffusion"] = lr_res = pair.get("lerobot_diffusion", "no LeRobot equivalent")
             if isinstance(lr_res, dict):
                 r["ratio_train_samples_per_s_vs_lerobot"] = r["train_samples_per_s"] / lr_res["train_samples_per_s"]
                 for nb in (1, 32):
@@ -305,6 +329,13 @@ def main(cfg: DictConfig) -> None:
                                                                   / lr_res[f"chunk_latency_ms_b{nb}"])
             out["results"][f"{dname}/{cname}"] = r
             print(json.dumps({f"{dname}/{cname}": r}), flush=True)
+        base = out["results"].get(f"{dname}/state")
+        for cname in bc["configs"]:
+            r = out["results"][f"{dname}/{cname}"]
+            if base is not None and cname != "state":   # the same run's state policy as the baseline
+                r["ratio_train_samples_per_s_vs_state"] = r["train_samples_per_s"] / base["train_samples_per_s"]
+                for nb in (1, 32):
+                    r[f"ratio_chunk_latency_vs_state_b{nb}"] = r[f"chunk_latency_ms_b{nb}"] / base[f"chunk_latency_ms_b{nb}"]
     out["load_average_1_5_15"] = list(os.getloadavg())  # other processes' load during the run (noisy machines)
     path = Path(cfg.output_dir) / "bench_policy.json"
     path.parent.mkdir(parents=True, exist_ok=True)
