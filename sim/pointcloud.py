@@ -7,9 +7,10 @@ floor and the background), and reduced to a fixed number of points by farthest-p
 a bucket-based exact FPS; deterministic for a given cloud and start index).
 
 The MuJoCo depth buffer (``mujoco.Renderer.enable_depth_rendering``) is linear depth in metres along the camera's
-optical axis; MuJoCo cameras look along their local -z with +y up and +x to the right, and the renderer's image has
-row 0 at the top. A pixel (row i, column j) of an H x W image with vertical field of view ``fovy`` is the ray
-``x = (j + 0.5 - W/2) d / f``, ``y = -(i + 0.5 - H/2) d / f``, ``z = -d`` with ``f = (H/2) / tan(fovy/2)`` pixels.
+optical axis, row 0 at the top; MuJoCo cameras look along their local -z with +y up. :func:`mujoco_depth_camera`
+turns a MuJoCo camera into a pinhole :class:`DepthCamera` (square pixels, ``f = (H/2) / tan(fovy/2)``, the optical
+frame x right, y down, z forward), the description a real RGB-D sensor's driver and hand-eye calibration give, and
+:func:`cloud_from_depth` is the one path from depth images to the policy's cloud for the twin and a real robot.
 Points are snapped to a grid of ``GRID_M`` (0.1 mm, below a RealSense D435's depth resolution) so that the store can
 keep them as 16-bit integers losslessly (``experience_dict.store.codecs.PointGridCodec``).
 """
@@ -64,24 +65,103 @@ class CloudSpec:
                              f"given {self.crop_min} / {self.crop_max}")
 
 
-def backproject(depth: np.ndarray, fovy_deg: float, cam_pos: np.ndarray, cam_mat: np.ndarray) -> np.ndarray:
-    """World points of every pixel of a MuJoCo depth image.
+@dataclass(frozen=True)
+class DepthCamera:
+    """A calibrated depth camera: pinhole intrinsics and its pose in the robot's base frame. The same description
+    serves the twin (:func:`mujoco_depth_camera`) and a real RGB-D sensor (its intrinsics from the driver, e.g. a
+    RealSense's ``rs.intrinsics``; its pose from a hand-eye calibration), so both give the policy one cloud.
+
+    Attributes:
+        fx, fy, cx, cy: focal lengths and principal point, pixels (OpenCV's convention: pixel (row v, column u)
+            has its centre at (u, v), the ray ``((u - cx) / fx, (v - cy) / fy, 1)``).
+        base_from_camera: (4, 4) pose of the camera's optical frame (x right, y down, z forward: OpenCV's and
+            ROS's ``*_optical_frame``) in the robot's base frame, metres.
+        depth_scale: metres per depth unit (1.0 for float metres; 0.001 for a RealSense's uint16 millimetres).
+    """
+
+    fx: float
+    fy: float
+    cx: float
+    cy: float
+    base_from_camera: tuple
+    depth_scale: float = 1.0
+
+    def to_dict(self) -> dict:
+        """JSON-able: every field, the pose as a nested list."""
+        return {"fx": self.fx, "fy": self.fy, "cx": self.cx, "cy": self.cy, "depth_scale": self.depth_scale,
+                "base_from_camera": [list(map(float, r)) for r in np.asarray(self.base_from_camera).reshape(4, 4)]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DepthCamera:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: a missing field, a pose that is not 4 x 4, or a non-positive focal length or scale."""
+        try:
+            T = np.asarray(d["base_from_camera"], dtype=np.float64)
+            cam = cls(float(d["fx"]), float(d["fy"]), float(d["cx"]), float(d["cy"]),
+                      tuple(map(tuple, T.reshape(4, 4))), float(d.get("depth_scale", 1.0)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"depth camera calibration: expected fx, fy, cx, cy and a 4 x 4 base_from_camera, "
+                             f"given {d!r} ({e})") from None
+        if min(cam.fx, cam.fy, cam.depth_scale) <= 0:
+            raise ValueError(f"depth camera calibration: focal lengths and depth_scale must be > 0, given {d!r}")
+        return cam
+
+    def base_points(self, depth: np.ndarray) -> np.ndarray:
+        """(H * W, 3) float64 base-frame points of every pixel of ``depth`` (H, W) in depth units (0 or a
+        non-finite value: no return, dropped by the caller's crop as a point at the camera's origin is not)."""
+        h, w = depth.shape[:2]
+        d = np.asarray(depth, dtype=np.float64).reshape(h, w) * self.depth_scale
+        u, v = np.meshgrid(np.arange(w, dtype=np.float64), np.arange(h, dtype=np.float64))
+        opt = np.stack([(u - self.cx) * d / self.fx, (v - self.cy) * d / self.fy, d], axis=-1).reshape(-1, 3)
+        valid = np.isfinite(opt).all(1) & (opt[:, 2] > 0)
+        T = np.asarray(self.base_from_camera, dtype=np.float64).reshape(4, 4)
+        return (opt[valid] @ T[:3, :3].T + T[:3, 3])
+
+
+# MuJoCo's camera frame (x right, y up, looking along -z) from the optical frame (x right, y down, z forward)
+_MJ_FROM_OPTICAL = np.diag([1.0, -1.0, -1.0])
+
+
+def mujoco_depth_camera(model, data, camera: str, base_body: str, image_hw: tuple[int, int]) -> DepthCamera:
+    """The :class:`DepthCamera` of a MuJoCo camera rendered at ``image_hw``: square pixels from ``model.cam_fovy``
+    (vertical field of view), the principal point at the image centre, the pose from ``data`` (``cam_xpos`` /
+    ``cam_xmat`` and the base body's ``xpos`` / ``xmat``; call after ``mj_forward`` or a step).
+
+    Raises:
+        KeyError: an unknown camera or body."""
+    h, w = int(image_hw[0]), int(image_hw[1])
+    cid, bid = model.camera(camera).id, model.body(base_body).id
+    f = 0.5 * h / np.tan(np.deg2rad(float(model.cam_fovy[cid])) / 2.0)
+    R_wc = np.asarray(data.cam_xmat[cid], dtype=np.float64).reshape(3, 3) @ _MJ_FROM_OPTICAL
+    R_wb = np.asarray(data.xmat[bid], dtype=np.float64).reshape(3, 3)
+    T = np.eye(4)
+    T[:3, :3] = R_wb.T @ R_wc
+    T[:3, 3] = R_wb.T @ (np.asarray(data.cam_xpos[cid], dtype=np.float64) - np.asarray(data.xpos[bid], np.float64))
+    return DepthCamera(f, f, w / 2.0 - 0.5, h / 2.0 - 0.5, tuple(map(tuple, T)))
+
+
+def cloud_from_depth(depths: Sequence[np.ndarray], cameras: Sequence[DepthCamera], crop_min: Sequence[float],
+                     crop_max: Sequence[float], num_points: int) -> np.ndarray:
+    """The policy's ``observation.point_cloud`` from depth images: each camera's pixels in the base frame, merged,
+    cropped to the workspace box, farthest-point sampled to ``num_points``, snapped to :data:`GRID_M`. The one path
+    of the twin (:class:`DepthPointCloud`) and of a real robot's depth cameras (``fleet.deploy``).
 
     Args:
-        depth: (H, W) float32 linear depth, metres (MuJoCo's renderer, row 0 at the top).
-        fovy_deg: the camera's vertical field of view, degrees (``model.cam_fovy``).
-        cam_pos: (3,) camera position, world frame, metres (``data.cam_xpos``).
-        cam_mat: (3, 3) or (9,) camera orientation, world frame (``data.cam_xmat``; columns: camera x, y, z axes).
+        depths: one (H, W) depth image per camera, in its ``depth_scale`` units. cameras: their calibrations.
+        crop_min, crop_max: the workspace box (x, y, z), base frame, metres. num_points: N.
 
     Returns:
-        (H * W, 3) float64 world points, metres, row-major over the image.
+        (N, 3) float32, metres, the robot's base frame.
+
+    Raises:
+        ValueError: as many depth images as cameras are needed.
     """
-    h, w = depth.shape
-    f = 0.5 * h / np.tan(np.deg2rad(fovy_deg) / 2.0)
-    jj, ii = np.meshgrid(np.arange(w) + 0.5 - w / 2.0, np.arange(h) + 0.5 - h / 2.0)
-    d = depth.astype(np.float64)
-    cam = np.stack([jj * d / f, -ii * d / f, -d], axis=-1).reshape(-1, 3)
-    return cam @ np.asarray(cam_mat, dtype=np.float64).reshape(3, 3).T + np.asarray(cam_pos, dtype=np.float64)
+    if len(depths) != len(cameras):
+        raise ValueError(f"cloud_from_depth: {len(depths)} depth images for {len(cameras)} cameras")
+    pts = np.concatenate([c.base_points(np.asarray(d)) for d, c in zip(depths, cameras)] or [np.zeros((0, 3))], 0)
+    return snap_to_grid(farthest_points(crop(pts, crop_min, crop_max), int(num_points)))
 
 
 def crop(points: np.ndarray, lo: Sequence[float], hi: Sequence[float]) -> np.ndarray:
@@ -141,22 +221,21 @@ class DepthPointCloud:
         self._model = model
         self._r = CameraRenderer(model, *spec.image_hw, rotated=frozenset(), depth=True, **renderer_kw)
 
-    def world_points(self, data) -> np.ndarray:
-        """(M, 3) float64 world points of every camera's every pixel (before the crop), metres."""
-        out = []
-        for c, cid in zip(self.spec.cameras, self._cam_ids):
-            depth = self._r.render(data, c)
-            out.append(backproject(depth, float(self._model.cam_fovy[cid]), data.cam_xpos[cid], data.cam_xmat[cid]))
-        return np.concatenate(out, axis=0)
+    def depth_images(self, data) -> list[np.ndarray]:
+        """One (H, W) float32 depth image per camera, metres (what a depth sensor gives)."""
+        return [self._r.render(data, c) for c in self.spec.cameras]
+
+    def calibration(self, data) -> list[DepthCamera]:
+        """Every camera's :class:`DepthCamera` now (its pose from ``data``: a unit's own camera jitter)."""
+        return [mujoco_depth_camera(self._model, data, c, self.spec.base_body, self.spec.image_hw)
+                for c in self.spec.cameras]
 
     def __call__(self, data) -> np.ndarray:
         """The observation ``observation.point_cloud``: (N, 3) float32, metres, the robot's base frame, cropped to
-        the workspace, farthest-point sampled (N = ``spec.num_points``), snapped to :data:`GRID_M`."""
-        pts = self.world_points(data)
-        rot = np.asarray(data.xmat[self._base_id], dtype=np.float64).reshape(3, 3)
-        pts = (pts - np.asarray(data.xpos[self._base_id], dtype=np.float64)) @ rot   # world -> base: R^T (p - x)
-        pts = crop(pts, self.spec.crop_min, self.spec.crop_max)
-        return snap_to_grid(farthest_points(pts, self.spec.num_points))
+        the workspace, farthest-point sampled (N = ``spec.num_points``), snapped to :data:`GRID_M`
+        (:func:`cloud_from_depth` of the rendered depth images: the path a real robot's depth cameras take)."""
+        return cloud_from_depth(self.depth_images(data), self.calibration(data), self.spec.crop_min,
+                                self.spec.crop_max, self.spec.num_points)
 
     def close(self) -> None:
         """Free the GL context (idempotent)."""

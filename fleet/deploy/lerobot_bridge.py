@@ -51,6 +51,8 @@ MOTOR_KEYS = tuple(f"{j}.pos" for j in LEROBOT_JOINTS)
 SIM_PREFIX = "sim."   # sim-only observation features of fleetmind_so100_sim (object state)
 EE_ACTION_NAMES = ["dx", "dy", "dz", "gripper"]
 STATE_KEY, ENV_STATE_KEY, IMAGE_PREFIX = "observation.state", "observation.environment_state", "observation.images."
+CLOUD_KEY = "observation.point_cloud"   # from the robot's depth cameras (sim.pointcloud.cloud_from_depth)
+DEPTH_SUFFIX = ".depth"   # a robot's depth image feature: "<camera>.depth", (H, W) in its calibration's depth units
 EMBODIMENT_KEY = "observation.embodiment"   # a mixed fleet's policy is told its robot (sim.units.embodiment_onehot)
 
 
@@ -178,13 +180,21 @@ class SO100Bridge:
         action_scale_m: metres of tcp target motion per action unit, one value or (3,) per axis (default: the
             twin's ``ACTION_SCALE_M``; ``set_action_scale`` changes it between episodes).
         events: the deploy loop's ``EventLog`` (``action_range`` events are added to it).
+        depth_cameras: for a policy reading ``observation.point_cloud``: ``{robot camera: calibration}`` (a
+            ``sim.pointcloud.DepthCamera`` or its ``to_dict``: intrinsics, the optical frame's pose in the arm's base
+            frame, depth units); the robot gives ``"<camera>.depth"`` images (the twin robot
+            ``fleetmind_so100_sim`` with ``depth_cameras``, and its ``depth_calibration()``). The cloud is made as
+            the fleet's envs make it (``sim.pointcloud.cloud_from_depth``, the twin's workspace box).
+        crop_min, crop_max: the cloud's workspace box (base frame, metres); None: the twin's ``POINT_CROP``.
     Raises:
         ValueError: actions that are not end-effector deltas, an unsupported observation feature.
     """
 
     def __init__(self, input_shapes: Mapping[str, Sequence[int]], action_names: Sequence[str],
                  joint_map: JointMap | None = None, cameras: Mapping[str, str] | None = None,
-                 action_scale_m: float | None = None, events: EventLog | None = None) -> None:
+                 action_scale_m: float | None = None, events: EventLog | None = None,
+                 depth_cameras: Mapping[str, Any] | None = None, crop_min: Sequence[float] | None = None,
+                 crop_max: Sequence[float] | None = None) -> None:
         env = _env()
         self.input_shapes = {k: [int(s) for s in v] for k, v in input_shapes.items()}
         if list(action_names) != EE_ACTION_NAMES:
@@ -198,10 +208,21 @@ class SO100Bridge:
             if k == EMBODIMENT_KEY and shape != [len(EMBODIMENTS)]:
                 raise ValueError(f"policy feature {k!r}: expected shape [{len(EMBODIMENTS)}] (one-hot over "
                                  f"{list(EMBODIMENTS)}), given {shape}")
-            if k not in (STATE_KEY, ENV_STATE_KEY, EMBODIMENT_KEY) and not k.startswith(IMAGE_PREFIX):
+            if k == CLOUD_KEY and (len(shape) != 2 or shape[1] != 3):
+                raise ValueError(f"policy feature {k!r}: expected shape [N, 3], given {shape}")
+            if k not in (STATE_KEY, ENV_STATE_KEY, EMBODIMENT_KEY, CLOUD_KEY) and not k.startswith(IMAGE_PREFIX):
                 raise ValueError(f"policy feature {k!r} has no mapping to an SO-100 robot; the bridge maps "
                                  f"{STATE_KEY!r}, {ENV_STATE_KEY!r} (simulated robot only), {EMBODIMENT_KEY!r} "
-                                 f"(constant: so100) and '{IMAGE_PREFIX}<camera>'")
+                                 f"(constant: so100), {CLOUD_KEY!r} (depth cameras) and '{IMAGE_PREFIX}<camera>'")
+        from sim.pointcloud import DepthCamera
+
+        self.depth_cameras = {str(c): v if isinstance(v, DepthCamera) else DepthCamera.from_dict(dict(v))
+                              for c, v in (depth_cameras or {}).items()}
+        if CLOUD_KEY in self.input_shapes and not self.depth_cameras:
+            raise ValueError(f"the policy reads {CLOUD_KEY!r}: give the robot's depth cameras and their calibration "
+                             "(deploy.bridge.depth_cameras={<camera>: {fx, fy, cx, cy, base_from_camera, "
+                             "depth_scale}}; the twin robot's: FleetmindSO100Sim.depth_calibration())")
+        self.crop = (tuple(crop_min or env.SO100Env.POINT_CROP[0]), tuple(crop_max or env.SO100Env.POINT_CROP[1]))
         self.joint_map = joint_map or JointMap()
         self.cameras = {k[len(IMAGE_PREFIX):]: k[len(IMAGE_PREFIX):] for k in self.input_shapes
                         if k.startswith(IMAGE_PREFIX)}
@@ -225,6 +246,8 @@ class SO100Bridge:
             need.update(dict.fromkeys(self._sim_names, float))
         for robot_cam in self.cameras.values():
             need[robot_cam] = None
+        if CLOUD_KEY in self.input_shapes:
+            need.update({c + DEPTH_SUFFIX: None for c in self.depth_cameras})
         return need
 
     def check_robot(self, observation_features: Mapping[str, Any], action_features: Mapping[str, Any],
@@ -246,6 +269,11 @@ class SO100Bridge:
                                  "robot 'fleetmind_so100_sim' does. On a real arm deploy a policy trained without it "
                                  "(scripts/train.py obs=vision policy=aed_diffusion_image "
                                  "'policy.input_keys=[observation.state,observation.images.<camera>]')")
+        if CLOUD_KEY in self.input_shapes:
+            lacks = [c + DEPTH_SUFFIX for c in self.depth_cameras if c + DEPTH_SUFFIX not in observation_features]
+            if lacks:
+                raise ValueError(f"the export reads {CLOUD_KEY!r} from depth images {lacks}, which robot type "
+                                 f"{robot_type!r} does not give (its features: {sorted(observation_features)})")
         for cam, robot_cam in self.cameras.items():
             shape = observation_features.get(robot_cam)
             if not (isinstance(shape, tuple) and len(shape) == 3 and shape[2] == 3):
@@ -277,6 +305,13 @@ class SO100Bridge:
             out[ENV_STATE_KEY] = np.array([float(obs[k]) for k in self._sim_names], dtype=np.float32)
         if EMBODIMENT_KEY in self.input_shapes:   # a mixed fleet's policy: this robot is an SO-100
             out[EMBODIMENT_KEY] = embodiment_onehot("so100")
+        if CLOUD_KEY in self.input_shapes:   # the fleet's path from depth images to the cloud (sim.pointcloud)
+            from sim.pointcloud import cloud_from_depth
+
+            cams = list(self.depth_cameras)
+            out[CLOUD_KEY] = cloud_from_depth([np.asarray(obs[c + DEPTH_SUFFIX]) for c in cams],
+                                              [self.depth_cameras[c] for c in cams], *self.crop,
+                                              self.input_shapes[CLOUD_KEY][0])
         for cam, robot_cam in self.cameras.items():
             img = np.asarray(obs[robot_cam])
             h, w, _ = self.input_shapes[IMAGE_PREFIX + cam]

@@ -587,3 +587,39 @@ def test_float_rounding_at_a_joint_limit_is_clipped_without_an_event():
     over[3] = hi + 0.5
     sent, ev = f.filter(over, cur)
     assert sent[3] == hi and [e.kind for e in ev] == ["joint_limit"]
+
+
+@pytest.mark.lerobot
+def test_twin_robots_depth_cameras_give_the_fleets_point_cloud(tmp_path):
+    """The same path for a real robot (issue 49, item 2): the twin as a LeRobot robot gives depth images and their
+    calibration as an RGB-D sensor would; the deploy bridge turns them into the policy's ``observation.point_cloud``
+    with the fleet's own function, equal to what the fleet's SO-100 env observes in the same state."""
+    import sim
+    from fleet.deploy.lerobot_bridge import SO100Bridge
+
+    robot = _robot(tmp_path, depth_cameras=["corner", "topview"], depth_size=48)
+    robot.connect()
+    try:
+        feats = robot.observation_features
+        assert feats["corner.depth"] == (48, 48) and feats["topview.depth"] == (48, 48)
+        calib = robot.depth_calibration()
+        shapes = {"observation.state": [4], "observation.point_cloud": [96, 3]}
+        bridge = SO100Bridge(shapes, ["dx", "dy", "dz", "gripper"], depth_cameras=calib)
+        bridge.check_robot(feats, robot.action_features, "fleetmind_so100_sim")
+        env = sim.make_env("so100-reach", obs_cfg={"point_cloud": True, "point_cameras": ["corner", "topview"],
+                                                    "point_image_size": 48, "num_points": 96})
+        for seed in (0, 3):
+            robot.reset_scene(seed)
+            own, _ = env.reset(seed=seed)
+            got = bridge.policy_observation(robot.get_observation())["observation.point_cloud"]
+            assert got.shape == (96, 3) and got.dtype == np.float32
+            np.testing.assert_array_equal(got, own["observation.point_cloud"])
+        # a robot without the depth images is refused, naming what it lacks
+        with pytest.raises(ValueError, match="corner.depth"):
+            bridge.check_robot({k: v for k, v in feats.items() if not k.endswith(".depth")}, robot.action_features,
+                               "so100_follower")
+        with pytest.raises(ValueError, match="depth cameras"):
+            SO100Bridge(shapes, ["dx", "dy", "dz", "gripper"])
+        env.close()
+    finally:
+        robot.disconnect()

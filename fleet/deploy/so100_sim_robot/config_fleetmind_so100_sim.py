@@ -27,6 +27,10 @@ class FleetmindSO100SimConfig(RobotConfig):
             composed ``robot`` group. Only read with a ``unit_id``.
         render_cameras: twin cameras rendered as observation images (``corner``, ``topview``); empty: none.
         image_size: rendered image height = width, pixels.
+        depth_cameras: twin cameras that also give a depth image, feature ``"<camera>.depth"`` (H, W) float32
+            metres, as an RGB-D sensor does (``FleetmindSO100Sim.depth_calibration()`` gives their intrinsics and
+            poses in the arm's base frame, for the deploy bridge's point cloud); empty: none.
+        depth_size: depth image height = width, pixels.
         object_state: also give the sim-only ``sim.<name>`` features (the cube pose and goal, what a state-only
             policy's ``observation.environment_state`` holds). No real arm has them.
         joint_signs / joint_offsets_deg: the simulated calibration, LeRobot degrees = sign x MJCF degrees + offset
@@ -44,6 +48,8 @@ class FleetmindSO100SimConfig(RobotConfig):
     fleet_robot: dict[str, Any] | None = None
     render_cameras: list[str] = field(default_factory=lambda: ["corner"])
     image_size: int = 96
+    depth_cameras: list[str] = field(default_factory=list)
+    depth_size: int = 64
     object_state: bool = True
     joint_signs: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0, 1.0, 1.0])
     joint_offsets_deg: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0, 0.0])
@@ -58,8 +64,12 @@ class FleetmindSO100SimConfig(RobotConfig):
         for c in self.render_cameras:
             if c not in CAMERAS:
                 raise ValueError(f"render_cameras: unknown camera {c!r}; the twin's cameras: {', '.join(CAMERAS)}")
-        if int(self.image_size) < 8:
-            raise ValueError(f"image_size: expected >= 8 pixels, given {self.image_size}")
+        for c in self.depth_cameras:
+            if c not in CAMERAS:
+                raise ValueError(f"depth_cameras: unknown camera {c!r}; the twin's cameras: {', '.join(CAMERAS)}")
+        if int(self.image_size) < 8 or int(self.depth_size) < 8:
+            raise ValueError(f"image_size / depth_size: expected >= 8 pixels, given {self.image_size} / "
+                             f"{self.depth_size}")
         if self.unit_id is not None:
             from sim.units import check_unit
 

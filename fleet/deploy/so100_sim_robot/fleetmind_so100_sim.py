@@ -70,6 +70,8 @@ class FleetmindSO100Sim(Robot):
         s = int(self.config.image_size)
         feats: dict[str, type | tuple] = dict.fromkeys(MOTOR_KEYS, float)
         feats.update({c: (s, s, 3) for c in self.config.render_cameras})
+        d = int(self.config.depth_size)
+        feats.update({f"{c}.depth": (d, d) for c in self.config.depth_cameras})
         if self.config.object_state:
             feats.update(dict.fromkeys(self._sim_names, float))
         return feats
@@ -95,11 +97,13 @@ class FleetmindSO100Sim(Robot):
         ``config.unit_robot_cfg()``. Raises ValueError for a unit the fleet's robot config does not name."""
         from sim.so100.env import make_so100_env
 
-        cams = list(self.config.render_cameras)
+        cams, depth = list(self.config.render_cameras), list(self.config.depth_cameras)
         return make_so100_env(self.config.task, unit_id=0 if unit_id is None else int(unit_id),
                               robot_cfg=None if unit_id is None else self.config.unit_robot_cfg(),
                               obs_cfg={"images": bool(cams), "cameras": cams or None,
-                                       "image_size": int(self.config.image_size)},
+                                       "image_size": int(self.config.image_size),
+                                       **({"point_cloud": True, "point_cameras": depth, "num_points": 8,
+                                           "point_image_size": int(self.config.depth_size)} if depth else {})},
                               task_cfg={"max_episode_steps": _NEVER, "steps_after_success": _NEVER})
 
     def connect(self, calibrate: bool = True) -> None:
@@ -177,7 +181,8 @@ class FleetmindSO100Sim(Robot):
         return np.array([*arm, self.joint_map.pos_from_opening(self.env.gripper_opening())])
 
     def get_observation(self) -> dict[str, Any]:
-        """``{"<joint>.pos": float, <camera>: (H, W, 3) uint8, "sim.<name>": float}`` of the twin now."""
+        """``{"<joint>.pos": float, <camera>: (H, W, 3) uint8, "<depth camera>.depth": (H, W) float32 metres,
+        "sim.<name>": float}`` of the twin now."""
         self._check()
         obs: dict[str, Any] = dict(zip(MOTOR_KEYS, (float(v) for v in self.joint_positions())))
         twin = self.env.observation()
@@ -185,7 +190,16 @@ class FleetmindSO100Sim(Robot):
             obs[c] = twin[f"observation.images.{c}"]
         if self.config.object_state:
             obs.update(zip(self._sim_names, (float(v) for v in twin["observation.environment_state"])))
+        if self.config.depth_cameras:
+            obs.update({f"{c}.depth": d for c, d in self.env.depth_images().items()})
         return obs
+
+    def depth_calibration(self) -> dict[str, dict]:
+        """Sim-only: ``{camera: sim.pointcloud.DepthCamera.to_dict()}`` of ``config.depth_cameras`` (intrinsics, the
+        optical frame in the arm's base frame, metres; this unit's camera pose): what a real RGB-D sensor's driver
+        and hand-eye calibration give the deploy bridge (``deploy.bridge.depth_cameras``)."""
+        self._check()
+        return self.env.depth_calibration()
 
     def send_action(self, action: dict[str, Any]) -> dict[str, Any]:
         """Joint targets ``{"<joint>.pos": float}`` (degrees; gripper 0..100) for one control period.
