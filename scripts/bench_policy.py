@@ -314,7 +314,7 @@ def main(cfg: DictConfig) -> None:
                 pol, pre, shapes = PRESETS[cname]
                 over = {**pre, **over}
             extra = {} if cname == "pointcloud" else {   # LeRobot's DiffusionPolicy has no point-cloud encoder
-                "lerobot_diffusion": lambda n, img=img: LeRobotSetup(dev, bc, img, n)}
+                "lerobot_diffusion": lambda n, img=img, dev=dev: LeRobotSetup(dev, bc, img, n)}
             pair = bench_pair({"aed": load_policy_cfg(pol, size, over, shapes),
                                "no_aed": load_policy_cfg(pol, size, {**over, "aed": {"enabled": False}}, shapes)},
                               dev, bc, extra=extra)

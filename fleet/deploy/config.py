@@ -14,7 +14,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from configs.rules import FINITE_POS, POS, POS_NUMBER, TypedConfig, boolean, int_list, integer, one_of, optional
+from configs.rules import (
+    FINITE_POS,
+    POS,
+    POS_NUMBER,
+    TypedConfig,
+    boolean,
+    int_list,
+    integer,
+    one_of,
+    optional,
+)
 
 LABELS = ("sim", "operator", "classifier", "none")
 WORKSPACE_M = ((-0.05, 0.39, 0.005), (0.29, 0.81, 0.28))   # tcp box, twin frame, metres: its target box + 3 cm
