@@ -138,3 +138,23 @@ def test_an_odd_camera_size_takes_yuv444p_or_is_refused_before_anything_is_made(
     assert any("needs an even obs.image_size, given 25" in p for p in problems(cfg))
     cfg["store"]["image_pix_fmt"] = "yuv444p"
     assert not any("image_pix_fmt" in p for p in problems(cfg))
+
+
+def test_h264_saturated_colour_detail_is_not_reported_corrupt(tmp_path, renders):
+    """Issue 52, item 5: 20 frames of a red / green checker (4:2:0 chroma subsampling moves the blue mean ~18 grey
+    levels) read back from an h264 store without a CorruptChunkError, and ``verify`` lists nothing; the luma check
+    still names a chunk of darker frames (the test above)."""
+    spec, eps = renders
+    ep = eps[0]
+    checker = np.zeros((SIZE, SIZE, 3), np.uint8)
+    ii, jj = np.indices((SIZE, SIZE))
+    checker[(ii + jj) % 2 == 0] = (255, 0, 0)
+    checker[(ii + jj) % 2 == 1] = (0, 255, 0)
+    sat = {**ep, "obs": [{**o, CAM: checker.copy()} for o in ep["obs"][:20]], "actions": ep["actions"][:20],
+           "rewards": ep["rewards"][:20], "progress": ep["progress"][:20]}
+    store = write(tmp_path / "sat", spec, [sat], image_codec="h264")
+    (m,) = store.episodes()
+    frames = store.load_episode(m.episode_id)[CAM]
+    assert frames.shape == (20, SIZE, SIZE, 3)
+    rep = store.verify()
+    assert rep["ok"] and not rep["corrupt_episodes"], rep

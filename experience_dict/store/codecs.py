@@ -204,9 +204,16 @@ LOSSY_MEAN_TOL = 8.0
 """Grey levels: how far an episode's per-channel image mean read back through a lossy codec may be from the mean
 its commit record holds. Measured at CRF 18 on push-v3 renders: 0.6-2.1 grey levels (48x48 and 96x96; the mean
 absolute error per pixel is 3.5-4.9, partly a fixed shift from the RGB -> YUV conversion), so 8 leaves a margin of
-~4x; a chunk of another episode is caught when its mean differs by more, which is not sure for a like scene."""
+~4x; a chunk of another episode is caught when its mean differs by more, which is not sure for a like scene. The
+check takes the mean *luma* only (BT.601 weights, :data:`LUMA`, of the per-channel means): H.264's 4:2:0 chroma
+subsampling keeps luma at full resolution, while saturated colour detail moves single channels far: a 1-pixel
+red / green checker at CRF 18 moves the blue mean of the whole frame by 18 grey levels and, on the statistics'
+every-4th-pixel subsample (which aliases with the checker), the red mean by 165, while the luma of that subsample
+moves by 3 (issue 52, item 5)."""
+LUMA = np.array([0.299, 0.587, 0.114])
+"""BT.601 luma weights of (R, G, B)."""
 
-__all__ = ["FRAME_DELTA", "IMAGE_CODECS", "LOSSY_IMAGE_CODECS", "LOSSY_MEAN_TOL", "VIDEO", "FrameDeltaCodec", "VideoChunkCodec"]
+__all__ = ["FRAME_DELTA", "IMAGE_CODECS", "LOSSY_IMAGE_CODECS", "LOSSY_MEAN_TOL", "LUMA", "VIDEO", "FrameDeltaCodec", "VideoChunkCodec"]
 
 
 POINT_GRID = "fleetmind.point_grid"

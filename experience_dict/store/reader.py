@@ -14,7 +14,7 @@ import numpy as np
 import zarr
 
 from experience_dict.stats import IMAGE_STRIDE, merge_sketches
-from experience_dict.store.codecs import IMAGE_CODECS, LOSSY_IMAGE_CODECS, LOSSY_MEAN_TOL
+from experience_dict.store.codecs import IMAGE_CODECS, LOSSY_IMAGE_CODECS, LOSSY_MEAN_TOL, LUMA
 from experience_dict.store.schema import (
     _META_ATTR,
     INLINE_ARRAYS,
@@ -430,7 +430,7 @@ class ExperienceStore:
         the exact per-dimension min and max, and the mean (relative 1e-6). A chunk file that holds valid bytes
         of another place (copied or restored over it: its own checksum passes) gives rows that disagree. Images of
         a store with a lossy image codec (``image_codec="h264"``) are checked for the count and for the mean per
-        channel within :data:`LOSSY_MEAN_TOL` grey levels only.
+        luma (BT.601, of the per-channel means) within :data:`LOSSY_MEAN_TOL` grey levels only.
 
         Args:
             values: ``(T, *shape)`` rows of ``key`` of ``ep`` as read.
@@ -451,10 +451,11 @@ class ExperienceStore:
         lossy = len(shape) == 3 and self.meta.get("image_codec") in LOSSY_IMAGE_CODECS
         if flat.shape[0] != int(sk["n"]):
             why = f"{flat.shape[0]} values per dimension, the record says {int(sk['n'])}"
-        elif flat.size and lossy:   # frames come back approximately: only the mean, within the codec's error
-            gap = np.abs(flat.astype(np.float64).mean(0) - np.asarray(sk["mean"], np.float64))
-            if (gap > LOSSY_MEAN_TOL).any():
-                why = (f"its mean differs from the record's by {gap.max():.1f} grey levels, over the lossy codec's "
+        elif flat.size and lossy:   # frames come back approximately: only the means, within the codec's error
+            gap = flat.astype(np.float64).mean(0) - np.asarray(sk["mean"], np.float64)
+            luma = abs(float(gap @ LUMA)) if gap.shape == LUMA.shape else float(np.abs(gap).max())
+            if luma > LOSSY_MEAN_TOL:
+                why = (f"its mean differs from the record's by {luma:.1f} grey levels of luma, over the lossy codec's "
                        f"{LOSSY_MEAN_TOL}")
         elif flat.size:
             x = flat.astype(np.float64)
