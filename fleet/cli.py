@@ -2,7 +2,7 @@
 
     fleetmind run                                  # = python scripts/run.py (the main job)
     fleetmind train policy=mlp_chunk train.steps=2000
-    fleetmind eval eval.arms='{base: outputs/.../pretrained_model}'
+    fleetmind eval eval.checkpoints='{base: outputs/.../pretrained_model}'
     fleetmind fleet fleet.units=4
     fleetmind export deploy.export.checkpoint=outputs/train_quick deploy.export.out_dir=exports/quick
     fleetmind deploy deploy.robot.type=fleetmind_so100_sim
