@@ -50,9 +50,11 @@ class CriticFeatures(nn.Module):
 
     def __init__(self, state_keys: Sequence[str] = (), image_keys: Sequence[str] = (),
                  image_channels: Sequence[int] | None = None, point_keys: Sequence[str] = (),
-                 point_channels: Sequence[int] | None = None, point_dim: int | None = None):
+                 point_channels: Sequence[int] | None = None, point_dim: int | None = None,
+                 point_relative: bool = False):
         super().__init__()
         self.state_keys, self.image_keys = list(state_keys), list(image_keys)
+        self.point_relative = bool(point_relative)
         self.image_channels = [int(c) for c in image_channels] if image_channels else None
         if self.image_keys and not self.image_channels:
             raise ValueError(f"CriticFeatures: image keys {self.image_keys} need the encoder's image_channels")
@@ -71,8 +73,8 @@ class CriticFeatures(nn.Module):
         if self.point_keys:
             from policies.aed_diffusion.modeling_aed_diffusion import PointEncoder
 
-            self.points = nn.ModuleDict({k.replace(".", "_"): PointEncoder(self.point_channels, self.point_dim)
-                                         for k in self.point_keys})
+            self.points = nn.ModuleDict({k.replace(".", "_"): PointEncoder(
+                self.point_channels, self.point_dim, 6 if self.point_relative else 3) for k in self.point_keys})
             for k in self.point_keys:   # the policy's coordinate normalisation, copied with its encoder
                 self.register_buffer(f"{k.replace('.', '_')}_centre", torch.zeros(3))
                 self.register_buffer(f"{k.replace('.', '_')}_half", torch.ones(3))
@@ -81,7 +83,8 @@ class CriticFeatures(nn.Module):
     def spec(self) -> dict:
         """The keyword arguments that rebuild these features (``critic.json`` holds them)."""
         return {"state_keys": self.state_keys, "image_keys": self.image_keys, "image_channels": self.image_channels,
-                "point_keys": self.point_keys, "point_channels": self.point_channels, "point_dim": self.point_dim}
+                "point_keys": self.point_keys, "point_channels": self.point_channels, "point_dim": self.point_dim,
+                "point_relative": self.point_relative}
 
     @property
     def keys(self) -> list[str]:
@@ -104,7 +107,8 @@ class CriticFeatures(nn.Module):
         cams = [k for k, shape in shapes.items() if len(shape) == 3] if images and enc is not None else []
         pts = [k for k, shape in shapes.items() if len(shape) == 2] if images and penc is not None else []
         feats = cls(state, cams, list(policy.config.image_channels) if cams else None, pts,
-                    list(policy.config.point_channels) if pts else None, int(policy.config.dim) if pts else None)
+                    list(policy.config.point_channels) if pts else None, int(policy.config.dim) if pts else None,
+                    bool(getattr(policy.config, "point_relative", False)) if pts else False)
         for k in cams:
             feats.images[k.replace(".", "_")].load_state_dict(enc[k.replace(".", "_")].state_dict())
         for k in pts:
@@ -130,8 +134,12 @@ class CriticFeatures(nn.Module):
                 out.append(self.images[k.replace(".", "_")](x).flatten(1).float().cpu())
         for k in self.point_keys:
             n = k.replace(".", "_")
-            centre = getattr(self, f"{n}_centre")
-            x = (torch.as_tensor(frames[k]).to(centre.device).float() - centre) / getattr(self, f"{n}_half")
+            centre, half = getattr(self, f"{n}_centre"), getattr(self, f"{n}_half")
+            raw = torch.as_tensor(frames[k]).to(centre.device).float()
+            x = (raw - centre) / half
+            if self.point_relative:   # as the policy's point_input: each point's offset from the hand
+                hand = torch.as_tensor(frames["observation.state"]).to(centre.device).float()[:, None, :3]
+                x = torch.cat([x, (raw - hand) / half], -1)
             out.append(self.points[n](x).float().cpu())
         return torch.cat(out, -1)
 
@@ -157,7 +165,8 @@ class SuccessCritic(nn.Module):
     def __init__(self, state_dim: int, action_dim: int, chunk_steps: int, members: int = 5, hidden: int = 256,
                  dropout: float = 0.2, state_keys: Sequence[str] = (), image_keys: Sequence[str] = (),
                  image_channels: Sequence[int] | None = None, point_keys: Sequence[str] = (),
-                 point_channels: Sequence[int] | None = None, point_dim: int | None = None):
+                 point_channels: Sequence[int] | None = None, point_dim: int | None = None,
+                 point_relative: bool = False):
         super().__init__()
         if min(state_dim, action_dim, chunk_steps, members, hidden) < 1:
             raise ValueError(f"SuccessCritic: every size must be >= 1, given state_dim={state_dim}, action_dim="
@@ -165,7 +174,8 @@ class SuccessCritic(nn.Module):
         self.state_dim, self.action_dim, self.chunk_steps = int(state_dim), int(action_dim), int(chunk_steps)
         self.members, self.hidden, self.dropout = int(members), int(hidden), float(dropout)
         self.state_keys = list(state_keys)
-        self.frame = CriticFeatures(state_keys, image_keys, image_channels, point_keys, point_channels, point_dim)
+        self.frame = CriticFeatures(state_keys, image_keys, image_channels, point_keys, point_channels, point_dim,
+                                    point_relative)
         self.image_keys, self.image_channels = self.frame.image_keys, self.frame.image_channels
         d_in = 2 * self.state_dim + self.chunk_steps * self.action_dim
         self.nets = nn.ModuleList([nn.Sequential(
@@ -239,7 +249,7 @@ def load_critic(directory: str | Path, device: str = "cpu") -> tuple[SuccessCrit
         critic = SuccessCritic(int(cfg["state_dim"]), int(cfg["action_dim"]), int(cfg["chunk_steps"]),
                                int(cfg["members"]), int(cfg["hidden"]), float(cfg["dropout"]), cfg["state_keys"],
                                cfg.get("image_keys") or (), cfg.get("image_channels"), cfg.get("point_keys") or (),
-                               cfg.get("point_channels"), cfg.get("point_dim"))
+                               cfg.get("point_channels"), cfg.get("point_dim"), bool(cfg.get("point_relative", False)))
         candidates = int(cfg["candidates"])
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"checkpoint {str(d)!r}: malformed {CRITIC_CONFIG}: {e}") from None

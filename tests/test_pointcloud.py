@@ -201,10 +201,10 @@ def cloud_store(tmp_path_factory):
     return ExperienceStore.open(url)
 
 
-def _cloud_policy(reader):
+def _cloud_policy(reader, **over):
     from policies.aed_diffusion.modeling_aed_diffusion import build_policy, config_from_hydra
 
-    cfg = {"input_keys": ["observation.state", "observation.point_cloud"], "dim": 32, "n_layers": 2, "n_heads": 2,
+    cfg = {**over, "input_keys": ["observation.state", "observation.point_cloud"], "dim": 32, "n_layers": 2, "n_heads": 2,
            "state_hidden": 32, "horizon": 8, "n_action_steps": 4, "point_channels": [16, 32],
            "aed": {"history_actions": 8, "group_size": 4, "memory_queries": 2, "tokenizer_vocab_size": 256},
            "mt_loss": {"weight": 0.01}}
@@ -246,12 +246,13 @@ def test_point_cloud_policy_trains_and_reads_the_cloud(cloud_store):
     assert not torch.allclose(a, b, atol=1e-4)
 
 
-def test_critic_features_score_the_cloud_through_the_policys_encoder(cloud_store):
+@pytest.mark.parametrize("relative", [False, True])
+def test_critic_features_score_the_cloud_through_the_policys_encoder(cloud_store, relative):
     import torch
 
     from policies.critic import CriticFeatures
 
-    policy = _cloud_policy(cloud_store)
+    policy = _cloud_policy(cloud_store, point_relative=relative)
     f = CriticFeatures.from_policy(policy)
     assert f.keys == ["observation.state", "observation.point_cloud"]
     d = cloud_store.load_episode(cloud_store.episodes()[0].episode_id)
@@ -259,7 +260,9 @@ def test_critic_features_score_the_cloud_through_the_policys_encoder(cloud_store
     assert out.shape == (5, 4 + policy.config.dim)
     # the same numbers as the policy's own encoder on its normalised cloud
     with torch.no_grad():
-        x = policy.normalizer.normalize("observation.point_cloud", torch.as_tensor(d["observation.point_cloud"][:5]))
+        x = policy.point_input("observation.point_cloud", torch.as_tensor(d["observation.point_cloud"][:5]),
+                               torch.as_tensor(d["observation.state"][:5]))
+        assert x.shape == (5, 64, 6 if relative else 3)
         ref = policy.obs_encoder.points["observation_point_cloud"](x)
     torch.testing.assert_close(out[:, 4:], ref)
     # a saved critic rebuilds the same features (critic.json holds the point settings)
@@ -269,7 +272,8 @@ def test_critic_features_score_the_cloud_through_the_policys_encoder(cloud_store
 
 
 @pytest.mark.slow
-def test_exported_point_cloud_policy_acts_as_the_policy(cloud_store, tmp_path):
+@pytest.mark.parametrize("relative", [False, True])
+def test_exported_point_cloud_policy_acts_as_the_policy(cloud_store, tmp_path, relative):
     """The export (PyTorch and the ONNX graph) of a point-cloud policy gives the policy's chunks on the same inputs."""
     import torch
 
@@ -277,7 +281,7 @@ def test_exported_point_cloud_policy_acts_as_the_policy(cloud_store, tmp_path):
     from policies.onnx import example_inputs
     from policies.runtime import PolicyRuntime
 
-    policy = _cloud_policy(cloud_store).eval()
+    policy = _cloud_policy(cloud_store, point_relative=relative).eval()
     policy.save_pretrained(tmp_path / "ckpt")
     folder = export_checkpoint(tmp_path / "ckpt", tmp_path / "export", control_hz=80.0, onnx_steps=[4])
     x = example_inputs(policy, 1, steps=6, seed=3)

@@ -102,6 +102,8 @@ class AEDDiffusionConfig:
     image_pool: int = 2              # image tokens per frame = image_pool ** 2
     # point-cloud encoder widths (DP3: 64, 128, 256, each Linear -> LayerNorm -> ReLU, then max over the points)
     point_channels: list[int] = field(default_factory=lambda: [64, 128, 256])
+    # each point also as its offset from the hand (observation.state[:3], the cloud's frame): 6 inputs per point
+    point_relative: bool = False
     # diffusion
     num_train_timesteps: int = 100
     beta_schedule: str = "squaredcos_cap_v2"
@@ -154,6 +156,8 @@ class AEDDiffusionConfig:
         if self.num_inference_steps > self.num_train_timesteps:
             raise ValueError(f"num_inference_steps ({self.num_inference_steps}) must be <= num_train_timesteps "
                              f"({self.num_train_timesteps})")
+        if self.point_relative and self.point_keys and "observation.state" not in self.input_shapes:
+            raise ValueError("point_relative: needs observation.state (the hand's position) among the inputs")
         if not self.point_channels or min(self.point_channels) < 1:
             raise ValueError(f"point_channels: expected positive widths, given {self.point_channels}")
         for name in ("state_norm", "action_norm"):

@@ -140,11 +140,12 @@ class ImageEncoder(nn.Module):
 class PointEncoder(nn.Module):
     """DP3's point encoder (Ze et al., "3D Diffusion Policy", RSS 2024): a shared MLP over points, each layer
     Linear -> LayerNorm -> ReLU, then the maximum over the points (order-invariant), then a Linear to ``out_dim``.
-    (..., N, 3) normalized coordinates -> (..., out_dim). Trained from scratch; no pretrained weights."""
+    (..., N, in_dim) normalized coordinates (3; 6 with each point's offset from the hand) -> (..., out_dim). Trained
+    from scratch; no pretrained weights."""
 
-    def __init__(self, channels: list[int], out_dim: int):
+    def __init__(self, channels: list[int], out_dim: int, in_dim: int = 3):
         super().__init__()
-        layers, cin = [], 3
+        layers, cin = [], int(in_dim)
         for c in channels:
             layers += [nn.Linear(cin, c), nn.LayerNorm(c), nn.ReLU(inplace=True)]
             cin = c
@@ -166,7 +167,8 @@ class ObsEncoder(nn.Module):
     def __init__(self, cfg: AEDDiffusionConfig):
         super().__init__()
         self.state_keys, self.image_keys, self.point_keys = cfg.state_keys, cfg.image_keys, cfg.point_keys
-        self.points = nn.ModuleDict({k.replace(".", "_"): PointEncoder(cfg.point_channels, cfg.dim)
+        pin = 6 if cfg.point_relative else 3
+        self.points = nn.ModuleDict({k.replace(".", "_"): PointEncoder(cfg.point_channels, cfg.dim, pin)
                                      for k in self.point_keys})
         self.state = nn.ModuleDict({k.replace(".", "_"): nn.Sequential(
             nn.Linear(cfg.input_shapes[k][0], cfg.state_hidden), nn.GELU(), nn.Linear(cfg.state_hidden, cfg.dim))
@@ -208,9 +210,9 @@ class FrozenFeatures(nn.Module):
             self.images = nn.ModuleDict({k.replace(".", "_"): nn.Sequential(
                 ImageEncoder(cfg.image_channels, 1), nn.Flatten(),
                 nn.Linear(cfg.image_channels[-1], cfg.mt_loss.image_feature_dim)) for k in self.image_keys})
-            self.points = nn.ModuleDict({k.replace(".", "_"): PointEncoder(cfg.point_channels,
-                                                                             cfg.mt_loss.image_feature_dim)
-                                         for k in self.point_keys})
+            self.points = nn.ModuleDict({k.replace(".", "_"): PointEncoder(
+                cfg.point_channels, cfg.mt_loss.image_feature_dim, 6 if cfg.point_relative else 3)
+                for k in self.point_keys})
         self.requires_grad_(False)
         self.dim = sum(cfg.input_shapes[k][0] for k in self.state_keys) + \
             (len(self.image_keys) + len(self.point_keys)) * cfg.mt_loss.image_feature_dim
@@ -606,9 +608,27 @@ class AEDDiffusionPolicy(PreTrainedPolicy):
             x = batch[name]
             if k.startswith("observation.images."):
                 out[k] = normalize_image(x)
+            elif k in self.config.point_keys:
+                out[k] = self.point_input(k, x, batch.get(prefix + "observation.state"))
             else:
                 out[k] = self.normalizer.normalize(k, x.float())
         return out
+
+    def point_input(self, key: str, cloud: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+        """The point encoder's input: (..., N, 3) raw cloud (metres) -> (..., N, 3) coordinates normalised per axis,
+        and with ``point_relative`` (..., N, 6): also each point's offset from the hand (``state`` (..., 4) raw
+        ``observation.state``, its first three entries the hand's position in the cloud's frame) in the same scale.
+
+        Raises:
+            ValueError: ``point_relative`` without ``observation.state``."""
+        x = self.normalizer.normalize(key, cloud.float())
+        if not self.config.point_relative:
+            return x
+        if state is None:
+            raise ValueError("point_relative: the batch lacks 'observation.state' (the hand's position)")
+        _, half = self.normalizer._ab(key)
+        rel = (cloud.float() - state.float()[..., None, :3]) / half
+        return torch.cat([x, rel], -1)
 
     # ------------------------------------------------------------------ conditioning
     def _conditioning(self, batch: dict):
