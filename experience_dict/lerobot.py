@@ -481,7 +481,7 @@ def export_dataset(store_url: str, out_dir: str | Path, repo_id: str | None = No
                 ds.add_frame(frame)
             ds.save_episode()
             frames += T
-            bar.set_postfix(frames=frames)
+            bar.set_postfix(frames=frames, refresh=False)
         ds.finalize()
         images_dir = out_dir / "images"  # LeRobot's temporary PNG folders, empty once encoded / embedded
         if images_dir.is_dir() and not any(p.is_file() for p in images_dir.rglob("*")):
@@ -708,7 +708,7 @@ def import_dataset(root: str | Path, store_url: str, repo_id: str | None = None,
                 onsets[ep_id] = int(side["failure_onset"])
             imported.append(ep_id)
             frames += T
-            bar.set_postfix(frames=frames)
+            bar.set_postfix(frames=frames, refresh=False)
     finally:
         writer.close()
     if onsets:

@@ -266,7 +266,7 @@ def fit_noise_actor(policy, critic, windows, indices: Sequence[int], cfg: SteerC
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        bar.set_postfix(q=f"{float(p.detach().mean()):.3f}")
+        bar.set_postfix(q=f"{float(p.detach().mean()):.3f}", refresh=False)
     actor.eval()
     q_end = mean_q(lambda idx: actor(cur[idx], prev[idx]))
     with torch.no_grad():

@@ -114,7 +114,7 @@ def main(cfg: DictConfig) -> None:
                 if last:
                     tqdm.write(f"{task} demo {i} (unit {unit_id}): no success in {dcfg.max_attempts} attempts; skipped")
             bar.update(1)
-            bar.set_postfix(task=task)
+            bar.set_postfix(task=task, refresh=False)
     bar.close()
     for w in writers.values():
         w.close()

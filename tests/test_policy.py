@@ -473,3 +473,23 @@ def test_resumed_training_is_bit_identical_to_an_uninterrupted_run(store, tmp_pa
     s = StepBatchSampler(len(WindowDataset(store, eps, windows=fresh().window_spec())), 8, 5, 0, 6)
     b = list(s)
     assert len(b) == 6 and all(b[i] != b[i + 3] for i in range(3)) and b == [s.batch(i) for i in range(6)]
+
+
+def test_training_bar_redraws_at_its_interval_off_a_terminal(store, tmp_path, capfd, monkeypatch):
+    """Issue 52, item 12: off a terminal (``fleet.progress.calm_progress``: a 30 s interval) the training bar does not
+    redraw at every logged step (``set_postfix`` used to force a redraw past the interval)."""
+    from functools import partialmethod
+
+    import tqdm.std
+
+    monkeypatch.setattr(tqdm.std.tqdm, "__init__", partialmethod(tqdm.std.tqdm.__init__, mininterval=30.0))
+    eps = store.episodes()
+    torch.manual_seed(0)
+    policy = build_policy(tiny_cfg(), store, eps)
+    tc = {"steps": 60, "batch_size": 4, "log_every": 5, "save_every": 60, "ema": False, "progress": True, "seed": 0,
+          "wandb": {"enabled": False}}
+    capfd.readouterr()
+    train_policy(tc, tmp_path / "run", policy=policy, reader=store, episodes=eps, device="cpu")
+    err = capfd.readouterr().err
+    draws = err.count("\r")
+    assert 1 <= draws <= 3, (draws, err[-500:])   # the first draw and the last, not one per logged step (12)

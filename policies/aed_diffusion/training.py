@@ -355,7 +355,7 @@ def train_policy(train_cfg: dict, out_dir: str | Path, *, policy: Any | None = N
             metrics_f.flush()
             if wb is not None:
                 wb.log(last_metrics, step=step)
-            bar.set_postfix(loss=f"{m['loss']:.4f}", sps=f"{sps:.0f}")
+            bar.set_postfix(loss=f"{m['loss']:.4f}", sps=f"{sps:.0f}", refresh=False)  # the bar's own interval
             t_log, n_log = now, 0
         if step % tc["save_every"] == 0 or step == tc["steps"]:
             ckpt = save_checkpoint(out_dir, step, policy, ema, opt, sched)
