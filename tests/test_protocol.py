@@ -393,3 +393,49 @@ def test_a_mixed_fleets_held_out_plan_keeps_each_embodiments_trials():
     one = evaluation_plan(mw, units, 5, seed=7)   # one embodiment: g counts over every task, units round-robin
     assert [t["unit_id"] for t in one] == [units[g % 3] for g in range(10)]
     assert len({t["seed"] for t in one}) == 10
+
+
+def test_a_resumed_round_takes_its_committed_retries_from_the_store(tmp_path):
+    """Issue 52, item 16: the retries a stopped round committed are found in the store (its own record, by
+    (retry_of, attempt) and version) and not run (committed) again; the waves and the record are as without a stop."""
+    from types import SimpleNamespace
+
+    from experience_dict.store import ExperienceStore
+    from fleet.experiment.protocol import committed_retries, run_retries
+
+    spec = {"observation.state": {"shape": [4], "dtype": "float32"}, "action": {"shape": [4], "dtype": "float32"},
+            "control_hz": 80.0}
+    st = ExperienceStore.create_or_open(str(tmp_path / "s"), spec, progress_keys=[])
+    w = st.writer("u0")
+
+    def commit(unit, seed, success, extra=None):
+        w.begin_episode(unit_id=unit, embodiment="sawyer", task="reach-v3", policy_version=3, seed=seed,
+                        extra=extra or {})
+        for _ in range(3):
+            w.add_step({"observation.state": np.zeros(4, np.float32)}, np.zeros(4, np.float32), 0.0, {})
+        return w.commit(success=success)
+
+    fails = [{"episode_id": commit(u, 10 + u, False), "task": "reach-v3", "unit_id": u, "seed": 10 + u}
+             for u in range(3)]
+    # the stopped round had committed attempt 0 of the first two failures (the first recovered)
+    commit(0, 10, True, {"retry_of": fails[0]["episode_id"], "attempt": 0})
+    commit(1, 11, False, {"retry_of": fails[1]["episode_id"], "attempt": 0})
+    w.close()
+    reader = ExperienceStore.open(str(tmp_path / "s"))
+    found = committed_retries(reader, version=3)
+    assert set(found) == {(fails[0]["episode_id"], 0), (fails[1]["episode_id"], 0)}
+    assert committed_retries(reader, version=4) == {}
+
+    ran: list[list] = []
+
+    class Fleet:   # records what it is asked to run; every retry it runs fails
+        def run(self, plan, progress=True):
+            ran.append([(t["explore"]["retry_of"], t["explore"]["attempt"]) for t in plan])
+            return SimpleNamespace(episodes=[{"retry_of": t["explore"]["retry_of"], "success": False, "length": 3}
+                                             for t in plan])
+
+    cfg = {"attempts": 2, "max_share": 10.0}
+    res = run_retries(Fleet(), fails, cfg, [], 3, progress=False, committed=found)
+    assert ran == [[(fails[2]["episode_id"], 0)], [(fails[1]["episode_id"], 1), (fails[2]["episode_id"], 1)]]
+    assert res["found"] == 2 and res["retries"] == 5 and res["recovered"] == 1
+    assert [a["run"] for a in res["per_attempt"]] == [3, 2]

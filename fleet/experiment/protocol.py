@@ -157,34 +157,66 @@ def retry_plan(failures: Sequence[dict], cfg: dict, attempt: int, heldout: Seque
     return out[:max(int(budget), 0)]
 
 
+def committed_retries(reader, version: int | None = None) -> dict[tuple[str, int], dict]:
+    """The retry episodes already in the store, by ``(retry_of, attempt)``: summaries ``{"episode_id", "task",
+    "unit_id", "seed", "retry_of", "attempt", "success", "length", "policy_version"}`` (of acting version
+    ``version`` when given). The store's own record decides what was committed (not a clock, not the driver's
+    memory), so a resumed round finds the retries a killed one committed."""
+    from fleet.fert.contexts import retry_of
+
+    out = {}
+    for m in reader.episodes(is_demo=False):
+        parent = retry_of(m)
+        if parent is None or (version is not None and int(m.policy_version) != int(version)):
+            continue
+        attempt = int((m.extra or {}).get("attempt", 0))
+        out.setdefault((str(parent), attempt), {
+            "episode_id": m.episode_id, "task": m.task, "unit_id": int(m.unit_id), "seed": int(m.seed),
+            "retry_of": str(parent), "attempt": attempt, "success": bool(m.success), "length": int(m.length),
+            "policy_version": int(m.policy_version)})
+    return out
+
+
 def run_retries(fleet, failures: Sequence[dict], cfg: dict, heldout: Sequence[int], n_fleet_episodes: int,
-                progress: bool = True) -> dict[str, Any]:
+                progress: bool = True, committed: dict[tuple[str, int], dict] | None = None) -> dict[str, Any]:
     """Failure-guided exploration: re-attempt ``failures`` on ``fleet`` in waves until recovered or out of
     attempts / budget (``max_share * n_fleet_episodes`` retry episodes).
 
+    ``committed``: retries already in the store (:func:`committed_retries`, a resumed round): those trials are taken
+    from it, not run (and committed) again; the waves, the budget and the record are the same as a run without a
+    stop.
+
     Returns:
         ``{"failures", "recovered", "recovered_share", "retries", "per_attempt": [{"attempt", "std",
-        "temperature", "run", "recovered"}], "episodes": [summaries]}``.
+        "temperature", "run", "recovered"}], "episodes": [summaries], "found": retries taken from the store}``.
     """
     cfg = RetryConfig.from_dict(cfg).to_dict()
     budget = int(float(cfg["max_share"]) * int(n_fleet_episodes))
     todo = policy_failures(failures, heldout)
     n_fail = len(todo)
-    episodes, per_attempt = [], []
+    committed = committed or {}
+    episodes, per_attempt, found = [], [], 0
     for attempt in range(int(cfg["attempts"])):
         plan = retry_plan(todo, cfg, attempt, heldout, budget - len(episodes))
         if not plan:
             break
-        res = fleet.run(plan=plan, progress=progress)
-        episodes += res.episodes
-        won = {e["retry_of"] for e in res.episodes if e["success"]}
+        have = [committed[(t["explore"]["retry_of"], attempt)] for t in plan
+                if (t["explore"]["retry_of"], attempt) in committed]
+        run = [t for t in plan if (t["explore"]["retry_of"], attempt) not in committed]
+        found += len(have)
+        episodes += have
+        if run:
+            res = fleet.run(plan=run, progress=progress)
+            episodes += res.episodes
+        res_eps = have + (res.episodes if run else [])
+        won = {e["retry_of"] for e in res_eps if e["success"]}
         per_attempt.append({"attempt": attempt, "std": round(plan[0]["explore"]["action_noise_std"], 4),
                             "temperature": round(plan[0]["explore"]["noise_temperature"], 4), "run": len(plan),
                             "recovered": len(won)})
         todo = [f for f in todo if f["episode_id"] not in won]
     recovered = n_fail - len(todo)
     return {"failures": n_fail, "recovered": recovered, "recovered_share": recovered / n_fail if n_fail else None,
-            "retries": len(episodes), "per_attempt": per_attempt, "episodes": episodes}
+            "retries": len(episodes), "per_attempt": per_attempt, "episodes": episodes, "found": found}
 
 
 def failure_replay(cfg: dict, checkpoint: str, failures: Sequence[dict], store_url: str,

@@ -14,7 +14,14 @@ from fleet.experiment.arms import make_learner
 from fleet.experiment.curve import BackgroundCurve, learning_curve, print_curve
 from fleet.experiment.eval_config import EvalConfig
 from fleet.experiment.job_config import JobConfig
-from fleet.experiment.protocol import VectorFleet, failure_replay, fleet_plan, run_retries, success_by_task
+from fleet.experiment.protocol import (
+    VectorFleet,
+    committed_retries,
+    failure_replay,
+    fleet_plan,
+    run_retries,
+    success_by_task,
+)
 from fleet.experiment.state import JobState, Stages
 from fleet.fert.config import RetryConfig
 from fleet.fert.gate import make_validator
@@ -83,7 +90,9 @@ def fleet_round(c: dict, r: int, units: list[int], heldout: list[int], progress:
         if recovering:
             retries = recovery_record(reader, eps, heldout)
         elif rcfg.get("enabled", True) and fails:
-            retries = run_retries(fleet, fails, rcfg, heldout, len(plan), progress)
+            # a resumed round: the retries a stopped one committed are read from the store, not run again
+            retries = run_retries(fleet, fails, rcfg, heldout, len(plan), progress,
+                                  committed=committed_retries(reader, version))
             retries["steps"] = sum(int(e.get("length", 0)) for e in retries.pop("episodes", []))
     wall = time.perf_counter() - t0
     succ = sum(bool(m.success) for m in eps)
