@@ -18,7 +18,7 @@ Same-process baselines, timed interleaved with the AED policy: the same policy w
 (``aed.enabled=false``, MT loss as configured: the main job's ablation arm) always, and LeRobot's
 ``DiffusionPolicy`` of similar parameter count when ``lerobot`` is importable.
 Writes ``<output_dir>/bench_policy.json``; with ``state`` among the configs, every other config's training samples/s
-and chunk latency also as a ratio to ``state`` measured in the same run (``ratio_*_vs_state``).
+and chunk latency also as a ratio to ``state``, all of them timed interleaved in one more pass (``ratio_*_vs_state``).
 
     python scripts/bench_policy.py 'train.bench.configs=[state,image64,pointcloud]' train.bench.devices=[cpu]
 """
@@ -293,6 +293,20 @@ class LeRobotSetup:
         return self.policy.diffusion.generate_actions(self.infer[nb])
 
 
+def config_of(cname: str, cfg: DictConfig, bc: dict, aed: bool = True) -> AEDDiffusionConfig:
+    """The benchmarked policy config ``cname`` (``state``, ``image``, or a :data:`PRESETS` name), with
+    ``train.bench.policy_overrides`` and, ``aed=False``, the AED prefix off."""
+    pol = "aed_diffusion_image" if cname == "image" else "aed_diffusion"
+    over = dict(bc.get("policy_overrides") or {})  # e.g. {action_patch: 4, condition_layers: 0}
+    shapes = None
+    if cname in PRESETS:
+        pol, pre, shapes = PRESETS[cname]
+        over = {**pre, **over}
+    if not aed:
+        over = {**over, "aed": {"enabled": False}}
+    return load_policy_cfg(pol, int(cfg.obs.image_size), over, shapes)
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     bc = OmegaConf.to_container(cfg.train.bench, resolve=True)
@@ -305,18 +319,11 @@ def main(cfg: DictConfig) -> None:
     for dname in devices:
         dev = torch.device(dname)
         for cname in bc["configs"]:
-            pol = "aed_diffusion_image" if cname == "image" else "aed_diffusion"
             size = int(cfg.obs.image_size)
             img = size if cname == "image" else (64 if cname == "image64" else None)
-            over = dict(bc.get("policy_overrides") or {})  # e.g. {action_patch: 4, condition_layers: 0}
-            shapes = None
-            if cname in PRESETS:
-                pol, pre, shapes = PRESETS[cname]
-                over = {**pre, **over}
             extra = {} if cname == "pointcloud" else {   # LeRobot's DiffusionPolicy has no point-cloud encoder
                 "lerobot_diffusion": lambda n, img=img, dev=dev: LeRobotSetup(dev, bc, img, n)}
-            pair = bench_pair({"aed": load_policy_cfg(pol, size, over, shapes),
-                               "no_aed": load_policy_cfg(pol, size, {**over, "aed": {"enabled": False}}, shapes)},
+            pair = bench_pair({"aed": config_of(cname, cfg, bc), "no_aed": config_of(cname, cfg, bc, aed=False)},
                               dev, bc, extra=extra)
             r = pair["aed"]
             r["baseline_no_aed"] = pair["no_aed"]
@@ -329,13 +336,16 @@ def main(cfg: DictConfig) -> None:
                                                                   / lr_res[f"chunk_latency_ms_b{nb}"])
             out["results"][f"{dname}/{cname}"] = r
             print(json.dumps({f"{dname}/{cname}": r}), flush=True)
-        base = out["results"].get(f"{dname}/state")
-        for cname in bc["configs"]:
-            r = out["results"][f"{dname}/{cname}"]
-            if base is not None and cname != "state":   # the same run's state policy as the baseline
-                r["ratio_train_samples_per_s_vs_state"] = r["train_samples_per_s"] / base["train_samples_per_s"]
+        others = [c for c in bc["configs"] if c != "state"]
+        if "state" in bc["configs"] and others:   # every config against the state policy, timed interleaved
+            trio = bench_pair({c: config_of(c, cfg, bc) for c in ["state", *others]}, dev, bc)
+            base = trio["state"]
+            for cname in others:
+                r, t = out["results"][f"{dname}/{cname}"], trio[cname]
+                r["ratio_train_samples_per_s_vs_state"] = t["train_samples_per_s"] / base["train_samples_per_s"]
                 for nb in (1, 32):
-                    r[f"ratio_chunk_latency_vs_state_b{nb}"] = r[f"chunk_latency_ms_b{nb}"] / base[f"chunk_latency_ms_b{nb}"]
+                    r[f"ratio_chunk_latency_vs_state_b{nb}"] = (t[f"chunk_latency_ms_b{nb}"]
+                                                                 / base[f"chunk_latency_ms_b{nb}"])
     out["load_average_1_5_15"] = list(os.getloadavg())  # other processes' load during the run (noisy machines)
     path = Path(cfg.output_dir) / "bench_policy.json"
     path.parent.mkdir(parents=True, exist_ok=True)
