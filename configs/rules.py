@@ -73,6 +73,13 @@ def names(v) -> str | None:
         else "a non-empty list of names"
 
 
+def xyz(v) -> str | None:
+    """None or three finite numbers (a point, e.g. a workspace box corner in metres)."""
+    if v is None or (isinstance(v, list | tuple) and len(v) == 3 and all(number(finite=True)(x) is None for x in v)):
+        return None
+    return "null or [x, y, z] metres"
+
+
 POS = integer(1)
 POS_NUMBER = number(0, open_lo=True)
 FINITE_POS = number(0, open_lo=True, finite=True)

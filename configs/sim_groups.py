@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from configs.rules import POS, TypedConfig, integer, number, optional
+from configs.rules import POS, TypedConfig, integer, number, optional, xyz
 
 FACTOR = number(0, 1)
 
@@ -122,15 +122,9 @@ class ObsConfig(TypedConfig):
     """Workspace box, upper corner; null: the embodiment's own."""
 
 
-def _xyz(v) -> str | None:
-    if v is None or (isinstance(v, list | tuple) and len(v) == 3 and all(number(finite=True)(x) is None for x in v)):
-        return None
-    return "null or [x, y, z] metres"
-
-
 ObsConfig._group, ObsConfig._rules = "obs", {"image_size": _image_size, "shadowsize": POS,
                                              "point_image_size": _image_size, "num_points": POS,
-                                             "crop_min": _xyz, "crop_max": _xyz}
+                                             "crop_min": xyz, "crop_max": xyz}
 
 
 @dataclass

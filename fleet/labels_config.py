@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from configs.rules import POS, POS_NUMBER, TypedConfig, boolean, integer, names, number, one_of, optional
+from configs.rules import POS, POS_NUMBER, TypedConfig, boolean, integer, names, number, one_of, optional, xyz
 
 
 @dataclass
@@ -82,11 +82,6 @@ class LabelsConfig(TypedConfig):
         return bad
 
 
-def _xyz(v) -> str | None:
-    ok = v is None or (isinstance(v, list | tuple) and len(v) == 3 and all(number(finite=True)(x) is None for x in v))
-    return None if ok else "null or [x, y, z] metres"
-
-
 def _cameras(v) -> str | None:
     return None if isinstance(v, list | tuple) and all(isinstance(x, str) and x for x in v) \
         else "a list of camera names"
@@ -95,7 +90,7 @@ def _cameras(v) -> str | None:
 LabelsConfig._group, LabelsConfig._rules = "labels", {
     "source": one_of("sim", "detector"), "budget_episodes": POS, "cameras": _cameras, "image_size": integer(16),
     "point_cloud": boolean, "point_cameras": names, "point_image_size": integer(8), "num_points": POS,
-    "crop_max": _xyz,
+    "crop_max": xyz,
     "every": POS, "record_every": POS, "budget_full_length": boolean, "frame_label": one_of("ever", "now"),
     "val_share": number(0.05, 0.5), "threshold": optional(number(0, 1, True)),
     "updates": POS, "batch_size": POS, "lr": POS_NUMBER, "width": POS, "audit_trials_per_task": integer(0)}

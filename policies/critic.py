@@ -132,14 +132,14 @@ class CriticFeatures(nn.Module):
             for k in self.image_keys:
                 x = normalize_image(torch.as_tensor(frames[k]).to(dev))
                 out.append(self.images[k.replace(".", "_")](x).flatten(1).float().cpu())
+        if self.point_keys:
+            from policies.aed_diffusion.modeling_aed_diffusion import point_features
         for k in self.point_keys:
             n = k.replace(".", "_")
             centre, half = getattr(self, f"{n}_centre"), getattr(self, f"{n}_half")
-            raw = torch.as_tensor(frames[k]).to(centre.device).float()
-            x = (raw - centre) / half
-            if self.point_relative:   # as the policy's point_input: each point's offset from the hand
-                hand = torch.as_tensor(frames["observation.state"]).to(centre.device).float()[:, None, :3]
-                x = torch.cat([x, (raw - hand) / half], -1)
+            hand = (torch.as_tensor(frames["observation.state"]).to(centre.device)[:, :3]
+                    if self.point_relative else None)   # as the policy's point_input
+            x = point_features(torch.as_tensor(frames[k]).to(centre.device), centre, half, hand)
             out.append(self.points[n](x).float().cpu())
         return torch.cat(out, -1)
 

@@ -164,25 +164,6 @@ class UnitEnv(gym.Env):
                         "farthest-point sampled"}}
         return spec
 
-    def depth_images(self) -> dict[str, np.ndarray]:
-        """``{camera: (H, W) float32 depth, metres}`` of the point cloud's depth cameras now (``obs.point_cloud``):
-        what an RGB-D sensor gives a real robot.
-
-        Raises:
-            RuntimeError: the env was made without ``obs.point_cloud``."""
-        if self._cloud is None:
-            raise RuntimeError("depth_images: the env was made without obs.point_cloud")
-        return dict(zip(self.cloud_spec.cameras, self._cloud.depth_images(self.mj_data)))
-
-    def depth_calibration(self) -> dict[str, dict]:
-        """``{camera: sim.pointcloud.DepthCamera.to_dict()}`` of the depth cameras now (this unit's camera pose).
-
-        Raises:
-            RuntimeError: the env was made without ``obs.point_cloud``."""
-        if self._cloud is None:
-            raise RuntimeError("depth_calibration: the env was made without obs.point_cloud")
-        return {n: c.to_dict() for n, c in zip(self.cloud_spec.cameras, self._cloud.calibration(self.mj_data))}
-
     def _with_cloud(self, obs: dict, model, data) -> dict:
         """``obs`` with ``observation.point_cloud`` of the current ``data`` when ``obs.point_cloud`` is on."""
         if self._cloud is not None:

@@ -216,8 +216,6 @@ class DepthPointCloud:
         if spec.base_body not in bodies:
             raise ValueError(f"point cloud: base body {spec.base_body!r} is not in the model")
         self.spec = spec
-        self._cam_ids = [model.camera(c).id for c in spec.cameras]
-        self._base_id = model.body(spec.base_body).id
         self._model = model
         self._r = CameraRenderer(model, *spec.image_hw, rotated=frozenset(), depth=True, **renderer_kw)
 

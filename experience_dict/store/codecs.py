@@ -45,8 +45,19 @@ def _check_frames(shape: tuple[int, ...], dtype, name: str) -> None:
                          f"dtype {np_dtype}")
 
 
+class _SyncCodec:
+    """zarr's async codec entry points on top of a codec's ``_encode_sync`` / ``_decode_sync`` (the work is CPU
+    bound and short; zarr runs the codec pipeline in its own thread pool)."""
+
+    async def _encode_single(self, chunk, chunk_spec):
+        return self._encode_sync(chunk, chunk_spec)
+
+    async def _decode_single(self, chunk, chunk_spec):
+        return self._decode_sync(chunk, chunk_spec)
+
+
 @dataclass(frozen=True)
-class FrameDeltaCodec(ArrayArrayCodec):
+class FrameDeltaCodec(_SyncCodec, ArrayArrayCodec):
     """Lossless temporal delta of a chunk of frames: ``d[0] = x[0]``, ``d[t] = x[t] - x[t-1]`` (mod 256).
 
     Input / output: ``(T, H, W, C)`` uint8 (same shape and dtype; only the values change). Meant ahead of a
@@ -87,11 +98,6 @@ class FrameDeltaCodec(ArrayArrayCodec):
             np.add(x[t - 1], x[t], out=x[t])   # uint8: modulo 256
         return chunk_spec.prototype.nd_buffer.from_numpy_array(x)
 
-    async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> NDBuffer | None:
-        return self._encode_sync(chunk_array, chunk_spec)
-
-    async def _decode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> NDBuffer:
-        return self._decode_sync(chunk_array, chunk_spec)
 
     def compute_encoded_size(self, input_byte_length: int, _chunk_spec: ArraySpec) -> int:
         return input_byte_length
@@ -106,7 +112,7 @@ def _av():
 
 
 @dataclass(frozen=True)
-class VideoChunkCodec(ArrayBytesCodec):
+class VideoChunkCodec(_SyncCodec, ArrayBytesCodec):
     """Lossy: a chunk of frames ``(T, H, W, 3)`` uint8 as one H.264 stream in an MP4 container (PyAV + libx264).
 
     Args:
@@ -180,11 +186,6 @@ class VideoChunkCodec(ArrayBytesCodec):
             raise ValueError(f"codec {VIDEO}: a chunk decoded to {x.shape}, expected {tuple(chunk_spec.shape)}")
         return chunk_spec.prototype.nd_buffer.from_numpy_array(x)
 
-    async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
-        return self._encode_sync(chunk_array, chunk_spec)
-
-    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
-        return self._decode_sync(chunk_bytes, chunk_spec)
 
     def compute_encoded_size(self, input_byte_length: int, _chunk_spec: ArraySpec) -> int:
         raise NotImplementedError(f"codec {VIDEO} has no fixed encoded size")
@@ -221,8 +222,21 @@ POINT_GRID_MAX = 32767
 """The largest grid index an int16 holds: a coordinate of at most ``POINT_GRID_MAX * grid_m`` metres in magnitude."""
 
 
+def grid_indices(x, grid_m: float) -> np.ndarray:
+    """Float64 grid indices ``rint(x / grid_m)`` of coordinates ``x`` (metres, any shape).
+
+    Raises:
+        ValueError: a coordinate beyond the int16 grid (``POINT_GRID_MAX * grid_m``)."""
+    x = np.asarray(x, dtype=np.float64)
+    k = np.rint(x / grid_m)
+    if k.size and np.abs(k).max() > POINT_GRID_MAX:
+        raise ValueError(f"a coordinate of {np.abs(x).max():.4f} m is beyond the int16 point grid's "
+                         f"{POINT_GRID_MAX * grid_m:.4f} m (at {grid_m} m)")
+    return k
+
+
 @dataclass(frozen=True)
-class PointGridCodec(ArrayBytesCodec):
+class PointGridCodec(_SyncCodec, ArrayBytesCodec):
     """Lossless for points on a grid: float32 coordinates that are multiples of ``grid_m`` metres (as
     ``sim.pointcloud.snap_to_grid`` makes them, and the writer snaps a ``grid_m`` feature to) stored as little-endian
     int16 grid indices (``rint(x / grid_m)``), half of float32's bytes, ahead of a byte-shuffled Blosc/zstd.
@@ -252,11 +266,10 @@ class PointGridCodec(ArrayBytesCodec):
             raise ValueError(f"codec {POINT_GRID} encodes float32 coordinates, given dtype {np_dtype}")
 
     def _encode_sync(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
-        x = np.asarray(chunk_array.as_numpy_array(), dtype=np.float64)
-        k = np.rint(x / self.grid_m)
-        if k.size and np.abs(k).max() > POINT_GRID_MAX:
-            raise ValueError(f"codec {POINT_GRID}: a coordinate of {np.abs(x).max():.4f} m is beyond the int16 grid's "
-                             f"{POINT_GRID_MAX * self.grid_m:.4f} m")
+        try:
+            k = grid_indices(chunk_array.as_numpy_array(), self.grid_m)
+        except ValueError as e:
+            raise ValueError(f"codec {POINT_GRID}: {e}") from None
         return chunk_spec.prototype.buffer.from_bytes(k.astype("<i2").tobytes())
 
     def _decode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
@@ -264,15 +277,10 @@ class PointGridCodec(ArrayBytesCodec):
         x = (k.astype(np.float64) * self.grid_m).astype(np.float32)
         return chunk_spec.prototype.nd_buffer.from_numpy_array(x)
 
-    async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
-        return self._encode_sync(chunk_array, chunk_spec)
-
-    async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
-        return self._decode_sync(chunk_bytes, chunk_spec)
 
     def compute_encoded_size(self, input_byte_length: int, _chunk_spec: ArraySpec) -> int:
         return input_byte_length // 2
 
 
 register_codec(POINT_GRID, PointGridCodec)
-__all__ += ["POINT_GRID", "POINT_GRID_MAX", "PointGridCodec"]
+__all__ += ["POINT_GRID", "POINT_GRID_MAX", "PointGridCodec", "grid_indices"]

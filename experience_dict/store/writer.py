@@ -23,7 +23,7 @@ from fsspec import AbstractFileSystem
 from zarr.codecs import BloscCodec, Crc32cCodec
 
 from experience_dict.stats import episode_sketch, histogram_sketch
-from experience_dict.store.codecs import POINT_GRID_MAX, FrameDeltaCodec, PointGridCodec, VideoChunkCodec
+from experience_dict.store.codecs import FrameDeltaCodec, PointGridCodec, VideoChunkCodec, grid_indices
 from experience_dict.store.schema import (
     _PLAIN_SCALARS,
     _WRITER_ID_RE,
@@ -677,11 +677,10 @@ class EpisodeWriter:
         Raises:
             SpecMismatchError: a coordinate beyond the int16 grid (nothing is buffered).
         """
-        k = np.rint(np.asarray(v, dtype=np.float64) / grid)
-        if k.size and np.abs(k).max() > POINT_GRID_MAX:
-            raise SpecMismatchError(f"obs[{key!r}]: a coordinate of {np.abs(v).max():.4f} m is beyond the store's "
-                                    f"point grid ({POINT_GRID_MAX * grid:.4f} m at {grid} m)")
-        return (k * grid).astype(np.float32)
+        try:
+            return (grid_indices(v, grid) * grid).astype(np.float32)
+        except ValueError as e:
+            raise SpecMismatchError(f"obs[{key!r}]: {e}") from None
 
     def _sketch(self, col: _Column, start: int, end: int, streamed: int) -> dict:
         """Statistics sketch of rows ``start..end-1`` of ``col``. Images: the pixel histograms of rows before

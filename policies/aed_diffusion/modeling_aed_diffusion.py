@@ -156,6 +156,18 @@ class PointEncoder(nn.Module):
         return self.proj(self.mlp(x).amax(dim=-2))
 
 
+def point_features(cloud: torch.Tensor, centre: torch.Tensor, half: torch.Tensor,
+                   hand: torch.Tensor | None = None) -> torch.Tensor:
+    """A point encoder's input: (..., N, 3) raw cloud (metres) -> (..., N, 3) coordinates ``(p - centre) / half`` per
+    axis, and with ``hand`` ((..., 3) metres, the cloud's frame) (..., N, 6): also each point's offset from the hand
+    ``(p - hand) / half``. The policy (``point_relative``) and its critic's frozen copy both call this."""
+    p = cloud.float()
+    x = (p - centre) / half
+    if hand is None:
+        return x
+    return torch.cat([x, (p - hand.float()[..., None, :]) / half], -1)
+
+
 class ObsEncoder(nn.Module):
     """Tokens per frame: one per state key (MLP), ``pool**2`` per camera, one per point cloud (DP3's encoder), plus
     a learned token-type embedding.
@@ -621,14 +633,10 @@ class AEDDiffusionPolicy(PreTrainedPolicy):
 
         Raises:
             ValueError: ``point_relative`` without ``observation.state``."""
-        x = self.normalizer.normalize(key, cloud.float())
-        if not self.config.point_relative:
-            return x
-        if state is None:
+        if self.config.point_relative and state is None:
             raise ValueError("point_relative: the batch lacks 'observation.state' (the hand's position)")
-        _, half = self.normalizer._ab(key)
-        rel = (cloud.float() - state.float()[..., None, :3]) / half
-        return torch.cat([x, rel], -1)
+        centre, half = self.normalizer._ab(key)
+        return point_features(cloud, centre, half, state[..., :3] if self.config.point_relative else None)
 
     # ------------------------------------------------------------------ conditioning
     def _conditioning(self, batch: dict):

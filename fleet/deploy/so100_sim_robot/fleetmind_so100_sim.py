@@ -63,6 +63,7 @@ class FleetmindSO100Sim(Robot):
         self._info: dict[str, Any] = {}
         self._sim_names = sim_feature_names()
         self._pending: deque = deque()   # (q_arm rad (5,), jaw rad) waiting out the unit's action latency
+        self._depth: tuple | None = None  # (env, DepthPointCloud) of config.depth_cameras (_depth_sensor)
 
     # ------------------------------------------------------------------ features
     @cached_property
@@ -97,13 +98,11 @@ class FleetmindSO100Sim(Robot):
         ``config.unit_robot_cfg()``. Raises ValueError for a unit the fleet's robot config does not name."""
         from sim.so100.env import make_so100_env
 
-        cams, depth = list(self.config.render_cameras), list(self.config.depth_cameras)
+        cams = list(self.config.render_cameras)
         return make_so100_env(self.config.task, unit_id=0 if unit_id is None else int(unit_id),
                               robot_cfg=None if unit_id is None else self.config.unit_robot_cfg(),
                               obs_cfg={"images": bool(cams), "cameras": cams or None,
-                                       "image_size": int(self.config.image_size),
-                                       **({"point_cloud": True, "point_cameras": depth, "num_points": 8,
-                                           "point_image_size": int(self.config.depth_size)} if depth else {})},
+                                       "image_size": int(self.config.image_size)},
                               task_cfg={"max_episode_steps": _NEVER, "steps_after_success": _NEVER})
 
     def connect(self, calibrate: bool = True) -> None:
@@ -191,15 +190,31 @@ class FleetmindSO100Sim(Robot):
         if self.config.object_state:
             obs.update(zip(self._sim_names, (float(v) for v in twin["observation.environment_state"])))
         if self.config.depth_cameras:
-            obs.update({f"{c}.depth": d for c, d in self.env.depth_images().items()})
+            depth = self._depth_sensor()
+            obs.update({f"{c}.depth": d for c, d in zip(depth.spec.cameras, depth.depth_images(self.env.mj_data))})
         return obs
+
+    def _depth_sensor(self):
+        """The twin's depth cameras (``sim.pointcloud.DepthPointCloud`` on the current env's model, made on first
+        use and again after ``reset_scene`` rebuilt the twin as another unit): depth images and calibration only."""
+        if self._depth is None or self._depth[0] is not self.env:
+            from sim.pointcloud import CloudSpec, DepthPointCloud
+
+            lo, hi = self.env.POINT_CROP
+            d = int(self.config.depth_size)
+            spec = CloudSpec(tuple(self.config.depth_cameras), (d, d), 1, tuple(lo), tuple(hi), self.env.BASE_BODY)
+            if self._depth is not None:
+                self._depth[1].close()
+            self._depth = (self.env, DepthPointCloud(self.env.mj_model, spec))
+        return self._depth[1]
 
     def depth_calibration(self) -> dict[str, dict]:
         """Sim-only: ``{camera: sim.pointcloud.DepthCamera.to_dict()}`` of ``config.depth_cameras`` (intrinsics, the
         optical frame in the arm's base frame, metres; this unit's camera pose): what a real RGB-D sensor's driver
         and hand-eye calibration give the deploy bridge (``deploy.bridge.depth_cameras``)."""
         self._check()
-        return self.env.depth_calibration()
+        depth = self._depth_sensor()
+        return {c: cam.to_dict() for c, cam in zip(depth.spec.cameras, depth.calibration(self.env.mj_data))}
 
     def send_action(self, action: dict[str, Any]) -> dict[str, Any]:
         """Joint targets ``{"<joint>.pos": float}`` (degrees; gripper 0..100) for one control period.
@@ -228,6 +243,9 @@ class FleetmindSO100Sim(Robot):
     def disconnect(self) -> None:
         """Free the renderer and the twin."""
         self._check()
+        if self._depth is not None:
+            self._depth[1].close()
+            self._depth = None
         self.env.close()
         self.env = None
         log.info("%s disconnected", self)
