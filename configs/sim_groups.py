@@ -120,6 +120,9 @@ class ObsConfig(TypedConfig):
     """Workspace box, lower corner (x, y, z) metres in the robot's base frame; null: the embodiment's own."""
     crop_max: list[float] | None = None
     """Workspace box, upper corner; null: the embodiment's own."""
+    point_color: bool = False
+    """With ``point_cloud``: also ``observation.point_colors``, each point's RGB from its depth camera's
+    depth-aligned colour image, (num_points, 3) uint8 (an RGB-D sensor's colour stream; DP3's colour variant)."""
 
 
 ObsConfig._group, ObsConfig._rules = "obs", {"image_size": _image_size, "shadowsize": POS,

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from policies.features import POINT_COLORS
+
 CRITIC_WEIGHTS = "critic.safetensors"
 CRITIC_CONFIG = "critic.json"
 CRITIC_FILES = (CRITIC_WEIGHTS, CRITIC_CONFIG)
@@ -51,10 +53,10 @@ class CriticFeatures(nn.Module):
     def __init__(self, state_keys: Sequence[str] = (), image_keys: Sequence[str] = (),
                  image_channels: Sequence[int] | None = None, point_keys: Sequence[str] = (),
                  point_channels: Sequence[int] | None = None, point_dim: int | None = None,
-                 point_relative: bool = False):
+                 point_relative: bool = False, point_color: bool = False):
         super().__init__()
         self.state_keys, self.image_keys = list(state_keys), list(image_keys)
-        self.point_relative = bool(point_relative)
+        self.point_relative, self.point_color = bool(point_relative), bool(point_color)
         self.image_channels = [int(c) for c in image_channels] if image_channels else None
         if self.image_keys and not self.image_channels:
             raise ValueError(f"CriticFeatures: image keys {self.image_keys} need the encoder's image_channels")
@@ -73,8 +75,9 @@ class CriticFeatures(nn.Module):
         if self.point_keys:
             from policies.aed_diffusion.modeling_aed_diffusion import PointEncoder
 
-            self.points = nn.ModuleDict({k.replace(".", "_"): PointEncoder(
-                self.point_channels, self.point_dim, 6 if self.point_relative else 3) for k in self.point_keys})
+            pin = 3 + 3 * self.point_relative + 3 * self.point_color
+            self.points = nn.ModuleDict({k.replace(".", "_"): PointEncoder(self.point_channels, self.point_dim, pin)
+                                         for k in self.point_keys})
             for k in self.point_keys:   # the policy's coordinate normalisation, copied with its encoder
                 self.register_buffer(f"{k.replace('.', '_')}_centre", torch.zeros(3))
                 self.register_buffer(f"{k.replace('.', '_')}_half", torch.ones(3))
@@ -84,12 +87,13 @@ class CriticFeatures(nn.Module):
         """The keyword arguments that rebuild these features (``critic.json`` holds them)."""
         return {"state_keys": self.state_keys, "image_keys": self.image_keys, "image_channels": self.image_channels,
                 "point_keys": self.point_keys, "point_channels": self.point_channels, "point_dim": self.point_dim,
-                "point_relative": self.point_relative}
+                "point_relative": self.point_relative, "point_color": self.point_color}
 
     @property
     def keys(self) -> list[str]:
         """Every observation key read, state keys first."""
-        return [*self.state_keys, *self.image_keys, *self.point_keys]
+        return [*self.state_keys, *self.image_keys, *self.point_keys,
+                *([POINT_COLORS] if self.point_keys and self.point_color else [])]
 
     def image_dim(self) -> int:
         """Feature width the cameras add (0 without cameras)."""
@@ -105,10 +109,11 @@ class CriticFeatures(nn.Module):
         enc = getattr(getattr(policy, "obs_encoder", None), "images", None)
         penc = getattr(getattr(policy, "obs_encoder", None), "points", None)
         cams = [k for k, shape in shapes.items() if len(shape) == 3] if images and enc is not None else []
-        pts = [k for k, shape in shapes.items() if len(shape) == 2] if images and penc is not None else []
+        pts = list(policy.config.point_keys) if images and penc is not None else []
         feats = cls(state, cams, list(policy.config.image_channels) if cams else None, pts,
                     list(policy.config.point_channels) if pts else None, int(policy.config.dim) if pts else None,
-                    bool(getattr(policy.config, "point_relative", False)) if pts else False)
+                    bool(getattr(policy.config, "point_relative", False)) if pts else False,
+                    bool(getattr(policy.config, "point_color", False)) if pts else False)
         for k in cams:
             feats.images[k.replace(".", "_")].load_state_dict(enc[k.replace(".", "_")].state_dict())
         for k in pts:
@@ -139,7 +144,8 @@ class CriticFeatures(nn.Module):
             centre, half = getattr(self, f"{n}_centre"), getattr(self, f"{n}_half")
             hand = (torch.as_tensor(frames["observation.state"]).to(centre.device)[:, :3]
                     if self.point_relative else None)   # as the policy's point_input
-            x = point_features(torch.as_tensor(frames[k]).to(centre.device), centre, half, hand)
+            rgb = torch.as_tensor(frames[POINT_COLORS]).to(centre.device) if self.point_color else None
+            x = point_features(torch.as_tensor(frames[k]).to(centre.device), centre, half, hand, rgb)
             out.append(self.points[n](x).float().cpu())
         return torch.cat(out, -1)
 
@@ -166,7 +172,7 @@ class SuccessCritic(nn.Module):
                  dropout: float = 0.2, state_keys: Sequence[str] = (), image_keys: Sequence[str] = (),
                  image_channels: Sequence[int] | None = None, point_keys: Sequence[str] = (),
                  point_channels: Sequence[int] | None = None, point_dim: int | None = None,
-                 point_relative: bool = False):
+                 point_relative: bool = False, point_color: bool = False):
         super().__init__()
         if min(state_dim, action_dim, chunk_steps, members, hidden) < 1:
             raise ValueError(f"SuccessCritic: every size must be >= 1, given state_dim={state_dim}, action_dim="
@@ -175,7 +181,7 @@ class SuccessCritic(nn.Module):
         self.members, self.hidden, self.dropout = int(members), int(hidden), float(dropout)
         self.state_keys = list(state_keys)
         self.frame = CriticFeatures(state_keys, image_keys, image_channels, point_keys, point_channels, point_dim,
-                                    point_relative)
+                                    point_relative, point_color)
         self.image_keys, self.image_channels = self.frame.image_keys, self.frame.image_channels
         d_in = 2 * self.state_dim + self.chunk_steps * self.action_dim
         self.nets = nn.ModuleList([nn.Sequential(
@@ -249,7 +255,8 @@ def load_critic(directory: str | Path, device: str = "cpu") -> tuple[SuccessCrit
         critic = SuccessCritic(int(cfg["state_dim"]), int(cfg["action_dim"]), int(cfg["chunk_steps"]),
                                int(cfg["members"]), int(cfg["hidden"]), float(cfg["dropout"]), cfg["state_keys"],
                                cfg.get("image_keys") or (), cfg.get("image_channels"), cfg.get("point_keys") or (),
-                               cfg.get("point_channels"), cfg.get("point_dim"), bool(cfg.get("point_relative", False)))
+                               cfg.get("point_channels"), cfg.get("point_dim"), bool(cfg.get("point_relative", False)),
+                               bool(cfg.get("point_color", False)))
         candidates = int(cfg["candidates"])
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"checkpoint {str(d)!r}: malformed {CRITIC_CONFIG}: {e}") from None

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from policies.features import POINT_COLORS
+
 ONNX_DIR = "onnx"
 OPSET = 18
 
@@ -35,20 +37,20 @@ def graph_name(num_inference_steps: int, batch_size: int) -> str:
 def example_inputs(policy: torch.nn.Module, batch_size: int, steps: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
     """A valid inference batch (B = ``batch_size``) built the way deployment builds one: a fresh
     ``WindowHistory`` given ``steps`` random observations and actions (uniform in [-1, 1]; camera frames (H, W, 3)
-    uint8 uniform in 0..255, as an env renders them; 0: the episode's first step, every history frame padded) and
+    and point colours uint8 uniform in 0..255, as an env renders them; 0: the episode's first step, every history frame padded) and
     one more observation, then the history tokenized."""
     from policies.history import WindowHistory
 
     g = torch.Generator().manual_seed(seed)
     hist = WindowHistory(policy.inference_window_spec(), policy.config.action_dim)
 
-    def frame(shape):
-        if len(shape) == 3:
+    def frame(key, shape):
+        if len(shape) == 3 or key == POINT_COLORS:   # camera frames and point colours: uint8 RGB
             return torch.randint(0, 256, (batch_size, *shape), generator=g, dtype=torch.uint8)
         return torch.rand(batch_size, *shape, generator=g) * 2 - 1
 
     for i in range(steps + 1):
-        hist.push_obs({k: frame(shape) for k, shape in policy.config.input_shapes.items()})
+        hist.push_obs({k: frame(k, shape) for k, shape in policy.config.input_shapes.items()})
         if i < steps:
             hist.push_action(torch.rand(batch_size, policy.config.action_dim, generator=g) * 2 - 1)
     return policy._to_device(policy.tokenize_history(hist.batch()))

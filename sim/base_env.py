@@ -88,7 +88,8 @@ class UnitEnv(gym.Env):
             hi = ocfg.get("crop_max") or self.POINT_CROP[1]
             self.cloud_spec = CloudSpec(tuple(ocfg.get("point_cameras", ["corner"]) or ()), phw,
                                         int(ocfg.get("num_points", 512)), tuple(float(x) for x in lo),
-                                        tuple(float(x) for x in hi), self.BASE_BODY)
+                                        tuple(float(x) for x in hi), self.BASE_BODY,
+                                        color=bool(ocfg.get("point_color", False)))
         self._render_kw = {"shadows": bool(ocfg.get("shadows", False)),
                            "reflections": bool(ocfg.get("reflections", False)),
                            "shadowsize": int(ocfg.get("shadowsize", 256))}
@@ -132,6 +133,8 @@ class UnitEnv(gym.Env):
 
             obs_spaces["observation.point_cloud"] = spaces.Box(-np.inf, np.inf, (self.cloud_spec.num_points, 3),
                                                                np.float32)
+            if self.cloud_spec.color:
+                obs_spaces["observation.point_colors"] = spaces.Box(0, 255, (self.cloud_spec.num_points, 3), np.uint8)
             self._cloud = DepthPointCloud(model, self.cloud_spec)
         self.observation_space = spaces.Dict(obs_spaces)
         self.action_space = spaces.Box(-1.0, 1.0, (ACTION_DIM,), np.float32)
@@ -162,12 +165,18 @@ class UnitEnv(gym.Env):
                 "unit": f"m, the robot's base frame ({cs.base_body}); depth cameras {list(cs.cameras)} at "
                         f"{cs.image_hw[0]}x{cs.image_hw[1]}, cropped to {list(cs.crop_min)}..{list(cs.crop_max)}, "
                         "farthest-point sampled"}}
+            if cs.color:
+                spec["observation.point_colors"] = {
+                    "shape": [cs.num_points, 3], "dtype": "uint8", "names": ["point", "rgb"],
+                    "unit": "RGB 0..255 of each point of observation.point_cloud (row i: point i), from its depth "
+                            "camera's depth-aligned colour image"}
         return spec
 
     def _with_cloud(self, obs: dict, model, data) -> dict:
-        """``obs`` with ``observation.point_cloud`` of the current ``data`` when ``obs.point_cloud`` is on."""
+        """``obs`` with ``observation.point_cloud`` (and ``observation.point_colors`` with ``obs.point_color``) of the
+        current ``data`` when ``obs.point_cloud`` is on."""
         if self._cloud is not None:
-            obs["observation.point_cloud"] = self._cloud(data)
+            obs.update(self._cloud.observation(data))
         return obs
 
     def _start_episode(self, latency_steps: int) -> None:

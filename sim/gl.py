@@ -156,6 +156,24 @@ class CameraRenderer:
             img = np.flip(img, (0, 1))
         return np.ascontiguousarray(img)
 
+    def render_rgbd(self, data, camera: str) -> tuple[np.ndarray, np.ndarray]:
+        """A depth renderer's colour and depth of ``camera`` from one scene update: ((H, W, 3) uint8 RGB, (H, W)
+        float32 metres), both as rendered (never turned, so pixel (v, u) of one is pixel (v, u) of the other: what
+        an RGB-D sensor's depth-aligned colour stream gives). The colour pass shares this renderer's GL context.
+
+        Raises:
+            ValueError: a renderer made without ``depth=True``."""
+        if not self.depth:
+            raise ValueError("render_rgbd: this renderer was made for RGB only (depth=False)")
+        self._r.update_scene(data, camera=camera)
+        depth = self._r.render()
+        self._r.disable_depth_rendering()
+        try:
+            rgb = np.ascontiguousarray(self._r.render())
+        finally:
+            self._r.enable_depth_rendering()
+        return rgb, depth
+
     def close(self) -> None:
         """Free the GL context (idempotent)."""
         r, self._r = getattr(self, "_r", None), None

@@ -3,7 +3,9 @@
 After 3D Diffusion Policy (DP3; Ze et al., RSS 2024): one or more depth images are back-projected with the camera's
 pinhole model, expressed in the robot's base frame, cropped to the workspace box (which drops the table top, the
 floor and the background), and reduced to a fixed number of points by farthest-point sampling (FPS). DP3 uses 512 or
-1,024 points and no colour; so does this module. FPS is the ``fpsample`` library's (``bucket_fps_kdline_sampling``,
+1,024 points and no colour; so does this module by default. With ``CloudSpec.color`` each point also carries the
+colour of its pixel (``observation.point_colors``, (N, 3) uint8 RGB, row i the colour of point i), as an RGB-D sensor's
+depth-aligned colour stream gives it (DP3's ``use_pc_color`` variant). FPS is the ``fpsample`` library's (``bucket_fps_kdline_sampling``,
 a bucket-based exact FPS; deterministic for a given cloud and start index).
 
 The MuJoCo depth buffer (``mujoco.Renderer.enable_depth_rendering``) is linear depth in metres along the camera's
@@ -42,6 +44,7 @@ class CloudSpec:
         num_points: points after farthest-point sampling, N.
         crop_min, crop_max: the workspace box in the robot's base frame, metres (x, y, z); points outside are dropped.
         base_body: the robot's base body in the MuJoCo model: points are expressed in its frame.
+        color: also give each point its pixel's colour (``observation.point_colors``).
     """
 
     cameras: tuple[str, ...]
@@ -50,6 +53,7 @@ class CloudSpec:
     crop_min: tuple[float, float, float]
     crop_max: tuple[float, float, float]
     base_body: str
+    color: bool = False
 
     def __post_init__(self) -> None:
         if not self.cameras:
@@ -109,15 +113,21 @@ class DepthCamera:
         return cam
 
     def base_points(self, depth: np.ndarray) -> np.ndarray:
-        """(H * W, 3) float64 base-frame points of every pixel of ``depth`` (H, W) in depth units (0 or a
-        non-finite value: no return, dropped by the caller's crop as a point at the camera's origin is not)."""
+        """(M, 3) float64 base-frame points of the pixels of ``depth`` (H, W) in depth units that have a return, in
+        row-major pixel order (0 or a non-finite value: no return, dropped; :meth:`valid` is their mask)."""
         h, w = depth.shape[:2]
         d = np.asarray(depth, dtype=np.float64).reshape(h, w) * self.depth_scale
         u, v = np.meshgrid(np.arange(w, dtype=np.float64), np.arange(h, dtype=np.float64))
         opt = np.stack([(u - self.cx) * d / self.fx, (v - self.cy) * d / self.fy, d], axis=-1).reshape(-1, 3)
-        valid = np.isfinite(opt).all(1) & (opt[:, 2] > 0)
         T = np.asarray(self.base_from_camera, dtype=np.float64).reshape(4, 4)
-        return (opt[valid] @ T[:3, :3].T + T[:3, 3])
+        return (opt[self.valid(depth)] @ T[:3, :3].T + T[:3, 3])
+
+    @staticmethod
+    def valid(depth: np.ndarray) -> np.ndarray:
+        """(H * W,) bool: the pixels of ``depth`` (H, W) with a return (finite and > 0), row-major: the rows of
+        :meth:`base_points`; a depth-aligned colour image's ``rgb.reshape(-1, 3)[valid(depth)]`` colours them."""
+        d = np.asarray(depth, dtype=np.float64).reshape(-1)
+        return np.isfinite(d) & (d > 0)
 
 
 # MuJoCo's camera frame (x right, y up, looking along -z) from the optical frame (x right, y down, z forward)
@@ -143,7 +153,8 @@ def mujoco_depth_camera(model, data, camera: str, base_body: str, image_hw: tupl
 
 
 def cloud_from_depth(depths: Sequence[np.ndarray], cameras: Sequence[DepthCamera], crop_min: Sequence[float],
-                     crop_max: Sequence[float], num_points: int) -> np.ndarray:
+                     crop_max: Sequence[float], num_points: int,
+                     colors: Sequence[np.ndarray] | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """The policy's ``observation.point_cloud`` from depth images: each camera's pixels in the base frame, merged,
     cropped to the workspace box, farthest-point sampled to ``num_points``, snapped to :data:`GRID_M`. The one path
     of the twin (:class:`DepthPointCloud`) and of a real robot's depth cameras (``fleet.deploy``).
@@ -151,45 +162,77 @@ def cloud_from_depth(depths: Sequence[np.ndarray], cameras: Sequence[DepthCamera
     Args:
         depths: one (H, W) depth image per camera, in its ``depth_scale`` units. cameras: their calibrations.
         crop_min, crop_max: the workspace box (x, y, z), base frame, metres. num_points: N.
+        colors: None, or one (H, W, 3) uint8 RGB image per camera aligned pixel for pixel with its depth image (an
+            RGB-D sensor's depth-aligned colour stream).
 
     Returns:
-        (N, 3) float32, metres, the robot's base frame.
+        (N, 3) float32, metres, the robot's base frame; with ``colors``, also the points' (N, 3) uint8 RGB (row i
+        the colour of point i): ``(cloud, point_colors)``.
 
     Raises:
-        ValueError: as many depth images as cameras are needed.
+        ValueError: as many depth (and colour) images as cameras are needed; a colour image whose size is not its
+            depth image's.
     """
     if len(depths) != len(cameras):
         raise ValueError(f"cloud_from_depth: {len(depths)} depth images for {len(cameras)} cameras")
-    pts = np.concatenate([c.base_points(np.asarray(d)) for d, c in zip(depths, cameras)] or [np.zeros((0, 3))], 0)
-    return snap_to_grid(farthest_points(crop(pts, crop_min, crop_max), int(num_points)))
+    if colors is not None and len(colors) != len(cameras):
+        raise ValueError(f"cloud_from_depth: {len(colors)} colour images for {len(cameras)} cameras")
+    depths = [np.asarray(d) for d in depths]
+    pts = np.concatenate([c.base_points(d) for d, c in zip(depths, cameras)] or [np.zeros((0, 3))], 0)
+    keep = crop_mask(pts, crop_min, crop_max)
+    idx = farthest_indices(pts[keep], int(num_points))
+    cloud = snap_to_grid(pts[keep][idx]) if len(idx) else np.zeros((int(num_points), 3), np.float32)
+    if colors is None:
+        return cloud
+    rgb = []
+    for d, c in zip(depths, colors):
+        c = np.asarray(c)
+        if c.shape != (*d.shape[:2], 3):
+            raise ValueError(f"cloud_from_depth: a colour image of shape {c.shape} for a {d.shape[:2]} depth image "
+                             "(expected (H, W, 3), aligned to the depth image)")
+        rgb.append(c.reshape(-1, 3)[DepthCamera.valid(d)])
+    rgb = np.concatenate(rgb or [np.zeros((0, 3), np.uint8)], 0)[keep]
+    return cloud, (rgb[idx].astype(np.uint8) if len(idx) else np.zeros((int(num_points), 3), np.uint8))
+
+
+def crop_mask(points: np.ndarray, lo: Sequence[float], hi: Sequence[float]) -> np.ndarray:
+    """(M,) bool: the rows of (M, 3) ``points`` inside the box ``lo <= p <= hi`` (each (3,), same frame and unit)."""
+    lo, hi = np.asarray(lo, dtype=np.float64), np.asarray(hi, dtype=np.float64)
+    return np.all((points >= lo) & (points <= hi), axis=1)
 
 
 def crop(points: np.ndarray, lo: Sequence[float], hi: Sequence[float]) -> np.ndarray:
     """The rows of (M, 3) ``points`` inside the box ``lo <= p <= hi`` (each (3,), same frame and unit)."""
-    lo, hi = np.asarray(lo, dtype=np.float64), np.asarray(hi, dtype=np.float64)
-    keep = np.all((points >= lo) & (points <= hi), axis=1)
-    return points[keep]
+    return points[crop_mask(points, lo, hi)]
 
 
-def farthest_points(points: np.ndarray, n: int, start: int = 0) -> np.ndarray:
-    """``n`` rows of (M, 3) ``points`` by farthest-point sampling (``fpsample.bucket_fps_kdline_sampling``), in
-    sampling order; deterministic for the same points and ``start`` (the first point's index, mod M). When M <= n
-    every point is kept and the cloud is filled up by repeating it from its first point (a fixed N for the policy);
-    an empty cloud gives (n, 3) zeros.
-
-    Returns:
-        (n, 3) array of ``points``' dtype.
-    """
+def farthest_indices(points: np.ndarray, n: int, start: int = 0) -> np.ndarray:
+    """(n,) int64 row indices of (M, 3) ``points`` by farthest-point sampling
+    (``fpsample.bucket_fps_kdline_sampling``), in sampling order; deterministic for the same points and ``start``
+    (the first point's index, mod M). When M <= n every row is kept and the rows are repeated from the first (a
+    fixed N for the policy); an empty cloud gives an empty (0,) array."""
     m = len(points)
     if m == 0:
-        return np.zeros((n, 3), dtype=points.dtype)
+        return np.zeros(0, dtype=np.int64)
     if m <= n:
-        return points[np.arange(n) % m]
+        return np.arange(n, dtype=np.int64) % m
     import fpsample
 
     idx = fpsample.bucket_fps_kdline_sampling(np.ascontiguousarray(points, dtype=np.float32), n, h=5,
                                               start_idx=int(start) % m)
-    return points[np.asarray(idx, dtype=np.int64)]
+    return np.asarray(idx, dtype=np.int64)
+
+
+def farthest_points(points: np.ndarray, n: int, start: int = 0) -> np.ndarray:
+    """``n`` rows of (M, 3) ``points`` by farthest-point sampling (:func:`farthest_indices`), in sampling order; an
+    empty cloud gives (n, 3) zeros.
+
+    Returns:
+        (n, 3) array of ``points``' dtype.
+    """
+    if len(points) == 0:
+        return np.zeros((n, 3), dtype=points.dtype)
+    return points[farthest_indices(points, n, start)]
 
 
 class DepthPointCloud:
@@ -222,6 +265,22 @@ class DepthPointCloud:
     def depth_images(self, data) -> list[np.ndarray]:
         """One (H, W) float32 depth image per camera, metres (what a depth sensor gives)."""
         return [self._r.render(data, c) for c in self.spec.cameras]
+
+    def rgbd_images(self, data) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per camera, its depth-aligned (H, W, 3) uint8 colour image and (H, W) float32 depth image (metres), from
+        one scene update each: ``(colours, depths)``."""
+        pairs = [self._r.render_rgbd(data, c) for c in self.spec.cameras]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def observation(self, data) -> dict[str, np.ndarray]:
+        """The cloud's observation entries: ``observation.point_cloud`` (as :meth:`__call__`) and, with
+        ``spec.color``, ``observation.point_colors``: (N, 3) uint8 RGB, row i the colour of point i."""
+        if not self.spec.color:
+            return {"observation.point_cloud": self(data)}
+        colors, depths = self.rgbd_images(data)
+        cloud, rgb = cloud_from_depth(depths, self.calibration(data), self.spec.crop_min, self.spec.crop_max,
+                                      self.spec.num_points, colors=colors)
+        return {"observation.point_cloud": cloud, "observation.point_colors": rgb}
 
     def calibration(self, data) -> list[DepthCamera]:
         """Every camera's :class:`DepthCamera` now (its pose from ``data``: a unit's own camera jitter)."""

@@ -20,7 +20,8 @@ SCENE = f"""
   <worldbody>
     <geom type="plane" size="2 2 0.1" pos="0 0 0"/>
     <body name="base" pos="0.1 -0.2 0" euler="0 0 90"><geom type="sphere" size="0.01" pos="0 0 -0.5"/></body>
-    <geom name="box" type="box" size="{BOX_H[0]} {BOX_H[1]} {BOX_H[2]}" pos="{BOX_C[0]} {BOX_C[1]} {BOX_C[2]}"/>
+    <geom name="box" type="box" size="{BOX_H[0]} {BOX_H[1]} {BOX_H[2]}" pos="{BOX_C[0]} {BOX_C[1]} {BOX_C[2]}"
+          rgba="0.9 0.1 0.1 1"/>
     <body name="target" pos="{BOX_C[0]} {BOX_C[1]} {BOX_C[2]}"/>
     <camera name="cam" pos="0.0 -0.3 0.5" mode="targetbody" target="target" fovy="50"/>
   </worldbody>
@@ -69,6 +70,38 @@ def test_known_box_gives_points_on_its_faces_in_metres_in_the_base_frame():
     assert np.array_equal(cloud, snap_to_grid(cloud))
 
 
+def test_point_colours_are_the_pixels_of_the_points_and_leave_the_cloud_as_it_was():
+    """obs.point_color: each point carries its pixel's RGB (a red box: red points, the grey floor: grey points), and
+    the cloud itself is the colourless one, bit for bit (the colour pass changes nothing of the geometry)."""
+    model, data = _scene()
+    c_base = _to_base(BOX_C, data)
+    box = (tuple(c_base - 0.3), tuple(c_base + 0.3))            # the box and some floor around it
+    plain = DepthPointCloud(model, CloudSpec(("cam",), (64, 64), 128, *box, "base"))
+    coloured = DepthPointCloud(model, CloudSpec(("cam",), (64, 64), 128, *box, "base", color=True))
+    obs = coloured.observation(data)
+    cloud, rgb = obs["observation.point_cloud"], obs["observation.point_colors"]
+    assert np.array_equal(cloud, plain(data)) and plain.observation(data).keys() == {"observation.point_cloud"}
+    assert rgb.shape == (128, 3) and rgb.dtype == np.uint8
+    b = data.body("base")
+    world = cloud.astype(np.float64) @ b.xmat.reshape(3, 3).T + b.xpos
+    on_box = np.all(np.abs(world - BOX_C) <= BOX_H + 2e-3, axis=1)
+    floor = np.abs(world[:, 2]) < 1e-3
+    assert on_box.sum() >= 5 and floor.sum() > 10
+    r, g, bl = (rgb.astype(int)[:, i] for i in range(3))
+    assert np.all(r[on_box] > g[on_box] + 40) and np.all(r[on_box] > bl[on_box] + 40)   # red
+    assert np.all(np.abs(r[floor] - g[floor]) < 30)                                     # not red
+    # the one path for a robot's RGB-D frames: cloud_from_depth with aligned colour images gives the same
+    from sim.pointcloud import cloud_from_depth
+
+    colours, depths = coloured.rgbd_images(data)
+    c2, rgb2 = cloud_from_depth(depths, coloured.calibration(data), *box, 128, colors=colours)
+    assert np.array_equal(c2, cloud) and np.array_equal(rgb2, rgb)
+    with pytest.raises(ValueError, match="colour image"):
+        cloud_from_depth(depths, coloured.calibration(data), *box, 128, colors=[colours[0][:10]])
+    plain.close()
+    coloured.close()
+
+
 def test_crop_drops_the_floor_and_an_empty_crop_gives_zeros():
     model, data = _scene()
     c_base = _to_base(BOX_C, data)
@@ -77,6 +110,9 @@ def test_crop_drops_the_floor_and_an_empty_crop_gives_zeros():
     assert (np.abs(with_floor[:, 2]) < 1e-3).sum() > 20          # the floor is in this box
     empty = DepthPointCloud(model, CloudSpec(("cam",), (64, 64), 16, (5.0, 5.0, 5.0), (6.0, 6.0, 6.0), "base"))(data)
     assert np.array_equal(empty, np.zeros((16, 3), np.float32))
+    e = DepthPointCloud(model, CloudSpec(("cam",), (64, 64), 16, (5.0, 5.0, 5.0), (6.0, 6.0, 6.0), "base",
+                                         color=True)).observation(data)
+    assert np.array_equal(e["observation.point_colors"], np.zeros((16, 3), np.uint8))
 
 
 def test_farthest_points_is_deterministic_and_spreads():
@@ -144,16 +180,17 @@ def test_store_keeps_the_cloud_exactly_in_int16_and_pools_its_statistics(tmp_pat
     from experience_dict.store import ExperienceStore
     from sim.metaworld_env import MetaWorldEnv
 
-    env = MetaWorldEnv("reach-v3", obs_cfg=OBS, task_cfg={"max_episode_steps": 12})
+    env = MetaWorldEnv("reach-v3", obs_cfg={**OBS, "point_color": True}, task_cfg={"max_episode_steps": 12})
     store = ExperienceStore.create_or_open(str(tmp_path / "s"), env.spec_dict())
     w = store.writer("w0")
-    clouds = []
+    clouds, colours = [], []
     obs, info = env.reset(seed=1)
     w.begin_episode(unit_id=0, embodiment="sawyer", task="reach-v3", policy_version=1, seed=1)
     done = False
     while not done:
         a = np.array([0.3, 0.2, 0.0, -1.0], np.float32)
         clouds.append(obs["observation.point_cloud"])
+        colours.append(obs["observation.point_colors"])
         w.add_step(obs, a, 0.0, info["progress"])
         obs, _, term, trunc, info = env.step(a)
         done = term or trunc
@@ -166,6 +203,12 @@ def test_store_keeps_the_cloud_exactly_in_int16_and_pools_its_statistics(tmp_pat
     st = r.stats()["observation.point_cloud"]
     assert np.asarray(st["mean"]).shape == (3,)
     assert np.allclose(st["mean"], np.stack(clouds).reshape(-1, 3).mean(0), atol=1e-5)
+    # the colours: uint8 exactly, statistics per channel over every point
+    rgb = r.load_episode(ep.episode_id)["observation.point_colors"]
+    assert rgb.dtype == np.uint8 and np.array_equal(rgb, np.stack(colours))
+    cst = r.stats()["observation.point_colors"]
+    assert np.asarray(cst["mean"]).shape == (3,)
+    assert np.allclose(cst["mean"], np.stack(colours).reshape(-1, 3).mean(0), atol=1e-3)
     rep = r.verify()
     assert not rep.get("corrupt") and not rep.get("errors"), rep
     # on disk: int16 grid indices, so the array is at most half of float32's bytes
@@ -176,11 +219,12 @@ def test_store_keeps_the_cloud_exactly_in_int16_and_pools_its_statistics(tmp_pat
 
 @pytest.fixture(scope="module")
 def cloud_store(tmp_path_factory):
-    """A real store of 3 reach-v3 episodes with point clouds (64 points, one 32 px depth camera)."""
+    """A real store of 3 reach-v3 episodes with point clouds and their colours (64 points, one 32 px RGB-D camera)."""
     from experience_dict.store import ExperienceStore
     from sim.metaworld_env import MetaWorldEnv
 
-    obs_cfg = {"point_cloud": True, "point_cameras": ["corner"], "point_image_size": 32, "num_points": 64}
+    obs_cfg = {"point_cloud": True, "point_cameras": ["corner"], "point_image_size": 32, "num_points": 64,
+               "point_color": True}
     env = MetaWorldEnv("reach-v3", obs_cfg=obs_cfg, task_cfg={"max_episode_steps": 30})
     url = str(tmp_path_factory.mktemp("cloud") / "s")
     store = ExperienceStore.create_or_open(url, env.spec_dict())
@@ -201,10 +245,11 @@ def cloud_store(tmp_path_factory):
     return ExperienceStore.open(url)
 
 
-def _cloud_policy(reader, **over):
+def _cloud_policy(reader, color: bool = False, **over):
     from policies.aed_diffusion.modeling_aed_diffusion import build_policy, config_from_hydra
 
-    cfg = {**over, "input_keys": ["observation.state", "observation.point_cloud"], "dim": 32, "n_layers": 2, "n_heads": 2,
+    keys = ["observation.state", "observation.point_cloud"] + (["observation.point_colors"] if color else [])
+    cfg = {**over, "input_keys": keys, "dim": 32, "n_layers": 2, "n_heads": 2,
            "state_hidden": 32, "horizon": 8, "n_action_steps": 4, "point_channels": [16, 32],
            "aed": {"history_actions": 8, "group_size": 4, "memory_queries": 2, "tokenizer_vocab_size": 256},
            "mt_loss": {"weight": 0.01}}
@@ -246,23 +291,65 @@ def test_point_cloud_policy_trains_and_reads_the_cloud(cloud_store):
     assert not torch.allclose(a, b, atol=1e-4)
 
 
-@pytest.mark.parametrize("relative", [False, True])
-def test_critic_features_score_the_cloud_through_the_policys_encoder(cloud_store, relative):
+def test_point_colour_policy_reads_the_colours_through_the_point_encoder(cloud_store):
+    """policy.input_keys with observation.point_colors: the point encoder reads 3 more inputs per point (the colour in
+    [-1, 1]), no token of its own, no normalisation statistics; the chunk depends on the colours; a colour key
+    without a cloud of as many points is refused."""
+    import torch
+
+    from experience_dict.sampler import WindowDataset
+    from policies.aed_diffusion import AEDDiffusionConfig
+    from policies.onnx import example_inputs
+
+    policy = _cloud_policy(cloud_store, color=True, point_relative=True)
+    assert policy.config.point_color and policy.config.point_in_dim == 9
+    assert policy.config.state_keys == ["observation.state"] and "observation.point_colors" not in policy.stats
+    assert policy.obs_encoder.tokens_per_frame == 2
+    assert policy.obs_encoder.points["observation_point_cloud"].mlp[0].in_features == 9
+    ds = WindowDataset(cloud_store, windows=policy.window_spec())
+    batch = policy.tokenize_history(ds[list(range(0, 80, 10))])
+    assert batch["observation.point_colors"].dtype == torch.uint8
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    for _ in range(30):
+        loss, _ = policy(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert torch.isfinite(loss)
+    policy.eval()
+    x = example_inputs(policy, 2, steps=5, seed=1)
+    assert x["observation.point_colors"].dtype == torch.uint8
+    recoloured = {**x, "observation.point_colors": 255 - x["observation.point_colors"]}
+    noise = torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():   # the cloud's token, and so the chunk, depends on the colours
+        tok = policy.obs_encoder(policy._frames(x))
+        assert not torch.allclose(tok, policy.obs_encoder(policy._frames(recoloured)), atol=1e-4)
+        a = policy.predict_action_chunk(x, noise=noise)
+        b = policy.predict_action_chunk(recoloured, noise=noise)
+    assert not torch.allclose(a, b, atol=1e-4)
+    shapes = {"observation.state": [4], "observation.point_cloud": [64, 3], "observation.point_colors": [32, 3]}
+    with pytest.raises(ValueError, match="colours need exactly one point cloud"):
+        AEDDiffusionConfig(input_shapes=shapes)
+
+
+@pytest.mark.parametrize("relative,color", [(False, False), (True, False), (True, True)])
+def test_critic_features_score_the_cloud_through_the_policys_encoder(cloud_store, relative, color):
     import torch
 
     from policies.critic import CriticFeatures
 
-    policy = _cloud_policy(cloud_store, point_relative=relative)
+    policy = _cloud_policy(cloud_store, color=color, point_relative=relative)
     f = CriticFeatures.from_policy(policy)
-    assert f.keys == ["observation.state", "observation.point_cloud"]
+    assert f.keys == ["observation.state", "observation.point_cloud"] + (["observation.point_colors"] if color else [])
     d = cloud_store.load_episode(cloud_store.episodes()[0].episode_id)
     out = f({k: d[k][:5] for k in f.keys})
     assert out.shape == (5, 4 + policy.config.dim)
     # the same numbers as the policy's own encoder on its normalised cloud
     with torch.no_grad():
         x = policy.point_input("observation.point_cloud", torch.as_tensor(d["observation.point_cloud"][:5]),
-                               torch.as_tensor(d["observation.state"][:5]))
-        assert x.shape == (5, 64, 6 if relative else 3)
+                               torch.as_tensor(d["observation.state"][:5]),
+                               torch.as_tensor(d["observation.point_colors"][:5]))
+        assert x.shape == (5, 64, 3 + 3 * relative + 3 * color)
         ref = policy.obs_encoder.points["observation_point_cloud"](x)
     torch.testing.assert_close(out[:, 4:], ref)
     # a saved critic rebuilds the same features (critic.json holds the point settings)
@@ -272,8 +359,8 @@ def test_critic_features_score_the_cloud_through_the_policys_encoder(cloud_store
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("relative", [False, True])
-def test_exported_point_cloud_policy_acts_as_the_policy(cloud_store, tmp_path, relative):
+@pytest.mark.parametrize("relative,color", [(False, False), (True, True)])
+def test_exported_point_cloud_policy_acts_as_the_policy(cloud_store, tmp_path, relative, color):
     """The export (PyTorch and the ONNX graph) of a point-cloud policy gives the policy's chunks on the same inputs."""
     import torch
 
@@ -281,7 +368,7 @@ def test_exported_point_cloud_policy_acts_as_the_policy(cloud_store, tmp_path, r
     from policies.onnx import example_inputs
     from policies.runtime import PolicyRuntime
 
-    policy = _cloud_policy(cloud_store, point_relative=relative).eval()
+    policy = _cloud_policy(cloud_store, color=color, point_relative=relative).eval()
     policy.save_pretrained(tmp_path / "ckpt")
     folder = export_checkpoint(tmp_path / "ckpt", tmp_path / "export", control_hz=80.0, onnx_steps=[4])
     x = example_inputs(policy, 1, steps=6, seed=3)

@@ -28,10 +28,10 @@ from experience_dict.store.schema import (
     StoreError,
     StoreNotFoundError,
     _is_image,
-    _is_points,
     _layout,
     _packable,
     _parse_spec,
+    _per_channel,
     _sketch_columns,
     _unpack_sketch,
     check_record,
@@ -443,7 +443,7 @@ class ExperienceStore:
         shape = self.features[key]["shape"]
         if len(shape) == 3 and values.dtype == np.uint8:   # images: the sketch's every-4th-pixel subsample
             flat = values[:, ::IMAGE_STRIDE, ::IMAGE_STRIDE].reshape(-1, shape[-1])
-        elif _is_points(self.features[key]):   # point clouds: per coordinate over every point
+        elif _per_channel(self.features[key]):   # point clouds (and colours): per coordinate over every point
             flat = values.reshape(-1, shape[-1])
         else:
             flat = values.reshape(len(values), -1)

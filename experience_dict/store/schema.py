@@ -185,6 +185,20 @@ def _is_points(feat: dict) -> bool:
     return (feat.get("grid_m") is not None and np.dtype(feat["dtype"]) == np.float32 and len(feat["shape"]) == 2 and int(feat["shape"][-1]) == 3)
 
 
+def _is_point_colors(feat: dict) -> bool:
+    """The colours of a point cloud's points: uint8 ``(N, 3)`` RGB named ``["point", "rgb"]``
+    (``observation.point_colors``). Its statistics are per channel over every point, as a point cloud's are per
+    coordinate."""
+    return (np.dtype(feat["dtype"]) == np.uint8 and len(feat["shape"]) == 2 and int(feat["shape"][-1]) == 3
+            and list(feat.get("names") or [])[:1] == ["point"])
+
+
+def _per_channel(feat: dict) -> bool:
+    """A feature whose statistics are per channel over its rows' points (:func:`_is_points`,
+    :func:`_is_point_colors`) rather than per element."""
+    return _is_points(feat) or _is_point_colors(feat)
+
+
 def _chunk_rows(feat: dict, chunk_bytes: int, max_chunk_rows: int) -> int:
     row_bytes = int(np.prod(feat["shape"], dtype=np.int64)) * np.dtype(feat["dtype"]).itemsize
     return int(np.clip(chunk_bytes // max(row_bytes, 1), 1, max_chunk_rows))

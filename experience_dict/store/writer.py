@@ -40,6 +40,7 @@ from experience_dict.store.schema import (
     _is_image,
     _is_points,
     _pack_sketch,
+    _per_channel,
     decode_inline_rows,
     encode_inline_rows,
     place_episode_rows,
@@ -230,6 +231,7 @@ class EpisodeWriter:
         self._obs_own = [(k, self._cols[k]) for k in self._obs_keys if where[k][1] is None]
         feats = self.store.meta["features"]
         self._grids = {k: float(feats[k]["grid_m"]) for k, _ in self._obs_own if _is_points(feats[k])}
+        self._per_channel = frozenset(k for k, _ in self._obs_own if _per_channel(feats[k]))
         self._obs_low = [(k, slice(*where[k][1][:2])) for k in self._obs_keys if where[k][1] is not None]
         self._act_shape, self._act_dtype = self._shape["action"], self._dtype["action"]
         self._act_col = self._cols["action"] if where["action"][1] is None else None
@@ -685,9 +687,9 @@ class EpisodeWriter:
     def _sketch(self, col: _Column, start: int, end: int, streamed: int) -> dict:
         """Statistics sketch of rows ``start..end-1`` of ``col``. Images: the pixel histograms of rows before
         ``streamed`` come from the chunk writers (counted while each chunk was in cache), the rest from the
-        buffer; their sum gives the sketch. Point clouds: per coordinate over every point."""
+        buffer; their sum gives the sketch. Point clouds and their colours: per coordinate / channel over every point."""
         if not col.image:
-            return episode_sketch(col.buf[start - col.lo:end - col.lo], is_image=col.name in self._grids)
+            return episode_sketch(col.buf[start - col.lo:end - col.lo], is_image=col.name in self._per_channel)
         a = max(start, streamed)
         parts = [f.result() for name, f in self._pixels if name == col.name]
         if end > a:

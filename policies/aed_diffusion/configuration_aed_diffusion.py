@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from policies.features import POINT_COLORS
+
 
 @dataclass
 class AEDConfig:
@@ -58,7 +60,9 @@ class AEDDiffusionConfig:
     Features (LeRobot names): ``input_shapes`` maps each observation key to its per-frame shape:
     ``observation.state``-like keys ``[d]`` (float), ``observation.images.<cam>`` keys ``[H, W, 3]`` (uint8),
     ``observation.point_cloud`` keys ``[N, 3]`` (float32 metres, a depth camera's workspace cloud: DP3's encoder, an
-    MLP over points with max-pooling, ``point_channels``; one token per frame).
+    MLP over points with max-pooling, ``point_channels``; one token per frame), and beside one point cloud optionally
+    ``observation.point_colors`` ``[N, 3]`` (uint8 RGB of each point, read by the same encoder as three more inputs
+    per point, scaled to [-1, 1]; no token of its own).
     Actions are ``action_dim``-d; ``relative_action_dims`` are summed within a history group,
     ``absolute_action_dims`` take the group's last command.
 
@@ -132,7 +136,7 @@ class AEDDiffusionConfig:
             if k.startswith("observation.images."):
                 if len(shape) != 3 or shape[2] != 3:
                     raise ValueError(f"input_shapes[{k!r}]: expected [H, W, 3], given {shape}")
-            elif k.startswith("observation.point_cloud"):
+            elif k.startswith("observation.point_cloud") or k == POINT_COLORS:
                 if len(shape) != 2 or shape[1] != 3 or shape[0] < 1:
                     raise ValueError(f"input_shapes[{k!r}]: expected [N, 3] points, given {shape}")
             elif len(shape) != 1 or shape[0] < 1:
@@ -158,6 +162,12 @@ class AEDDiffusionConfig:
                              f"({self.num_train_timesteps})")
         if self.point_relative and self.point_keys and "observation.state" not in self.input_shapes:
             raise ValueError("point_relative: needs observation.state (the hand's position) among the inputs")
+        if POINT_COLORS in self.input_shapes:
+            pk = self.point_keys
+            if len(pk) != 1 or self.input_shapes[pk[0]][0] != self.input_shapes[POINT_COLORS][0]:
+                raise ValueError(f"input_shapes[{POINT_COLORS!r}]: colours need exactly one point cloud of as many "
+                                 f"points among the inputs, given {({k: self.input_shapes[k] for k in pk})} and "
+                                 f"{self.input_shapes[POINT_COLORS]}")
         if not self.point_channels or min(self.point_channels) < 1:
             raise ValueError(f"point_channels: expected positive widths, given {self.point_channels}")
         for name in ("state_norm", "action_norm"):
@@ -182,12 +192,24 @@ class AEDDiffusionConfig:
     @property
     def state_keys(self) -> list[str]:
         """Vector observation keys (``[d]``): one MLP token each."""
-        return [k for k in self.input_shapes if not k.startswith(("observation.images.", "observation.point_cloud"))]
+        return [k for k in self.input_shapes
+                if not k.startswith(("observation.images.", "observation.point_cloud")) and k != POINT_COLORS]
 
     @property
     def point_keys(self) -> list[str]:
         """Point-cloud keys (``[N, 3]``): one point-encoder token each."""
         return [k for k in self.input_shapes if k.startswith("observation.point_cloud")]
+
+    @property
+    def point_color(self) -> bool:
+        """Whether the point encoder also reads each point's colour (``observation.point_colors`` is an input)."""
+        return POINT_COLORS in self.input_shapes
+
+    @property
+    def point_in_dim(self) -> int:
+        """Inputs per point of the point encoder: 3 coordinates, +3 the offset from the hand (``point_relative``),
+        +3 the colour (``point_color``)."""
+        return 3 + 3 * bool(self.point_relative) + 3 * self.point_color
 
     @property
     def normalized_keys(self) -> list[str]:

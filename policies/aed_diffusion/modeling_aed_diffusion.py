@@ -41,6 +41,7 @@ from experience_dict.tokenizer import ActionTokenizer
 from policies.aed_diffusion.configuration_aed_diffusion import AEDDiffusionConfig, migrate_checkpoint_config
 from policies.aed_diffusion.normalization import Normalizer, normalize_image
 from policies.base import PreTrainedPolicy
+from policies.features import POINT_COLORS
 
 CONFIG_NAME, WEIGHTS_NAME, STATS_NAME, TOKENIZER_NAME = "config.json", "model.safetensors", "stats.json", "tokenizer.json"
 
@@ -140,7 +141,8 @@ class ImageEncoder(nn.Module):
 class PointEncoder(nn.Module):
     """DP3's point encoder (Ze et al., "3D Diffusion Policy", RSS 2024): a shared MLP over points, each layer
     Linear -> LayerNorm -> ReLU, then the maximum over the points (order-invariant), then a Linear to ``out_dim``.
-    (..., N, in_dim) normalized coordinates (3; 6 with each point's offset from the hand) -> (..., out_dim). Trained
+    (..., N, in_dim) normalized coordinates (3; +3 with each point's offset from the hand, +3 with its colour;
+    ``AEDDiffusionConfig.point_in_dim``) -> (..., out_dim). Trained
     from scratch; no pretrained weights."""
 
     def __init__(self, channels: list[int], out_dim: int, in_dim: int = 3):
@@ -157,15 +159,19 @@ class PointEncoder(nn.Module):
 
 
 def point_features(cloud: torch.Tensor, centre: torch.Tensor, half: torch.Tensor,
-                   hand: torch.Tensor | None = None) -> torch.Tensor:
+                   hand: torch.Tensor | None = None, colors: torch.Tensor | None = None) -> torch.Tensor:
     """A point encoder's input: (..., N, 3) raw cloud (metres) -> (..., N, 3) coordinates ``(p - centre) / half`` per
-    axis, and with ``hand`` ((..., 3) metres, the cloud's frame) (..., N, 6): also each point's offset from the hand
-    ``(p - hand) / half``. The policy (``point_relative``) and its critic's frozen copy both call this."""
+    axis; with ``hand`` ((..., 3) metres, the cloud's frame) also each point's offset from the hand
+    ``(p - hand) / half`` (3 more); with ``colors`` ((..., N, 3) uint8 RGB, or float 0..255) also each point's colour
+    in [-1, 1] (3 more, last). The policy (``point_relative``, ``point_color``) and its critic's frozen copy both call
+    this."""
     p = cloud.float()
-    x = (p - centre) / half
-    if hand is None:
-        return x
-    return torch.cat([x, (p - hand.float()[..., None, :]) / half], -1)
+    parts = [(p - centre) / half]
+    if hand is not None:
+        parts.append((p - hand.float()[..., None, :]) / half)
+    if colors is not None:
+        parts.append(colors.float() / 127.5 - 1.0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
 
 class ObsEncoder(nn.Module):
@@ -179,8 +185,7 @@ class ObsEncoder(nn.Module):
     def __init__(self, cfg: AEDDiffusionConfig):
         super().__init__()
         self.state_keys, self.image_keys, self.point_keys = cfg.state_keys, cfg.image_keys, cfg.point_keys
-        pin = 6 if cfg.point_relative else 3
-        self.points = nn.ModuleDict({k.replace(".", "_"): PointEncoder(cfg.point_channels, cfg.dim, pin)
+        self.points = nn.ModuleDict({k.replace(".", "_"): PointEncoder(cfg.point_channels, cfg.dim, cfg.point_in_dim)
                                      for k in self.point_keys})
         self.state = nn.ModuleDict({k.replace(".", "_"): nn.Sequential(
             nn.Linear(cfg.input_shapes[k][0], cfg.state_hidden), nn.GELU(), nn.Linear(cfg.state_hidden, cfg.dim))
@@ -223,7 +228,7 @@ class FrozenFeatures(nn.Module):
                 ImageEncoder(cfg.image_channels, 1), nn.Flatten(),
                 nn.Linear(cfg.image_channels[-1], cfg.mt_loss.image_feature_dim)) for k in self.image_keys})
             self.points = nn.ModuleDict({k.replace(".", "_"): PointEncoder(
-                cfg.point_channels, cfg.mt_loss.image_feature_dim, 6 if cfg.point_relative else 3)
+                cfg.point_channels, cfg.mt_loss.image_feature_dim, cfg.point_in_dim)
                 for k in self.point_keys})
         self.requires_grad_(False)
         self.dim = sum(cfg.input_shapes[k][0] for k in self.state_keys) + \
@@ -621,22 +626,30 @@ class AEDDiffusionPolicy(PreTrainedPolicy):
             if k.startswith("observation.images."):
                 out[k] = normalize_image(x)
             elif k in self.config.point_keys:
-                out[k] = self.point_input(k, x, batch.get(prefix + "observation.state"))
+                out[k] = self.point_input(k, x, batch.get(prefix + "observation.state"),
+                                          batch.get(prefix + POINT_COLORS))
+            elif k == POINT_COLORS:   # read with its point cloud by the point encoder
+                continue
             else:
                 out[k] = self.normalizer.normalize(k, x.float())
         return out
 
-    def point_input(self, key: str, cloud: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
-        """The point encoder's input: (..., N, 3) raw cloud (metres) -> (..., N, 3) coordinates normalised per axis,
-        and with ``point_relative`` (..., N, 6): also each point's offset from the hand (``state`` (..., 4) raw
-        ``observation.state``, its first three entries the hand's position in the cloud's frame) in the same scale.
+    def point_input(self, key: str, cloud: torch.Tensor, state: torch.Tensor | None,
+                    colors: torch.Tensor | None = None) -> torch.Tensor:
+        """The point encoder's input: (..., N, 3) raw cloud (metres) -> (..., N, ``point_in_dim``): coordinates
+        normalised per axis; with ``point_relative`` also each point's offset from the hand (``state`` (..., 4) raw
+        ``observation.state``, its first three entries the hand's position in the cloud's frame) in the same scale;
+        with ``point_color`` also each point's colour (``colors`` (..., N, 3) uint8 RGB) in [-1, 1].
 
         Raises:
-            ValueError: ``point_relative`` without ``observation.state``."""
+            ValueError: ``point_relative`` without ``observation.state``, ``point_color`` without the colours."""
         if self.config.point_relative and state is None:
             raise ValueError("point_relative: the batch lacks 'observation.state' (the hand's position)")
+        if self.config.point_color and colors is None:
+            raise ValueError(f"point colours: the batch lacks {POINT_COLORS!r}")
         centre, half = self.normalizer._ab(key)
-        return point_features(cloud, centre, half, state[..., :3] if self.config.point_relative else None)
+        return point_features(cloud, centre, half, state[..., :3] if self.config.point_relative else None,
+                              colors if self.config.point_color else None)
 
     # ------------------------------------------------------------------ conditioning
     def _conditioning(self, batch: dict):

@@ -1,0 +1,9 @@
+"""Feature names the policies, their critics and the deploy runtime share (LeRobot's ``observation.*`` names).
+Import-light on purpose: no torch, so a config can name them without loading a model."""
+
+POINT_CLOUD = "observation.point_cloud"
+"""A depth camera's workspace point cloud, ``(N, 3)`` float32 metres in the robot's base frame (``sim.pointcloud``)."""
+
+POINT_COLORS = "observation.point_colors"
+"""The colours of :data:`POINT_CLOUD`'s points, ``(N, 3)`` uint8 RGB, row i the colour of point i (``sim.pointcloud``,
+``obs.point_color``)."""
