@@ -227,7 +227,7 @@ class ActionTokenizer:
         g = episode_windows(episode_actions, self.r, self.relative_dims, self.absolute_dims, self.action_dim)
         out = self.outside_range(g) if len(g) else np.zeros((0, self.action_dim), bool)
         flat = g.reshape(-1, self.action_dim)
-        return {"groups": len(g), "outside": int(out.any(1).sum()),
+        return {"groups": int(len(g)), "outside": int(out.any(1).sum()),
                 "share": float(out.any(1).mean()) if len(g) else 0.0,
                 "outside_per_dim": out.sum(0).astype(int).tolist(),
                 "low": self.low.tolist(), "high": self.high.tolist(),

@@ -57,5 +57,5 @@ pinned to the minor it is tested with). This module gathers the public names.
 
 from __future__ import annotations
 
-from experience_dict.store import *
+from experience_dict.store import *  # noqa: F403 - the public names, gathered in the package
 from experience_dict.store import __all__  # noqa: F401
