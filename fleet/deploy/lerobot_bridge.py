@@ -52,6 +52,8 @@ SIM_PREFIX = "sim."   # sim-only observation features of fleetmind_so100_sim (ob
 EE_ACTION_NAMES = ["dx", "dy", "dz", "gripper"]
 STATE_KEY, ENV_STATE_KEY, IMAGE_PREFIX = "observation.state", "observation.environment_state", "observation.images."
 CLOUD_KEY = "observation.point_cloud"   # from the robot's depth cameras (sim.pointcloud.cloud_from_depth)
+COLORS_KEY = "observation.point_colors"   # the cloud's colours, from the depth cameras' aligned colour images
+DEPTH_RGB_SUFFIX = ".depth_rgb"   # "<camera>.depth_rgb": (H, W, 3) uint8, the colour image aligned to "<camera>.depth"
 DEPTH_SUFFIX = ".depth"   # a robot's depth image feature: "<camera>.depth", (H, W) in its calibration's depth units
 EMBODIMENT_KEY = "observation.embodiment"   # a mixed fleet's policy is told its robot (sim.units.embodiment_onehot)
 
@@ -210,10 +212,15 @@ class SO100Bridge:
                                  f"{list(EMBODIMENTS)}), given {shape}")
             if k == CLOUD_KEY and (len(shape) != 2 or shape[1] != 3):
                 raise ValueError(f"policy feature {k!r}: expected shape [N, 3], given {shape}")
-            if k not in (STATE_KEY, ENV_STATE_KEY, EMBODIMENT_KEY, CLOUD_KEY) and not k.startswith(IMAGE_PREFIX):
+            if k == COLORS_KEY and (shape != list(self.input_shapes.get(CLOUD_KEY, [None, 3]))):
+                raise ValueError(f"policy feature {k!r}: expected the shape of {CLOUD_KEY!r} "
+                                 f"({self.input_shapes.get(CLOUD_KEY)}), given {shape}")
+            if k not in (STATE_KEY, ENV_STATE_KEY, EMBODIMENT_KEY, CLOUD_KEY, COLORS_KEY) \
+                    and not k.startswith(IMAGE_PREFIX):
                 raise ValueError(f"policy feature {k!r} has no mapping to an SO-100 robot; the bridge maps "
                                  f"{STATE_KEY!r}, {ENV_STATE_KEY!r} (simulated robot only), {EMBODIMENT_KEY!r} "
-                                 f"(constant: so100), {CLOUD_KEY!r} (depth cameras) and '{IMAGE_PREFIX}<camera>'")
+                                 f"(constant: so100), {CLOUD_KEY!r} and {COLORS_KEY!r} (depth cameras) and "
+                                 f"'{IMAGE_PREFIX}<camera>'")
         from sim.pointcloud import DepthCamera
 
         self.depth_cameras = {str(c): v if isinstance(v, DepthCamera) else DepthCamera.from_dict(dict(v))
@@ -248,6 +255,8 @@ class SO100Bridge:
             need[robot_cam] = None
         if CLOUD_KEY in self.input_shapes:
             need.update({c + DEPTH_SUFFIX: None for c in self.depth_cameras})
+        if COLORS_KEY in self.input_shapes:
+            need.update({c + DEPTH_RGB_SUFFIX: None for c in self.depth_cameras})
         return need
 
     def check_robot(self, observation_features: Mapping[str, Any], action_features: Mapping[str, Any],
@@ -274,6 +283,13 @@ class SO100Bridge:
             if lacks:
                 raise ValueError(f"the export reads {CLOUD_KEY!r} from depth images {lacks}, which robot type "
                                  f"{robot_type!r} does not give (its features: {sorted(observation_features)})")
+        if COLORS_KEY in self.input_shapes:
+            lacks = [c + DEPTH_RGB_SUFFIX for c in self.depth_cameras
+                     if c + DEPTH_RGB_SUFFIX not in observation_features]
+            if lacks:
+                raise ValueError(f"the export reads {COLORS_KEY!r} from depth-aligned colour images {lacks}, which "
+                                 f"robot type {robot_type!r} does not give (the twin: depth_color=true; a RealSense: "
+                                 "its colour stream aligned to depth)")
         for cam, robot_cam in self.cameras.items():
             shape = observation_features.get(robot_cam)
             if not (isinstance(shape, tuple) and len(shape) == 3 and shape[2] == 3):
@@ -309,9 +325,15 @@ class SO100Bridge:
             from sim.pointcloud import cloud_from_depth
 
             cams = list(self.depth_cameras)
-            out[CLOUD_KEY] = cloud_from_depth([np.asarray(obs[c + DEPTH_SUFFIX]) for c in cams],
-                                              [self.depth_cameras[c] for c in cams], *self.crop,
-                                              self.input_shapes[CLOUD_KEY][0])
+            colors = ([np.asarray(obs[c + DEPTH_RGB_SUFFIX], dtype=np.uint8) for c in cams]
+                      if COLORS_KEY in self.input_shapes else None)
+            cloud = cloud_from_depth([np.asarray(obs[c + DEPTH_SUFFIX]) for c in cams],
+                                     [self.depth_cameras[c] for c in cams], *self.crop,
+                                     self.input_shapes[CLOUD_KEY][0], colors=colors)
+            if colors is None:
+                out[CLOUD_KEY] = cloud
+            else:
+                out[CLOUD_KEY], out[COLORS_KEY] = cloud
         for cam, robot_cam in self.cameras.items():
             img = np.asarray(obs[robot_cam])
             h, w, _ = self.input_shapes[IMAGE_PREFIX + cam]

@@ -623,3 +623,35 @@ def test_twin_robots_depth_cameras_give_the_fleets_point_cloud(tmp_path):
         env.close()
     finally:
         robot.disconnect()
+
+
+@pytest.mark.lerobot
+def test_twin_robots_rgbd_cameras_give_the_fleets_coloured_point_cloud(tmp_path):
+    """obs.point_color through a robot: the twin's depth cameras with depth_color give depth-aligned colour images
+    (``<camera>.depth_rgb``); the bridge makes the cloud and its colours with the fleet's own function, equal to what
+    the fleet's env observes; a robot without the colour images is refused, naming them."""
+    import sim
+    from fleet.deploy.lerobot_bridge import SO100Bridge
+
+    robot = _robot(tmp_path, depth_cameras=["corner"], depth_size=40, depth_color=True)
+    robot.connect()
+    try:
+        feats = robot.observation_features
+        assert feats["corner.depth_rgb"] == (40, 40, 3)
+        shapes = {"observation.state": [4], "observation.point_cloud": [64, 3], "observation.point_colors": [64, 3]}
+        bridge = SO100Bridge(shapes, ["dx", "dy", "dz", "gripper"], depth_cameras=robot.depth_calibration())
+        bridge.check_robot(feats, robot.action_features, "fleetmind_so100_sim")
+        env = sim.make_env("so100-reach", obs_cfg={"point_cloud": True, "point_cameras": ["corner"],
+                                                    "point_image_size": 40, "num_points": 64, "point_color": True})
+        robot.reset_scene(2)
+        own, _ = env.reset(seed=2)
+        got = bridge.policy_observation(robot.get_observation())
+        np.testing.assert_array_equal(got["observation.point_cloud"], own["observation.point_cloud"])
+        assert got["observation.point_colors"].dtype == np.uint8
+        np.testing.assert_array_equal(got["observation.point_colors"], own["observation.point_colors"])
+        with pytest.raises(ValueError, match="corner.depth_rgb"):
+            bridge.check_robot({k: v for k, v in feats.items() if not k.endswith(".depth_rgb")},
+                               robot.action_features, "so100_follower")
+        env.close()
+    finally:
+        robot.disconnect()

@@ -31,6 +31,9 @@ class FleetmindSO100SimConfig(RobotConfig):
             metres, as an RGB-D sensor does (``FleetmindSO100Sim.depth_calibration()`` gives their intrinsics and
             poses in the arm's base frame, for the deploy bridge's point cloud); empty: none.
         depth_size: depth image height = width, pixels.
+        depth_color: the depth cameras also give their depth-aligned colour image, feature ``"<camera>.depth_rgb"``
+            (H, W, 3) uint8 (an RGB-D sensor's colour stream aligned to depth), for a policy that reads the cloud's
+            colours (``observation.point_colors``).
         object_state: also give the sim-only ``sim.<name>`` features (the cube pose and goal, what a state-only
             policy's ``observation.environment_state`` holds). No real arm has them.
         joint_signs / joint_offsets_deg: the simulated calibration, LeRobot degrees = sign x MJCF degrees + offset
@@ -50,6 +53,7 @@ class FleetmindSO100SimConfig(RobotConfig):
     image_size: int = 96
     depth_cameras: list[str] = field(default_factory=list)
     depth_size: int = 64
+    depth_color: bool = False
     object_state: bool = True
     joint_signs: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0, 1.0, 1.0])
     joint_offsets_deg: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0, 0.0])

@@ -73,6 +73,8 @@ class FleetmindSO100Sim(Robot):
         feats.update({c: (s, s, 3) for c in self.config.render_cameras})
         d = int(self.config.depth_size)
         feats.update({f"{c}.depth": (d, d) for c in self.config.depth_cameras})
+        if self.config.depth_color:
+            feats.update({f"{c}.depth_rgb": (d, d, 3) for c in self.config.depth_cameras})
         if self.config.object_state:
             feats.update(dict.fromkeys(self._sim_names, float))
         return feats
@@ -181,7 +183,7 @@ class FleetmindSO100Sim(Robot):
 
     def get_observation(self) -> dict[str, Any]:
         """``{"<joint>.pos": float, <camera>: (H, W, 3) uint8, "<depth camera>.depth": (H, W) float32 metres,
-        "sim.<name>": float}`` of the twin now."""
+        "<depth camera>.depth_rgb": (H, W, 3) uint8 (with ``depth_color``), "sim.<name>": float}`` of the twin now."""
         self._check()
         obs: dict[str, Any] = dict(zip(MOTOR_KEYS, (float(v) for v in self.joint_positions())))
         twin = self.env.observation()
@@ -191,7 +193,12 @@ class FleetmindSO100Sim(Robot):
             obs.update(zip(self._sim_names, (float(v) for v in twin["observation.environment_state"])))
         if self.config.depth_cameras:
             depth = self._depth_sensor()
-            obs.update({f"{c}.depth": d for c, d in zip(depth.spec.cameras, depth.depth_images(self.env.mj_data))})
+            if self.config.depth_color:
+                colors, depths = depth.rgbd_images(self.env.mj_data)
+                obs.update({f"{c}.depth_rgb": rgb for c, rgb in zip(depth.spec.cameras, colors)})
+            else:
+                depths = depth.depth_images(self.env.mj_data)
+            obs.update({f"{c}.depth": d for c, d in zip(depth.spec.cameras, depths)})
         return obs
 
     def _depth_sensor(self):
