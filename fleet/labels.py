@@ -128,7 +128,7 @@ class OnlineLabeller:
             from sim.pointcloud import CloudGrabber
 
             self.clouds = CloudGrabber(lc.point_cameras, (lc.point_image_size, lc.point_image_size), lc.num_points,
-                                       lc.crop_max)
+                                       lc.crop_max, color=lc.point_color)
         self.detector = None
         if acting.source == "detector":
             from policies.success_detector import SuccessDetector
@@ -136,10 +136,13 @@ class OnlineLabeller:
             self.detector = SuccessDetector.load(acting.detector_dir)
             sp = self.detector.spec
             want_points = int(lc.num_points) if lc.point_cloud else 0
-            if list(sp.cameras) != self.cameras or sp.image_size != lc.image_size or sp.num_points != want_points:
+            want_color = bool(lc.point_cloud and lc.point_color)
+            if list(sp.cameras) != self.cameras or sp.image_size != lc.image_size or sp.num_points != want_points \
+                    or bool(sp.point_color) != want_color:
                 raise ValueError(f"success detector {acting.detector_dir}: trained on cameras {sp.cameras} at "
-                                 f"{sp.image_size} px and {sp.num_points} cloud points, configured labels.cameras "
-                                 f"{self.cameras} at {lc.image_size} px and {want_points} points")
+                                 f"{sp.image_size} px and {sp.num_points} cloud points (colour: {sp.point_color}), "
+                                 f"configured labels.cameras {self.cameras} at {lc.image_size} px and {want_points} "
+                                 f"points (colour: {want_color})")
 
     @property
     def detects(self) -> bool:
@@ -158,7 +161,8 @@ class OnlineLabeller:
         return self.grabber.frames(env, self.cameras)
 
     def cloud(self, env) -> np.ndarray | None:
-        """(N, 3) float32: the detector's point cloud of ``env`` now (``labels.point_cloud``), else None."""
+        """(N, 3) float32 ((N, 6) with ``labels.point_color``: RGB after the coordinates): the detector's point cloud
+        of ``env`` now (``labels.point_cloud``), else None."""
         return None if self.clouds is None else self.clouds.cloud(env)
 
     def judge(self, frames: np.ndarray, states: np.ndarray, tasks: list[str],
@@ -189,7 +193,7 @@ def save_record(record_dir: str | Path, episode_id: str, task: str, frames: list
     and the person's labels: ``success``, ``first_success`` (the step of the success moment, -1 for none) and,
     when given, ``done_now`` (K,) bool: whether the task is done in each frame (the person's per-frame mark; the
     simulator's success at that step stands in for it) and, with ``labels.point_cloud``, ``clouds`` (K, N, 3)
-    float32 metres."""
+    float32 metres ((K, N, 6) with ``labels.point_color``: RGB 0..255 after the coordinates)."""
     d = Path(record_dir)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{episode_id}.npz"
@@ -254,7 +258,7 @@ def _episode_verdicts(model, recs: list[dict], every: int) -> np.ndarray:
 
 
 def record_clouds(rec: dict) -> np.ndarray:
-    """(K, N, 3) float32: a record's point clouds.
+    """(K, N, 3) float32 ((K, N, 6) when recorded with colour): a record's point clouds.
 
     Raises:
         ValueError: the record holds none (recorded without ``labels.point_cloud``)."""
@@ -323,7 +327,8 @@ def fit_from_records(record_dir: str | Path, labels: dict, tasks: list[str], out
     def spec() -> DetectorSpec:
         S = int(recs[0]["state"].shape[-1])
         return DetectorSpec(tasks=list(tasks), cameras=list(lc.cameras), image_size=lc.image_size, state_dim=S,
-                            width=lc.width, num_points=int(lc.num_points) if lc.point_cloud else 0)
+                            width=lc.width, num_points=int(lc.num_points) if lc.point_cloud else 0,
+                            point_color=bool(lc.point_cloud and lc.point_color))
 
     kw = {"updates": lc.updates, "batch_size": lc.batch_size, "lr": lc.lr, "seed": int(seed)}
     *data, clouds = _stack(fit, list(tasks), lc.frame_label, clouds=bool(lc.point_cloud))

@@ -42,6 +42,9 @@ class LabelsConfig(TypedConfig):
     """Depth image size of the detector's point cloud, pixels."""
     num_points: int = 256
     """Points of the detector's cloud (farthest-point sampled)."""
+    point_color: bool = False
+    """Each point of the detector's cloud also carries its colour (the depth cameras' aligned colour images; the
+    reach goal is the scene's one red object)."""
     crop_max: list[float] | None = None
     """The detector cloud's workspace box, upper corner (base frame, metres); null: the embodiment's."""
     image_size: int = 64
@@ -90,7 +93,7 @@ def _cameras(v) -> str | None:
 LabelsConfig._group, LabelsConfig._rules = "labels", {
     "source": one_of("sim", "detector"), "budget_episodes": POS, "cameras": _cameras, "image_size": integer(16),
     "point_cloud": boolean, "point_cameras": names, "point_image_size": integer(8), "num_points": POS,
-    "crop_max": xyz,
+    "point_color": boolean, "crop_max": xyz,
     "every": POS, "record_every": POS, "budget_full_length": boolean, "frame_label": one_of("ever", "now"),
     "val_share": number(0.05, 0.5), "threshold": optional(number(0, 1, True)),
     "updates": POS, "batch_size": POS, "lr": POS_NUMBER, "width": POS, "audit_trials_per_task": integer(0)}

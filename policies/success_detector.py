@@ -7,8 +7,8 @@ classifier that fires when the task is done and ends the episode. :class:`Succes
 * inputs: ``frames`` (B, C, H, W, 3) uint8, one image per configured camera (C may be 0); ``state`` (B, S)
   float32, the robot's proprioception (``observation.state``: end-effector position in metres and gripper opening);
   ``task`` (B,) int64, the task's index in the detector's task list; with ``num_points``, ``clouds`` (B, N, 3)
-  float32, the depth cameras' workspace point cloud in the robot's base frame (``sim.pointcloud``). Never the
-  object's simulator state.
+  float32, the depth cameras' workspace point cloud in the robot's base frame (``sim.pointcloud``; with
+  ``point_color`` (B, N, 6): each point's RGB 0..255 after its coordinates). Never the object's simulator state.
 * per camera a small convolutional encoder (shared weights, a learned camera embedding), the state through an MLP,
   a task embedding, the cloud through a PointNet (a shared MLP over each point's position and its offset from the
   hand, max-pooled: Qi et al. 2017, the encoder DP3 uses); an MLP head gives one logit: the probability that the
@@ -52,6 +52,13 @@ class DetectorSpec:
     """Points of the cloud the detector reads (0: no cloud)."""
     cloud_mean: list[float] = field(default_factory=list)
     cloud_std: list[float] = field(default_factory=list)
+    point_color: bool = False
+    """The cloud's points carry their RGB (clouds (B, N, 6)); the PointNet reads it beside the coordinates."""
+
+    @property
+    def cloud_channels(self) -> int:
+        """Channels per point of the clouds the detector reads: 3 (x, y, z metres), 6 with ``point_color``."""
+        return 6 if self.point_color else 3
 
     def __post_init__(self) -> None:
         if not self.tasks or not (self.cameras or self.num_points):
@@ -91,7 +98,8 @@ class SuccessDetector(nn.Module):
         if spec.num_points:
             # PointNet over (x, y, z, x - hand_x, y - hand_y, z - hand_z): where each point is and where it is from the
             # gripper; max over the points
-            self.point_mlp = nn.Sequential(nn.Linear(6, 2 * w), nn.LayerNorm(2 * w), nn.ReLU(),
+            self.point_mlp = nn.Sequential(nn.Linear(6 + 3 * bool(spec.point_color), 2 * w), nn.LayerNorm(2 * w),
+                                           nn.ReLU(),
                                            nn.Linear(2 * w, 4 * w), nn.LayerNorm(4 * w), nn.ReLU(),
                                            nn.Linear(4 * w, 8 * w), nn.LayerNorm(8 * w), nn.ReLU())
             cloud_w = 8 * w
@@ -113,7 +121,8 @@ class SuccessDetector(nn.Module):
         Args:
             frames: (B, C, H, W, 3) uint8 (or float in 0..255); C = 0 without cameras. state: (B, S) float32, the
                 first three entries the hand's position (metres, base frame). task: (B,) int64. clouds: (B, N, 3)
-                float32 metres (``spec.num_points`` N; None without a cloud).
+                float32 metres, (B, N, 6) with ``spec.point_color`` (RGB 0..255 after the coordinates)
+                (``spec.num_points`` N; None without a cloud).
 
         Raises:
             ValueError: shapes that do not match the spec.
@@ -131,13 +140,15 @@ class SuccessDetector(nn.Module):
             parts.append((self.encoder(x).reshape(B, C, -1) + self.camera_embed).reshape(B, -1))
         parts += [self.state_mlp((state.float() - self.state_mean) / self.state_std), self.task_embed(task.long())]
         if self.spec.num_points:
-            if clouds is None or tuple(clouds.shape) != (B, self.spec.num_points, 3):
-                raise ValueError(f"SuccessDetector: expected clouds (B, {self.spec.num_points}, 3), given "
+            ch = self.spec.cloud_channels
+            if clouds is None or tuple(clouds.shape) != (B, self.spec.num_points, ch):
+                raise ValueError(f"SuccessDetector: expected clouds (B, {self.spec.num_points}, {ch}), given "
                                  f"{None if clouds is None else tuple(clouds.shape)}")
-            p = clouds.float()
-            rel = (p - state[:, None, :3].float()) / self.cloud_std
-            p = (p - self.cloud_mean) / self.cloud_std
-            parts.append(self.point_mlp(torch.cat([p, rel], -1)).amax(1))
+            p = clouds[..., :3].float()
+            feats = [(p - self.cloud_mean) / self.cloud_std, (p - state[:, None, :3].float()) / self.cloud_std]
+            if self.spec.point_color:
+                feats.append(clouds[..., 3:6].float() / 127.5 - 1.0)
+            parts.append(self.point_mlp(torch.cat(feats, -1)).amax(1))
         return self.head(torch.cat(parts, -1)).squeeze(-1)
 
     @torch.no_grad()
@@ -215,8 +226,9 @@ def fit_detector(spec: DetectorSpec, frames: torch.Tensor, state: torch.Tensor, 
     Args:
         spec: the detector's spec (its ``state_mean`` / ``state_std`` are set here from ``state``).
         frames: (N, C, H, W, 3) uint8. state: (N, S) float32. task: (N,) int64. label: (N,) {0, 1}.
-        clouds: (N, P, 3) float32 metres when ``spec.num_points``; augmented with Gaussian noise of ``jitter_m``
-            metres per coordinate (a depth sensor's noise; PointNet's jitter augmentation).
+        clouds: (N, P, 3) float32 metres when ``spec.num_points`` ((N, P, 6) with ``spec.point_color``: RGB after
+            the coordinates); the coordinates augmented with Gaussian noise of ``jitter_m`` metres (a depth sensor's
+            noise; PointNet's jitter augmentation).
 
     Returns:
         ``(detector in eval mode, {"frames", "positives", "loss"})``.
@@ -230,10 +242,10 @@ def fit_detector(spec: DetectorSpec, frames: torch.Tensor, state: torch.Tensor, 
     spec.state_mean = state.float().mean(0).tolist()
     spec.state_std = state.float().std(0).clamp_min(1e-3).tolist()
     if spec.num_points:
-        if clouds is None or tuple(clouds.shape[1:]) != (spec.num_points, 3) or len(clouds) != n:
-            raise ValueError(f"fit_detector: expected clouds ({n}, {spec.num_points}, 3), given "
+        if clouds is None or tuple(clouds.shape[1:]) != (spec.num_points, spec.cloud_channels) or len(clouds) != n:
+            raise ValueError(f"fit_detector: expected clouds ({n}, {spec.num_points}, {spec.cloud_channels}), given "
                              f"{None if clouds is None else tuple(clouds.shape)}")
-        flat = clouds.float().reshape(-1, 3)
+        flat = clouds[..., :3].float().reshape(-1, 3)
         spec.cloud_mean, spec.cloud_std = flat.mean(0).tolist(), flat.std(0).clamp_min(1e-3).tolist()
     g = torch.Generator().manual_seed(int(seed))
     torch.manual_seed(int(seed))
@@ -252,7 +264,7 @@ def fit_detector(spec: DetectorSpec, frames: torch.Tensor, state: torch.Tensor, 
         cl = None
         if spec.num_points:
             cl = clouds[idx].float()
-            cl = cl + torch.randn(cl.shape, generator=g) * float(jitter_m)
+            cl[..., :3] += torch.randn(cl[..., :3].shape, generator=g) * float(jitter_m)
         logit = model(f, state[idx], task[idx], cl)
         loss = nn.functional.binary_cross_entropy_with_logits(logit, label[idx].float(), pos_weight=pos_weight)
         opt.zero_grad(set_to_none=True)

@@ -49,6 +49,10 @@ VARIANTS = {
     "pc": {"cams": [], "size": 64, "updates": 800, "cloud": True},
     "pc_2k": {"cams": [], "size": 64, "updates": 2000, "cloud": True},
     "pc_grip64": {"cams": ["gripperPOV"], "size": 64, "updates": 800, "cloud": True},
+    # each point with its colour (records made with labels.point_color=true; experiment 55): the reach goal is the
+    # scene's one red object
+    "pc_rgb": {"cams": [], "size": 64, "updates": 800, "cloud": True, "color": True},
+    "pc_rgb_2k": {"cams": [], "size": 64, "updates": 2000, "cloud": True, "color": True},
 }
 # Meta-World v3's success cuts on info["obj_to_target"] (metaworld/envs/sawyer_*_v3.py), for records without
 # per-frame marks
@@ -110,7 +114,16 @@ def run_variant(recs: list[dict], tasks: list[str], v: dict, label: str, folds: 
 
     cams = [str(c) for c in recs[0].get("cameras", CAMS)]   # the records' own camera order
     idx = [cams.index(c) for c in v["cams"]]
-    cloud = bool(v.get("cloud", False))
+    cloud, color = bool(v.get("cloud", False)), bool(v.get("color", False))
+    ch = 6 if color else 3
+
+    def clouds_of(r):   # a coloured record's clouds are (K, N, 6): the colourless variants read the coordinates
+        c = record_clouds(r)
+        if c.shape[-1] < ch:
+            raise ValueError(f"variant with colour: record {r.get('episode_id')} holds clouds without colour (record "
+                             "the budget again with labels.point_color=true)")
+        return c[..., :ch]
+
     # "state": False: the detector sees no proprioception (zeros), only the cameras
     R = [{**r, "frames": resize(r["frames"][:, idx], v["size"]),
           **({} if v.get("state", True) else {"state": np.zeros_like(r["state"])})} for r in recs]
@@ -126,7 +139,7 @@ def run_variant(recs: list[dict], tasks: list[str], v: dict, label: str, folds: 
                 torch.as_tensor(np.concatenate([r["state"] for r in sel])),
                 torch.as_tensor(np.concatenate([np.full(len(r["step"]), tasks.index(str(r["task"]))) for r in sel])),
                 torch.as_tensor(np.concatenate([frame_labels(r, label) for r in sel])),
-                torch.as_tensor(np.concatenate([record_clouds(r) for r in sel])) if cloud else None)
+                torch.as_tensor(np.concatenate([clouds_of(r) for r in sel])) if cloud else None)
 
     def probs(model, ids):
         out = []
@@ -135,7 +148,7 @@ def run_variant(recs: list[dict], tasks: list[str], v: dict, label: str, folds: 
             t = torch.full((len(r["step"]),), model.task_index(str(r["task"])))
             out.append(np.concatenate([model.probability(
                 torch.as_tensor(r["frames"][a:a + 256]), torch.as_tensor(r["state"][a:a + 256]), t[a:a + 256],
-                torch.as_tensor(record_clouds(r)[a:a + 256]) if cloud else None).numpy()
+                torch.as_tensor(clouds_of(r)[a:a + 256]) if cloud else None).numpy()
                 for a in range(0, len(t), 256)]))
         return out
 
@@ -146,7 +159,7 @@ def run_variant(recs: list[dict], tasks: list[str], v: dict, label: str, folds: 
         val, fit = rest[:n_val], rest[n_val:]
         spec = DetectorSpec(tasks=tasks, cameras=v["cams"], image_size=v["size"],
                             state_dim=int(R[0]["state"].shape[-1]),
-                            num_points=int(record_clouds(R[0]).shape[1]) if cloud else 0)
+                            num_points=int(record_clouds(R[0]).shape[1]) if cloud else 0, point_color=color)
         *data, clouds = stack(fit)
         model, info = fit_detector(spec, *data, clouds=clouds, updates=v["updates"], batch_size=64, seed=k)
         pv, ph = probs(model, val), probs(model, held)

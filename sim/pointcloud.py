@@ -308,17 +308,21 @@ class CloudGrabber:
     Args:
         cameras: depth cameras merged. image_hw: depth image (height, width), pixels. num_points: N.
         crop_max: the workspace box's upper corner (base frame, metres) instead of the embodiment's (``POINT_CROP``).
+        color: each point also carries its pixel's RGB: clouds are (N, 6), the colour 0..255 as float32 after the
+            coordinates.
     """
 
     def __init__(self, cameras: Sequence[str], image_hw: tuple[int, int], num_points: int,
-                 crop_max: Sequence[float] | None = None) -> None:
+                 crop_max: Sequence[float] | None = None, color: bool = False) -> None:
         self.cameras, self.image_hw, self.num_points = tuple(cameras), tuple(int(s) for s in image_hw), int(num_points)
+        self.color = bool(color)
         self.crop_max = tuple(float(x) for x in crop_max) if crop_max is not None else None
         self._clouds: dict[str, DepthPointCloud] = {}
 
     def cloud(self, env) -> np.ndarray:
         """(N, 3) float32 metres in the robot's base frame: ``env``'s workspace cloud now (an env with ``task``,
-        ``mj_model``, ``mj_data``, ``BASE_BODY`` and ``POINT_CROP``).
+        ``mj_model``, ``mj_data``, ``BASE_BODY`` and ``POINT_CROP``); with ``color`` (N, 6): each point's RGB
+        (0..255, float32) after its coordinates.
 
         Raises:
             RuntimeError: no working GL backend. ValueError: a camera the model lacks.
@@ -329,9 +333,12 @@ class CloudGrabber:
 
             lo, hi = env.POINT_CROP
             spec = CloudSpec(self.cameras, self.image_hw, self.num_points, tuple(lo),
-                             self.crop_max if self.crop_max is not None else tuple(hi), env.BASE_BODY)
+                             self.crop_max if self.crop_max is not None else tuple(hi), env.BASE_BODY, self.color)
             self._clouds[key] = DepthPointCloud(copy.deepcopy(env.mj_model), spec)
-        return self._clouds[key](env.mj_data)
+        if not self.color:
+            return self._clouds[key](env.mj_data)
+        obs = self._clouds[key].observation(env.mj_data)
+        return np.concatenate([obs["observation.point_cloud"], obs["observation.point_colors"].astype(np.float32)], 1)
 
     def close(self) -> None:
         """Free every GL context (idempotent)."""

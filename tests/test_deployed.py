@@ -426,15 +426,20 @@ def test_detector_study_script_judges_held_out_folds(tmp_path):
             if d:
                 f[:, 20:40, 20:40] = 250
             frames.append(f)
+        clouds = [np.concatenate([rng.uniform(-0.3, 0.3, (16, 3)), np.full((16, 3), 250.0 if d else 20.0)], 1)
+                  for d in now]   # with colour (labels.point_color): (N, 6), the points red while it lasts
         save_record(tmp_path / "rec", f"unit-0000-{e:06d}", "reach-v3", frames,
-                    [rng.normal(size=4).astype(np.float32) for _ in steps], steps, ok, first, done_now=now)
+                    [rng.normal(size=4).astype(np.float32) for _ in steps], steps, ok, first, done_now=now,
+                    clouds=clouds)
     cmd = [sys.executable, "scripts/detector_study.py", "--records", str(tmp_path / "rec"), "--out",
-           str(tmp_path / "dev.json"), "--variant", "all64", "--updates", "60", "--every", "2"]
+           str(tmp_path / "dev.json"), "--variant", "all64", "--variant", "pc_rgb", "--updates", "60",
+           "--every", "2"]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads((tmp_path / "dev.json").read_text())
-    assert set(out) == {"all64:now"} and set(out["all64:now"]) == {"any", "k3", "last"}
+    assert set(out) == {"all64:now", "pc_rgb:now"} and set(out["all64:now"]) == {"any", "k3", "last"}
     assert out["all64:now"]["last"]["all"]["n"] == 18 and out["all64:now"]["last"]["all"]["accuracy"] >= 0.8
+    assert out["pc_rgb:now"]["last"]["all"]["n"] == 18 and out["pc_rgb:now"]["last"]["all"]["accuracy"] >= 0.8
     assert len(np.load(tmp_path / "dev_all64_now.npz").files) == 18
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert again.returncode == 0 and "fold" not in again.stdout

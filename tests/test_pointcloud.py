@@ -400,6 +400,16 @@ def test_cloud_grabber_gives_each_units_own_cloud_through_one_context():
     grab.close()
     for env in envs:
         env.close()
+    # with colour: (N, 6), the env's own cloud and colours side by side
+    env = MetaWorldEnv("reach-v3", unit_id=1, robot_cfg=robot, obs_cfg={**obs, "point_color": True})
+    own, _ = env.reset(seed=2)
+    grab = CloudGrabber(["corner"], (48, 48), 64, color=True)
+    c = grab.cloud(env)
+    assert c.shape == (64, 6) and c.dtype == np.float32
+    np.testing.assert_array_equal(c[:, :3], own["observation.point_cloud"])
+    np.testing.assert_array_equal(c[:, 3:], own["observation.point_colors"].astype(np.float32))
+    grab.close()
+    env.close()
 
 
 def test_detector_reads_the_cloud_relative_to_the_hand():
@@ -428,6 +438,44 @@ def test_detector_reads_the_cloud_relative_to_the_hand():
     assert ((p > 0.5) == label[te]).mean() > 0.85
     with pytest.raises(ValueError, match="clouds"):
         model(frames[te], torch.as_tensor(state[te]), torch.zeros(100, dtype=torch.long))
+
+
+def test_detector_with_colour_tells_the_points_apart_by_colour():
+    """labels.point_color: a label that only the colour gives (the cluster at the hand is red, or the same cluster in
+    blue with a red one elsewhere): the coloured detector learns it, the same detector without colour cannot."""
+    import torch
+
+    from policies.success_detector import DetectorSpec, fit_detector
+
+    rng = np.random.default_rng(1)
+    n, P = 600, 64
+    hand = rng.uniform(-0.2, 0.2, (n, 3)).astype(np.float32)
+    label = rng.random(n) < 0.5
+    xyz = rng.uniform(-0.4, 0.4, (n, P, 3)).astype(np.float32)
+    rgb = np.full((n, P, 3), 128.0, np.float32)
+    far = rng.uniform(-0.4, 0.4, (n, 3))
+    xyz[:, :8] = hand[:, None] + rng.normal(0, 0.005, (n, 8, 3))          # a cluster at the hand, always
+    xyz[:, 8:16] = far[:, None] + rng.normal(0, 0.005, (n, 8, 3))         # and one elsewhere
+    red, blue = np.array([220.0, 30, 30]), np.array([30.0, 30, 220])
+    rgb[:, :8] = np.where(label[:, None, None], red, blue)
+    rgb[:, 8:16] = np.where(label[:, None, None], blue, red)
+    clouds = np.concatenate([xyz, rgb], -1)
+    state = np.concatenate([hand, np.zeros((n, 1), np.float32)], 1)
+    frames = torch.zeros((n, 0, 64, 64, 3), dtype=torch.uint8)
+    tr, te = slice(0, 500), slice(500, n)
+    acc = {}
+    for color in (True, False):
+        spec = DetectorSpec(tasks=["reach-v3"], cameras=[], num_points=P, point_color=color)
+        c = torch.as_tensor(clouds if color else xyz)
+        model, _ = fit_detector(spec, frames[tr], torch.as_tensor(state[tr]), torch.zeros(500, dtype=torch.long),
+                                torch.as_tensor(label[tr].astype(np.int64)), updates=300, batch_size=64,
+                                clouds=c[tr])
+        p = model.probability(frames[te], torch.as_tensor(state[te]), torch.zeros(100, dtype=torch.long),
+                              c[te]).numpy()
+        acc[color] = ((p > 0.5) == label[te]).mean()
+    assert acc[True] > 0.85 and acc[False] < 0.7, acc
+    with pytest.raises(ValueError, match="clouds"):
+        model(frames[te], torch.as_tensor(state[te]), torch.zeros(100, dtype=torch.long), torch.as_tensor(clouds[te]))
 
 
 def test_labels_config_needs_a_camera_or_the_cloud():
