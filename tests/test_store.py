@@ -172,8 +172,9 @@ def test_object_store_commits_carry_their_rows_and_chunks_are_written_once_full(
     path = reader._p("commits", "unit-0003", f"{ids[-1]}.json")
     rec["inline"][LOWDIM]["data"] = rec["inline"][LOWDIM]["data"][:-8] + "AAAAAAA="
     reader.fs.pipe_file(path, json.dumps(rec).encode())
-    with pytest.raises(StoreError, match=rf"commit record .*{ids[-1]}.json cannot be read .*CRC-32"):
-        ExperienceStore.open(url)                         # the record's own CRC-32 names it on open
+    named = ExperienceStore.open(url)                     # the record's own CRC-32 names it on open; it is left out
+    assert ids[-1] not in [e.episode_id for e in named.episodes()] and len(named.episodes()) == len(ids) - 1
+    assert "CRC-32" in named.unreadable_records[path] and named.verify()["unreadable_records"] == [path]
     rec.pop("crc32")                                      # as an earlier writer left it: the rows' CRC names it
     reader.fs.pipe_file(path, json.dumps(rec).encode())
     bad = ExperienceStore.open(url)
@@ -872,10 +873,47 @@ def test_non_finite_steps_are_refused_or_quarantined(tmp_path, where):
         assert not v["ok"] and v["non_finite_episodes"] == [qid]
         rec["episode"]["quarantined"] = True      # edited with its CRC-32 in place: the record is named on open
         rec_path.write_text(json.dumps({**rec, "crc32": 1}))
-        with pytest.raises(StoreError, match=r"commit record .*u0-000002.json cannot be read .*CRC-32"):
-            ExperienceStore.open(str(url))
+        named = ExperienceStore.open(str(url))
+        assert [p for p in named.unreadable_records if p.endswith("u0-000002.json")]
+        assert "CRC-32" in next(iter(named.unreadable_records.values()))
     with pytest.raises(ValueError, match="non_finite"):
         store.writer("u1", non_finite="drop")
+
+
+def test_one_unreadable_commit_record_hides_only_its_own_episode(tmp_path, caplog):
+    """Issue 52, item 18: a flipped byte in one commit record is named (once in the log, by verify and the CLI) and its
+    episode left out; every other episode stays readable, in reads, verify and the skip-on-corrupt path; the writer
+    refuses to resume past a record it cannot read (where its rows end is unknown) instead of losing them."""
+    import logging
+    import subprocess
+
+    url = tmp_path / "s"
+    w = new_store(url).writer("u0")
+    ids = [write_episode(w, 0, e) for e in range(12)]
+    w.close()
+    path = url / "commits" / "u0" / f"{ids[4]}.json"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x5A                          # one flipped byte in the middle of the record
+    path.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="fleetmind.store"):
+        r = ExperienceStore.open(str(url))
+        r.refresh()                                    # named once, not at every refresh
+    assert sum(ids[4] in m for m in caplog.messages) == 1
+    left = [e.episode_id for e in r.episodes()]
+    assert left == [i for i in ids if i != ids[4]]
+    for e in (0, 5, 11):
+        assert_episode_equal(r.load_episode(ids[e]), expected_episode(0, e))
+    assert [e.episode_id for e in r.readable(r.episodes(), on_corrupt="skip")] == left
+    rep = r.verify()
+    assert not rep["ok"] and rep["unreadable_records"] == [r._p("commits", "u0", f"{ids[4]}.json")]
+    assert rep["corrupt_episodes"] == [] and not any("missing" in p["error"] for p in rep["problems"])
+    cli = subprocess.run([sys.executable, "-m", "experience_dict.store", "verify", str(url)], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert cli.returncode == 1 and ids[4] in cli.stdout
+    path.write_text("{")                               # not even JSON: the writer will not append past it
+    with pytest.raises(StoreError, match=rf"cannot resume.*{ids[4]}"):
+        new_store(url).writer("u0")
+    assert len(ExperienceStore.open(str(url)).episodes()) == 11
 
 
 def test_truncated_lowdim_chunk_is_named_by_readers_and_skipped_on_request(tmp_path):

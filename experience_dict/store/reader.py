@@ -137,6 +137,9 @@ class ExperienceStore:
         self._episodes: dict[str, EpisodeMeta] = {}
         self._sketches: dict[str, dict] = {}
         self._seen_commits: set[str] = set()
+        self.unreadable_records: dict[str, str] = {}
+        """Commit records that could not be read: ``{path: why}`` (their episodes are left out, named once in the
+        log and by :meth:`verify`; the rest of the store stays readable)."""
         self._seen_annotations: dict[str, tuple] = {}
         self._arrays: dict[tuple[str, str], zarr.Array] = {}
         self._inline: dict[str, dict] = {}   # episode id -> {array: encoded rows} (rows in the commit record)
@@ -329,11 +332,18 @@ class ExperienceStore:
                     if path.rsplit("/", 1)[-1] != f"{meta.episode_id}.json" or meta.shard != w:
                         raise ValueError(f"it holds episode {meta.episode_id!r} of shard {meta.shard!r}")
                     sketch = self._decode_sketch(rec["sketch"], path)
-                except Exception as e:  # noqa: BLE001 - named and re-raised
-                    raise StoreError(
-                        f"store {self.url!r}: commit record {path} cannot be read ({type(e).__name__}: {e}); its "
-                        "episode's data is untouched in the shard. Move the record aside to open the store, then "
-                        f"`python -m experience_dict.store verify {self.url}`") from None
+                except Exception as e:  # noqa: BLE001 - named, the episode left out, the rest kept
+                    why = f"{type(e).__name__}: {e}"
+                    if self.unreadable_records.get(path) != why:
+                        import logging
+
+                        logging.getLogger("fleetmind.store").warning(
+                            "store %r: commit record %s cannot be read (%s); its episode is left out (its data is "
+                            "untouched in the shard), every other episode stays readable. `python -m "
+                            "experience_dict.store verify %s` lists it", self.url, path, why, self.url)
+                    self.unreadable_records[path] = why
+                    continue
+                self.unreadable_records.pop(path, None)
                 self._episodes[meta.episode_id] = meta
                 self._sketches[meta.episode_id] = sketch
                 if rec.get("inline"):
@@ -797,7 +807,8 @@ class ExperienceStore:
 
         Returns:
             ``{"ok": bool, "episodes": n, "chunks_checked": n, "problems": [{"shard", "key", "chunk",
-            "error", "episodes": [ids]}], "corrupt_episodes": [ids], "non_finite": [{"shard", "key", "rows",
+            "error", "episodes": [ids]}], "corrupt_episodes": [ids], "unreadable_records": [paths] (commit records
+            that cannot be read: their episodes left out), "non_finite": [{"shard", "key", "rows",
             "episodes"}], "non_finite_episodes": [ids], "quarantined_episodes": [ids]}``; a problem's ``key``
             is the array (a feature key, or ``"lowdim"``, which holds the packed keys in schema 2) and it lists
             every committed episode with rows in the bad chunk. ``non_finite`` lists observation/action values
@@ -872,8 +883,16 @@ class ExperienceStore:
                                              if e.episode_id not in flagged]).items():
             problems.append({"shard": self._episodes[i].shard, "key": None, "chunk": None, "error": err,
                              "episodes": [i]})
+        for path, why in sorted(self.unreadable_records.items()):
+            shard, name = path.rsplit("/", 2)[-2:]
+            problems.append({"shard": shard, "key": "commits", "chunk": None, "episodes": [],
+                             "error": f"commit record {path} cannot be read ({why}): episode {name[:-5]} is left "
+                                      "out; its rows are untouched in the shard"})
+        unreadable = {p.rsplit("/", 1)[-1][:-5] for p in self.unreadable_records}
         for shard in self.shards():   # commit records are numbered 0, 1, ... per writer: a gap is a lost record
             have = {int(e.episode_id.rsplit("-", 1)[1]) for e in self.episodes(shard=shard, quarantined=None)}
+            have |= {int(i.rsplit("-", 1)[1]) for i in unreadable if i.rsplit("-", 1)[0] == shard
+                     and i.rsplit("-", 1)[1].isdigit()}
             lost = sorted(set(range(max(have) + 1)) - have) if have else []
             if lost:
                 problems.append({"shard": shard, "key": "commits", "chunk": None, "episodes": [],
@@ -883,7 +902,8 @@ class ExperienceStore:
         bad = sorted({i for p in problems for i in p["episodes"]})
         unflagged = sorted({i for p in non_finite for i in p["episodes"] if not self._episodes[i].quarantined})
         return {"ok": not problems and not unflagged, "episodes": len(self._episodes), "chunks_checked": checked,
-                "problems": problems, "corrupt_episodes": bad, "non_finite": non_finite,
+                "problems": problems, "corrupt_episodes": bad, "unreadable_records": sorted(self.unreadable_records),
+                "non_finite": non_finite,
                 "non_finite_episodes": unflagged,
                 "quarantined_episodes": sorted(e.episode_id for e in self._episodes.values() if e.quarantined)}
 

@@ -255,7 +255,16 @@ class EpisodeWriter:
 
     # -- recovery -------------------------------------------------------------------------------
     def _recover(self) -> None:
-        records = [json.loads(self.fs.cat_file(p)) for p in _ls_json(self.fs, self.store._p("commits", self.writer_id))]
+        records = []
+        for p in _ls_json(self.fs, self.store._p("commits", self.writer_id)):
+            try:
+                records.append(json.loads(self.fs.cat_file(p)))
+                int(records[-1]["episode"]["start"]) + int(records[-1]["episode"]["length"])
+            except (ValueError, KeyError, TypeError) as e:   # where its rows end is unknown: appending could lose them
+                raise StoreError(f"store {self.store.url!r}: writer {self.writer_id!r} cannot resume: its commit record "
+                                 f"{p} cannot be read ({type(e).__name__}: {e}), so where its episode's rows end is "
+                                 "unknown. Readers skip that episode; restore or move the record aside to resume "
+                                 "this writer, or write under another writer id") from None
         recs = [r["episode"] for r in records]
         # without an atomic rename (object stores, memory://) a commit is one PUT: the rows of INLINE_ARRAYS travel
         # in the commit record and their chunks are written once full (sealed); see commit()
