@@ -399,11 +399,12 @@ class Fleet:
         self.actors[unit] = self._make_actor(unit)
         return True
 
-    def _committed_in_store(self, trial: Mapping, since_wall: float, counted: set[str]) -> dict | None:
+    def _committed_in_store(self, trial: Mapping, counted: set[str]) -> dict | None:
         """The summary of a plan trial that a worker committed before it died (its answer lost), read back from
-        the store; None when the store holds no such episode. Matched on unit, task, reset seed, demo flag and
-        retry tags, started after the trial was handed out (``since_wall``, Unix seconds, 1 s of clock slack)
-        and not already counted. This keeps a node loss from running a committed trial twice."""
+        the store; None when the store holds no such episode. Matched on this hand-out's token (``trial["_token"]``,
+        which the worker keeps in the episode's ``extra["trial"]``: the store's own record, whatever the hosts'
+        clocks say), unit, task, reset seed, demo flag and retry tags, and not already counted. This keeps a node
+        loss from running a committed trial twice."""
         from experience_dict.store import ExperienceStore
 
         if self._reader is None:
@@ -412,7 +413,7 @@ class Fleet:
         ex = trial.get("explore") or {}
         for m in self._reader.episodes(unit_id=int(trial["unit_id"]), task=str(trial["task"]), quarantined=None):
             if (int(m.seed) == int(trial["seed"]) and bool(m.is_demo) == bool(self.is_demo)
-                    and m.start_time >= since_wall - 1.0 and m.episode_id not in counted
+                    and m.extra.get("trial") == trial.get("_token") and m.episode_id not in counted
                     and m.extra.get("retry_of") == ex.get("retry_of") and m.extra.get("attempt") == ex.get("attempt")):
                 out = {"episode_id": m.episode_id, "unit_id": int(m.unit_id), "task": m.task, "seed": int(m.seed),
                        "success": bool(m.success), "length": int(m.length), "policy_version": int(m.policy_version),

@@ -9,6 +9,7 @@ until its new process answers.
 from __future__ import annotations
 
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -38,7 +39,7 @@ class SupervisedFleet(Protocol):
 
     def _recreate(self, unit: int, result: FleetResult) -> bool: ...
 
-    def _committed_in_store(self, trial: Mapping, since_wall: float, counted: set[str]) -> dict | None: ...
+    def _committed_in_store(self, trial: Mapping, counted: set[str]) -> dict | None: ...
 
 
 class RunSupervisor:
@@ -141,9 +142,10 @@ class RunSupervisor:
         if trial is None:
             return
         actor, policy = self.fleet.actors[unit], self.fleet.policy
-        if trial["seed"] is not None:   # a planned trial: its reset seed and exploration
-            trial["_submitted"] = time.time()
-            ref = actor.run_episodes.remote(1, trial["task"], policy, trial["seed"], trial.get("explore"))
+        if trial["seed"] is not None:   # a planned trial: its reset seed and exploration, and this hand-out's token
+            trial["_token"] = uuid.uuid4().hex
+            ref = actor.run_episodes.remote(1, trial["task"], policy, trial["seed"], trial.get("explore"),
+                                            trial["_token"])
         else:
             ref = actor.run_episodes.remote(1, trial["task"], policy)
         self.inflight[ref] = (unit, "episode", trial, time.monotonic())
@@ -263,8 +265,8 @@ class RunSupervisor:
         if node and node not in self.lost_nodes:
             self.suspect_nodes.setdefault(node, time.monotonic())
         done = None
-        if "_submitted" in trial:
-            done = self.fleet._committed_in_store(trial, trial["_submitted"], {e["episode_id"] for e in self.result.episodes})
+        if "_token" in trial:
+            done = self.fleet._committed_in_store(trial, {e["episode_id"] for e in self.result.episodes})
         if done is not None:   # committed before it died: count it, do not run it twice
             self.result.recovered_from_store += 1
             self.terminations[done.get("termination") or "unknown"] += 1

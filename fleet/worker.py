@@ -154,7 +154,9 @@ class RobotWorker:
         fault: test hook ``{"kind": "raise" | "hang" | "kill" | "sleep", "episode": i, "step": s,
             "once_file": path, "seconds": x}``: raise in the env / sleep forever / SIGKILL itself / sleep ``x``
             seconds at step ``s`` of this unit's ``i``-th episode, once (``once_file`` is created when it fires);
-            with ``"after_commit": true`` right after that episode's commit instead; or a list of such dicts.
+            with ``"after_commit": true`` right after that episode's commit instead; ``{"kind": "clock",
+            "seconds": x}``: this host's clock runs ``x`` seconds off (the episodes' ``start_time``); or a list of
+            such dicts.
     """
 
     def __init__(self, unit_id: int, tasks: list[str], cfg: dict, store_url: str, policy: dict,
@@ -165,6 +167,7 @@ class RobotWorker:
         self.fleet_cfg = FleetConfig.from_dict(cfg.get("fleet"))
         self.policy_cfg, self.is_demo = dict(policy), bool(is_demo)
         self.faults = [fault] if isinstance(fault, dict) else list(fault or [])
+        self.clock_offset_s = sum(float(f.get("seconds", 0)) for f in self.faults if f.get("kind") == "clock")
         self.max_steps = int(cfg["task"]["max_episode_steps"])
         self.envs: dict[str, Any] = {}
         self.experts: dict[str, ExpertPolicy] = {}
@@ -372,7 +375,7 @@ class RobotWorker:
             time.sleep(float(f.get("seconds", 5.0)))
 
     def run_episode(self, task: str | None = None, seed: int | None = None,
-                    explore: dict | None = None) -> dict[str, Any]:
+                    explore: dict | None = None, trial: str | None = None) -> dict[str, Any]:
         """Run and commit one episode; returns its summary ``{"episode_id", "unit_id", "task", "seed",
         "success", "length", "policy_version", "is_demo", "episode_index", "wall_s", "return", "staleness",
         "termination", "commit_s"}`` (plus ``"error"`` for a trial that raised; ``commit_s``: seconds the store
@@ -393,7 +396,9 @@ class RobotWorker:
         publishes during one episode.
 
         ``seed`` (the env reset seed) defaults to ``episode_seed(seed, unit, episode_index)``; an explicit one
-        lets an evaluation give every policy arm the same initial states (common random numbers).
+        lets an evaluation give every policy arm the same initial states (common random numbers). ``trial``: the
+        coordinator's token for this hand-out of a planned trial, kept in the store's ``extra["trial"]``, so that a
+        trial committed by a worker that then died is found by the store's own record, whatever the hosts' clocks.
 
         ``explore``: a failure-guided exploration trial (:class:`Exploration` keys ``action_noise_std``,
         ``hold_steps``, ``retry_of``, ``attempt``, ``noise_temperature``): the policy's end-effector actions get
@@ -420,7 +425,7 @@ class RobotWorker:
         version = int(policy.version)
         t0 = time.perf_counter()
         extra = {**({"unit": env.unit.to_dict()} if hasattr(env.unit, "to_dict") else {}),
-                 **(ex.tags() if ex is not None else {})}
+                 **(ex.tags() if ex is not None else {}), **({"trial": str(trial)} if trial else {})}
         self.progress_state.update(task=task, step=0, in_episode=True)
         success, ret, length, termination, error, commit_s, ep_id = False, 0.0, 0, "max_steps", None, None, None
         try:
@@ -428,7 +433,8 @@ class RobotWorker:
             policy.reset()
             self.writer.begin_episode(unit_id=self.unit_id, embodiment=str(env.unit.embodiment), task=task,
                                       policy_version=version, seed=seed, is_demo=self.is_demo, extra=extra or None,
-                                      control_hz=getattr(env, "control_hz", None) or None)
+                                      control_hz=getattr(env, "control_hz", None) or None,
+                                      start_time=time.time() + self.clock_offset_s)
             success, ret, length, termination = self._step_until_done(env, policy, obs, ex, seed)
             success = success and termination not in FAULTS
             ep_id, commit_s = self._commit_or_abort(success, termination, length)
@@ -520,10 +526,11 @@ class RobotWorker:
                                      if p.get("kind") == "checkpoint" else p.get("kind")))
 
     def run_episodes(self, n: int = 1, task: str | None = None, policy: dict | None = None,
-                     seed: int | None = None, explore: dict | None = None) -> list[dict[str, Any]]:
+                     seed: int | None = None, explore: dict | None = None,
+                     trial: str | None = None) -> list[dict[str, Any]]:
         """Run ``n`` episodes (of ``task``, or the unit's tasks round-robin); list of ``run_episode`` summaries.
-        ``seed``: the reset seed of an ``n == 1`` call (default: the unit's own seed sequence); ``explore``:
-        see :meth:`run_episode`.
+        ``seed``: the reset seed of an ``n == 1`` call (default: the unit's own seed sequence); ``explore``,
+        ``trial``: see :meth:`run_episode`.
 
         Raises:
             PolicyLoadError, fleet.registry.RegistryError, experience_dict.store.StoreError: as raised (not
@@ -540,17 +547,17 @@ class RobotWorker:
             raise ValueError(f"run_episodes: an explicit seed is for one episode, given n={n}")
         if self.refusal is not None:   # a restarted worker whose shard is still held: the coordinator retries
             raise self.refusal
-        return self._sim_thread.submit(self._run_episodes, int(n), task, seed, explore).result()
+        return self._sim_thread.submit(self._run_episodes, int(n), task, seed, explore, trial).result()
 
     def _run_episodes(self, n: int, task: str | None, seed: int | None = None,
-                      explore: dict | None = None) -> list[dict[str, Any]]:
+                      explore: dict | None = None, trial: str | None = None) -> list[dict[str, Any]]:
         from experience_dict.store import StoreError
         from fleet.registry import RegistryError
 
         out = []
         for _ in range(n):
             try:
-                out.append(self.run_episode(task, seed, explore))
+                out.append(self.run_episode(task, seed, explore, trial))
             except (RegistryError, StoreError, PolicyLoadError):
                 raise
             except Exception as e:  # noqa: BLE001 - re-raised as text
