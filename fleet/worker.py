@@ -171,6 +171,7 @@ class RobotWorker:
         self.max_steps = int(cfg["task"]["max_episode_steps"])
         self.envs: dict[str, Any] = {}
         self.experts: dict[str, ExpertPolicy] = {}
+        self.bad_versions: dict[int, str] = {}   # published versions that could not be loaded: why (said once)
         # every env / GL call runs on this one thread: an EGL context is current in one thread only, and the
         # actor answers progress() on a second thread while an episode runs
         self._sim_thread = ThreadPoolExecutor(1, thread_name_prefix=f"unit{self.unit_id}")
@@ -321,10 +322,31 @@ class RobotWorker:
         return int(v)
 
     def _refresh_checkpoint(self) -> None:
-        """Switch to the newest (or the configured) version between episodes."""
+        """Switch to the newest (or the configured) version between episodes. A newly published version that
+        cannot be loaded (a file that fails its checksum, a critic that does not fit or holds NaN, ...) while the
+        unit acts with an earlier one: the unit acts on with the last good version and says so once per bad
+        version (the fleet keeps working; the next good version is picked up as usual).
+
+        Raises:
+            as :func:`fleet.acting.load_checkpoint`, when no earlier version is loaded or the version is fixed."""
         version = self._wanted_version()
-        if self.policy is not None and (version is None or version == self.policy_version):
+        if self.policy is not None and (version is None or version == self.policy_version
+                                        or version in self.bad_versions):
             return
+        try:
+            self._load_version(version)
+        except Exception as e:  # noqa: BLE001 - a bad new version: the last good one acts on, said once
+            following = self.policy_cfg.get("version", "latest") in (None, "latest")
+            if self.policy is None or version is None or not following or self.policy_cfg.get("server") is not None:
+                raise
+            self.bad_versions[int(version)] = f"{type(e).__name__}: {e}"
+            logging.getLogger("fleetmind.worker").warning(
+                "unit %d: published policy version %d cannot be loaded (%s: %s); acting on with version %d until "
+                "a newer version loads", self.unit_id, int(version), type(e).__name__, str(e)[:300],
+                int(self.policy_version))
+
+    def _load_version(self, version: int | None) -> None:
+        """Build the acting policy of ``version`` (None: the configured checkpoint path) or of the policy server."""
         server = self.policy_cfg.get("server")
         if server is not None:
             info = self._server_call("info", version)
@@ -566,8 +588,9 @@ class RobotWorker:
         return out
 
     def progress(self) -> dict[str, Any]:
-        """``{"episode_index", "step", "task", "in_episode", "pid"}`` (callable while an episode runs)."""
-        return {**self.progress_state, "pid": os.getpid()}
+        """``{"episode_index", "step", "task", "in_episode", "pid", "bad_versions"}`` (callable while an episode
+        runs; ``bad_versions``: published versions this unit could not load, and why)."""
+        return {**self.progress_state, "pid": os.getpid(), "bad_versions": dict(self.bad_versions)}
 
     def pid(self) -> int:
         return os.getpid()

@@ -238,8 +238,9 @@ def load_critic(directory: str | Path, device: str = "cpu") -> tuple[SuccessCrit
     """``(critic in eval mode, candidates)`` from a checkpoint directory, or None when it has no critic.
 
     Raises:
-        ValueError: only one of the two files present, a malformed ``critic.json``, or weights whose shapes do
-            not match it (the message names the tensor).
+        ValueError: only one of the two files present, a malformed ``critic.json``, weights whose shapes do
+            not match it, or non-finite weights (a diverged fit: it would rank every chunk NaN) (the message names
+            the tensor).
     """
     from safetensors.torch import load_file
 
@@ -265,6 +266,10 @@ def load_critic(directory: str | Path, device: str = "cpu") -> tuple[SuccessCrit
     bad = sorted(k for k in set(own) | set(state) if k not in state or k not in own or own[k].shape != state[k].shape)
     if bad:
         raise ValueError(f"checkpoint {str(d)!r}: {CRITIC_WEIGHTS} does not fit {CRITIC_CONFIG} (tensors {bad[:5]})")
+    nonfinite = sorted(k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all())
+    if nonfinite:
+        raise ValueError(f"checkpoint {str(d)!r}: {CRITIC_WEIGHTS} holds non-finite values in {nonfinite[:5]} (a "
+                         "diverged critic fit); the version cannot rank chunks")
     critic.load_state_dict(state)
     return critic.to(device).eval(), candidates
 

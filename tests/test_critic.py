@@ -130,6 +130,11 @@ def test_save_load_round_trip_and_clear_errors(store, tmp_path):
     x = torch.randn(5, critic.state_dim)
     c = torch.randn(5, 4, 4)
     torch.testing.assert_close(loaded.success_probability(x, x, c), critic.success_probability(x, x, c))
+    with torch.no_grad():                                               # a diverged fit: refused, tensor named
+        critic.nets[1][0].bias[3] = float("nan")
+    save_critic(critic, tmp_path / "nan", candidates=4)
+    with pytest.raises(ValueError, match=r"non-finite values in \['nets.1.0.bias'\]"):
+        load_critic(tmp_path / "nan")
     cfg = json.loads((tmp_path / CRITIC_CONFIG).read_text())
     (tmp_path / CRITIC_CONFIG).write_text(json.dumps({**cfg, "hidden": 8}))
     with pytest.raises(ValueError, match="does not fit"):

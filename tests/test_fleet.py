@@ -23,7 +23,7 @@ from hydra import compose, initialize_config_dir
 
 from experience_dict.store import ExperienceStore
 from fleet.coordinator import Fleet, _plain, collect, ensure_ray
-from fleet.registry import CheckpointRegistry, ChecksumMismatchError
+from fleet.registry import CheckpointRegistry
 
 CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
 
@@ -170,15 +170,30 @@ def test_new_version_picked_up_between_episodes_and_tampered_refused(tmp_path):
         assert [s["staleness"] for s in result.episodes] == [0, 0, 1, 0, 0]  # episode 2 ended one version behind
         store = ExperienceStore.open(str(tmp_path / "store"))
         assert [e.policy_version for e in store.episodes()] == [1, 1, 1, 2, 2] and store.verify()["ok"]
-        # version 3 is tampered with in the registry after publishing: the worker refuses it, the run stops
+        # version 3 is tampered with in the registry after publishing, version 4's critic diverged (NaN): the unit
+        # refuses each, acts on with version 2 and says so once per version (issue 52, item 19); version 5 is taken
         v3 = reg.publish(tiny_aed_checkpoint(tmp_path / "ck3", seed=3), {"step": 3})
         weights = tmp_path / "registry" / f"v{v3:06d}" / "model.safetensors"
         data = bytearray(weights.read_bytes())
         data[len(data) // 2] ^= 0x01
         weights.write_bytes(bytes(data))
-        with pytest.raises(ChecksumMismatchError, match="tampered"):
-            fleet.run(episodes_per_unit=1, progress=False)
-    assert len(ExperienceStore.open(str(tmp_path / "store")).episodes()) == 5  # nothing acted with v3
+        assert [s["policy_version"] for s in fleet.run(episodes_per_unit=1, progress=False).episodes] == [2]
+        from policies.critic import SuccessCritic, save_critic
+
+        ck4 = tiny_aed_checkpoint(tmp_path / "ck4", seed=4)
+        critic = SuccessCritic(4 + 17, 4, 4, members=2, hidden=8,
+                               state_keys=["observation.state", "observation.environment_state"])
+        with torch.no_grad():
+            critic.nets[0][0].weight.fill_(float("nan"))
+        save_critic(critic, ck4, 2)
+        assert reg.publish(ck4, {"step": 4}) == 4
+        assert [s["policy_version"] for s in fleet.run(episodes_per_unit=2, progress=False).episodes] == [2, 2]
+        bad = ray.get(fleet.actors[0].progress.remote())["bad_versions"]
+        assert set(bad) == {3, 4} and "tampered" in bad[3] and "non-finite" in bad[4]
+        assert reg.publish(tiny_aed_checkpoint(tmp_path / "ck5", seed=5), {"step": 5}) == 5
+        assert [s["policy_version"] for s in fleet.run(episodes_per_unit=1, progress=False).episodes] == [5]
+    eps = ExperienceStore.open(str(tmp_path / "store")).episodes()
+    assert [e.policy_version for e in eps] == [1, 1, 1, 2, 2, 2, 2, 2, 5]   # nothing acted with v3 or v4
 
 
 def test_policy_server_auto_serves_only_where_a_gpu_is(monkeypatch):
