@@ -62,6 +62,11 @@ class Budget:
         """unit -> trials planned but never run (plans only)."""
         return {}
 
+    def drop_task(self, unit: int, task: str) -> tuple[int, bool]:
+        """``unit`` runs ``task`` no more (its env keeps failing): ``(trials of it not run, whether the unit has any
+        task left)``."""
+        raise NotImplementedError
+
 
 class PlanBudget(Budget):
     """Exactly the given trials, each unit running its own in order; a failed trial is run again first.
@@ -93,6 +98,15 @@ class PlanBudget(Budget):
     def leftover(self) -> dict[int, int]:
         return {u: len(q) for u, q in self.queues.items() if q}
 
+    def drop_task(self, unit: int, task: str) -> tuple[int, bool]:
+        q = self.queues[unit]
+        keep = [t for t in q if t["task"] != task]
+        dropped = len(q) - len(keep)
+        self.queues[unit] = deque(keep)
+        if self.total is not None:
+            self.total -= dropped
+        return dropped, bool(keep)
+
 
 class TaskBudget(Budget):
     """``per_task`` episodes of each task in total, on whichever free unit runs it (the task with the most
@@ -121,20 +135,41 @@ class TaskBudget(Budget):
     def spent(self, unit: int, summary: Mapping) -> None:
         self.left[summary["task"]] -= 1
 
+    def drop_task(self, unit: int, task: str) -> tuple[int, bool]:
+        self.unit_tasks = {**self.unit_tasks, unit: [t for t in self.unit_tasks[unit] if t != task]}
+        dropped = 0
+        if not any(task in ts for ts in self.unit_tasks.values()):   # no unit runs it any more
+            dropped, self.left[task] = max(self.left[task] - self.reserved[task], 0), self.reserved[task]
+        return dropped, bool(self.unit_tasks[unit])
+
 
 class UnitBudget(Budget):
     """``per_unit`` episodes on every unit (its tasks round-robin in the worker); ``None``: unbounded (a run
-    bounded by its deadline or ``stop()``)."""
+    bounded by its deadline or ``stop()``). Once a task is dropped on a unit (``drop_task``) that unit is handed
+    its other tasks by name, in turn."""
 
-    def __init__(self, per_unit: int | None, units: Sequence[int], deadline: float | None = None):
+    def __init__(self, per_unit: int | None, unit_tasks: Mapping[int, Sequence[str]], deadline: float | None = None):
         super().__init__(deadline)
-        self.left = {int(u): (int(per_unit) if per_unit is not None else None) for u in units}
+        self.unit_tasks = {int(u): list(ts) for u, ts in unit_tasks.items()}
+        self.left = {u: (int(per_unit) if per_unit is not None else None) for u in self.unit_tasks}
         self.total = int(per_unit) * len(self.left) if per_unit is not None else None
+        self.dropped: dict[int, set[str]] = {}
+        self.turn: Counter = Counter()
 
     def next_trial(self, unit: int) -> dict | None:
         if not self.open() or (self.left[unit] is not None and self.left[unit] <= 0):
             return None
-        return {"task": None, "unit_id": unit, "seed": None, "explore": None}
+        if unit not in self.dropped:
+            return {"task": None, "unit_id": unit, "seed": None, "explore": None}
+        tasks = [t for t in self.unit_tasks[unit] if t not in self.dropped[unit]]
+        if not tasks:
+            return None
+        self.turn[unit] += 1
+        return {"task": tasks[self.turn[unit] % len(tasks)], "unit_id": unit, "seed": None, "explore": None}
+
+    def drop_task(self, unit: int, task: str) -> tuple[int, bool]:
+        self.dropped.setdefault(unit, set()).add(task)
+        return 0, any(t not in self.dropped[unit] for t in self.unit_tasks[unit])
 
     def spent(self, unit: int, summary: Mapping) -> None:
         if self.left[unit] is not None:
@@ -161,4 +196,4 @@ def make_budget(unit_tasks: Mapping[int, Sequence[str]], fleet_cfg: FleetConfig 
         return PlanBudget(plan, unit_tasks, deadline)
     if episodes_per_task is not None:
         return TaskBudget(int(episodes_per_task), unit_tasks, deadline)
-    return UnitBudget(episodes_per_unit, list(unit_tasks), deadline)
+    return UnitBudget(episodes_per_unit, unit_tasks, deadline)

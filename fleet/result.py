@@ -29,6 +29,8 @@ class FleetResult:
     wall_s: float = 0.0
     dropped_units: list[int] = field(default_factory=list)
     faulted: list[dict] = field(default_factory=list)     # trials that committed nothing (error, NaN at step 0)
+    # tasks given up on a unit (its env kept failing): [{"unit", "task", "trials_not_run", "why"}]
+    dropped_tasks: list[dict] = field(default_factory=list)
     terminations: dict[str, int] = field(default_factory=dict)   # why every trial ended, counted
     # Ray nodes lost during the run: [{"node_id", "units" (the units it ran), "at_s" (seconds into the run)}]
     node_losses: list[dict] = field(default_factory=list)
@@ -45,6 +47,8 @@ class FleetResult:
             errs = Counter(f.get("error") or f["termination"] for f in self.faulted)
             parts.append(f"{len(self.faulted)} trials committed nothing: " +
                          "; ".join(f"{n} x {e[:160]}" for e, n in errs.most_common(3)))
+        if self.dropped_tasks:
+            parts.append("tasks given up: " + ", ".join(f"{d['task']} on unit {d['unit']}" for d in self.dropped_tasks))
         if self.dropped_units:
             parts.append(f"units given up: {self.dropped_units}")
         for loss in self.node_losses:

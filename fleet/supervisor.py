@@ -68,7 +68,7 @@ class RunSupervisor:
         self.ping_at: dict[int, float] = {}            # recovering unit -> when to ask whether it is back
         self.recovering_since: dict[int, float] = {}
         self.active = set(fleet.units)
-        self.faults_in_row: Counter = Counter()         # unit -> trials in a row that committed nothing
+        self.faults_in_row: Counter = Counter()         # (unit, task) -> trials in a row that committed nothing
         self.terminations: Counter = Counter()
         self.per_unit_done: Counter = Counter()
         self.suspect_nodes: dict[str, float] = {}       # node id -> when a worker on it died (is the node gone?)
@@ -217,7 +217,7 @@ class RunSupervisor:
             if s.get("episode_id") is None:   # the trial committed nothing (error, NaN at step 0)
                 gave_up = self.on_fault(unit, trial, s) or gave_up
                 continue   # the budget is not spent: handed out again
-            self.faults_in_row[unit] = 0
+            self.faults_in_row[(unit, s.get("task"))] = 0
             self.budget.spent(unit, s)
             self.count(unit, s)
         if self.pbar is not None:
@@ -242,17 +242,27 @@ class RunSupervisor:
             self.on_episode(summary)
 
     def on_fault(self, unit: int, trial: dict, s: dict) -> bool:
-        """A trial that committed nothing; True when the unit is given up (``fleet.max_trial_faults`` in a row)."""
+        """A trial that committed nothing; after ``fleet.max_trial_faults`` in a row of one task on a unit, that
+        task is given up on that unit (its failure counted, its remaining trials not run) and the unit goes on with
+        its other tasks; True when the unit has none left and is given up."""
         self.result.faulted.append(s)
-        self.faults_in_row[unit] += 1
+        task = s.get("task")
+        self.faults_in_row[(unit, task)] += 1
         why = s.get("error") or s.get("termination")
-        self.say(f"[fleet] unit {unit} trial (task {s['task']}, seed {s['seed']}) committed nothing: {why}")
-        if self.faults_in_row[unit] >= self.max_faults:
-            self.active.discard(unit)
-            self.result.dropped_units.append(unit)
-            self.result.failures.append(f"unit {unit}: given up after {self.faults_in_row[unit]} trials in a row "
-                                        f"committed nothing (last: {why})")
-            return True
+        self.say(f"[fleet] unit {unit} trial (task {task}, seed {s['seed']}) committed nothing: {why}")
+        n = self.faults_in_row[(unit, task)]
+        if n >= self.max_faults:
+            not_run, tasks_left = self.budget.drop_task(unit, task)
+            self.result.dropped_tasks.append({"unit": unit, "task": task, "trials_not_run": not_run,
+                                              "why": str(why)[:300]})
+            self.result.failures.append(f"unit {unit}: task {task} given up after {n} trials in a row committed "
+                                        f"nothing (last: {why}); {not_run} of its trials not run")
+            if not tasks_left:
+                self.active.discard(unit)
+                self.result.dropped_units.append(unit)
+                self.result.failures.append(f"unit {unit}: given up, every task of it failed {n} times in a row")
+                return True
+            return False
         trial["_faults"] = trial.get("_faults", 0) + 1
         if trial["_faults"] <= self.trial_retries:
             self.budget.requeue(unit, trial)   # once more; then it counts as a failed trial

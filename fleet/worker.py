@@ -155,8 +155,8 @@ class RobotWorker:
             "once_file": path, "seconds": x}``: raise in the env / sleep forever / SIGKILL itself / sleep ``x``
             seconds at step ``s`` of this unit's ``i``-th episode, once (``once_file`` is created when it fires);
             with ``"after_commit": true`` right after that episode's commit instead; ``{"kind": "clock",
-            "seconds": x}``: this host's clock runs ``x`` seconds off (the episodes' ``start_time``); or a list of
-            such dicts.
+            "seconds": x}``: this host's clock runs ``x`` seconds off (the episodes' ``start_time``); ``{"kind":
+            "reset_error", "task": t}``: every reset of task ``t``'s env raises; or a list of such dicts.
     """
 
     def __init__(self, unit_id: int, tasks: list[str], cfg: dict, store_url: str, policy: dict,
@@ -451,6 +451,8 @@ class RobotWorker:
         self.progress_state.update(task=task, step=0, in_episode=True)
         success, ret, length, termination, error, commit_s, ep_id = False, 0.0, 0, "max_steps", None, None, None
         try:
+            if any(f.get("kind") == "reset_error" and f.get("task") == task for f in self.faults):
+                raise RuntimeError(f"injected reset fault (unit {self.unit_id}, task {task})")
             obs, info = env.reset(seed=seed)
             policy.reset()
             self.writer.begin_episode(unit_id=self.unit_id, embodiment=str(env.unit.embodiment), task=task,

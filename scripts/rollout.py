@@ -45,7 +45,7 @@ def result_json(result, server: dict | None, verify_ok: bool | None, **extra) ->
             "success_by_unit": {str(k): list(v) for k, v in result.success_by("unit_id").items()},
             "policy_server": server, "store_verify_ok": verify_ok,
             "terminations": result.terminations, "faulted": result.faulted,
-            "dropped_units": result.dropped_units, **extra}
+            "dropped_units": result.dropped_units, "dropped_tasks": result.dropped_tasks, **extra}
 
 
 def head_lost_handler(out: Path, store_url: str):
@@ -98,6 +98,9 @@ def main(cfg: DictConfig) -> None:
     print(f"summary: {result.summary()}")
     bad = [why for why, hit in [("no episode was committed", not result.episodes and not result.interrupted),
                                 (f"units {result.dropped_units} were given up", bool(result.dropped_units)),
+                                ("tasks were given up on some units: "
+                                 + ", ".join(f"{d['task']} on unit {d['unit']}" for d in result.dropped_tasks),
+                                 bool(result.dropped_tasks)),
                                 ("the store's verify failed", not check["ok"])] if hit]
     if bad:
         print(f"fleet: FAILED: {'; '.join(bad)}; {'; '.join(result.failures[-3:])}", file=sys.stderr)

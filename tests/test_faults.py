@@ -331,3 +331,30 @@ def test_one_line_refusals_unwraps_causes_and_passes_other_errors(capsys):
     with pytest.raises(KeyError):
         with one_line_refusals("fleet"):
             raise KeyError("not a refusal")
+
+
+def test_damaged_store_metadata_is_one_named_refusal_not_a_traceback(tmp_path):
+    """Issue 52, item 20: a truncated array ``zarr.json`` of a unit's shard: the unit's worker is refused with one
+    ``StoreError`` naming the file (not a bare ``JSONDecodeError``); a missing one under committed rows is refused too
+    (creating it anew would erase them); a truncated group ``zarr.json`` is named by ``verify``."""
+    from experience_dict.store import ExperienceStore, StoreError
+
+    w = worker(tmp_path)
+    w.run_episode(seed=1)
+    w.writer.close()
+    shard = tmp_path / "store" / "shards" / "unit-0000"
+    meta = shard / "lowdim" / "zarr.json"
+    good = meta.read_text()
+    meta.write_text(good[:40])
+    again = worker(tmp_path)
+    assert isinstance(again.refusal, StoreError)
+    assert "lowdim/zarr.json" in str(again.refusal) and "cannot be read" in str(again.refusal)
+    meta.unlink()
+    again = worker(tmp_path)
+    assert isinstance(again.refusal, StoreError) and "no metadata" in str(again.refusal)
+    meta.write_text(good)
+    r = ExperienceStore.open(str(tmp_path / "store"))
+    assert r.verify()["ok"] and len(r.episodes()) == 1
+    (shard / "zarr.json").write_text((shard / "zarr.json").read_text()[:10])
+    rep = ExperienceStore.open(str(tmp_path / "store")).verify()
+    assert not rep["ok"] and any("shards/unit-0000/zarr.json" in p["error"] for p in rep["problems"])

@@ -394,6 +394,33 @@ def test_ray_workers_inherit_the_passive_openmp_wait():
     assert ray.get(wait_policy.remote()) == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def test_a_task_whose_env_fails_at_reset_is_given_up_and_the_unit_serves_its_other_tasks(tmp_path):
+    """Issue 52, item 15: every reset of one task's env raises on unit 0. After fleet.max_trial_faults trials of it in
+    a row that task is given up on that unit (its failure counted and said, its remaining plan trials not run); the
+    unit keeps serving its other task, in a plan and in a per-unit budget; a unit whose every task fails is given up."""
+    cfg = make_cfg(tmp_path, "policy=expert", "task.tasks=[reach-v3,button-press-topdown-v3]",
+                   "task.max_episode_steps=20", "fleet.units=1", "fleet.trial_retries=0")
+    faults = {0: {"kind": "reset_error", "task": "button-press-topdown-v3"}}
+    plan = [{"task": t, "unit_id": 0, "seed": s} for s in range(5) for t in ("reach-v3", "button-press-topdown-v3")]
+    with Fleet(cfg, faults=faults) as fleet:
+        result = fleet.run(plan=plan, progress=False)
+        assert sorted(e["seed"] for e in result.episodes) == [0, 1, 2, 3, 4]          # every reach trial ran
+        assert {e["task"] for e in result.episodes} == {"reach-v3"} and not result.dropped_units
+        [d] = result.dropped_tasks
+        assert d["unit"] == 0 and d["task"] == "button-press-topdown-v3" and d["trials_not_run"] == 2
+        assert "injected reset fault" in d["why"] and len(result.faulted) == 3
+        assert any("button-press-topdown-v3 given up" in f for f in result.failures)
+        assert "tasks given up: button-press-topdown-v3 on unit 0" in result.summary()
+        per_unit = fleet.run(episodes_per_unit=4, progress=False)      # the worker's own round-robin
+        assert len(per_unit.episodes) == 4 and {e["task"] for e in per_unit.episodes} == {"reach-v3"}
+        assert [d["task"] for d in per_unit.dropped_tasks] == ["button-press-topdown-v3"]
+    faults = {0: [{"kind": "reset_error", "task": t} for t in ("reach-v3", "button-press-topdown-v3")]}
+    with Fleet(make_cfg(tmp_path / "b", "policy=expert", "task.tasks=[reach-v3,button-press-topdown-v3]",
+                        "task.max_episode_steps=20", "fleet.units=1", "fleet.trial_retries=0"), faults=faults) as fleet:
+        result = fleet.run(episodes_per_unit=2, progress=False)
+    assert result.dropped_units == [0] and len(result.dropped_tasks) == 2 and not result.episodes
+
+
 @pytest.mark.parametrize("clock_s", [0.0, -3600.0])
 def test_a_trial_committed_by_a_worker_that_then_died_is_not_run_twice(tmp_path, clock_s):
     """A worker SIGKILLed between its commit and its answer (as on a node loss): the coordinator finds the

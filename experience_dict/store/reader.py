@@ -883,6 +883,19 @@ class ExperienceStore:
                                              if e.episode_id not in flagged]).items():
             problems.append({"shard": self._episodes[i].shard, "key": None, "chunk": None, "error": err,
                              "episodes": [i]})
+        for rel in ["zarr.json", "shards/zarr.json", *(f"shards/{s}/zarr.json" for s in self.shards())]:
+            try:   # the group metadata: zarr opens a group through it (a truncated one fails the next open)
+                meta = json.loads(self.fs.cat_file(self._p(*rel.split("/"))))
+                if meta.get("node_type") != "group":
+                    raise ValueError(f"node_type {meta.get('node_type')!r}, expected 'group'")
+            except FileNotFoundError:
+                if rel == "zarr.json":
+                    problems.append({"shard": None, "key": "zarr.json", "chunk": None, "episodes": [],
+                                     "error": "the store's root group metadata zarr.json is missing"})
+            except Exception as e:  # noqa: BLE001 - reported, not raised
+                problems.append({"shard": rel.split("/")[1] if rel.count("/") == 2 else None, "key": rel,
+                                 "chunk": None, "episodes": [],
+                                 "error": f"group metadata {rel} cannot be read ({type(e).__name__}: {e})"})
         for path, why in sorted(self.unreadable_records.items()):
             shard, name = path.rsplit("/", 2)[-2:]
             problems.append({"shard": shard, "key": "commits", "chunk": None, "episodes": [],

@@ -222,7 +222,13 @@ class EpisodeWriter:
         self._tmp_tag = uuid.uuid4().hex[:12]
         self._commit_dir_made = False
         self._cols: dict[str, _Column] = {}
-        self._recover()
+        try:
+            self._recover()
+        except BaseException:   # a writer that cannot resume holds nothing: the next try is not refused as busy
+            if self._lock is not None:
+                self._lock.close()
+                self._lock = None
+            raise
         self._local = _is_local(self.fs) and all(c.encode is not None for c in self._cols.values())
         # where add_step puts each value: a key's own array, or columns of the lowdim row
         where = store._where
@@ -278,6 +284,17 @@ class EpisodeWriter:
             try:
                 arr = zarr.open_array(self.store._zstore, path=path, mode="r+")
             except (FileNotFoundError, zarr.errors.ArrayNotFoundError, zarr.errors.NodeNotFoundError):
+                arr = None
+            except Exception as e:  # noqa: BLE001 - a truncated or damaged zarr.json (JSONDecodeError, ...): named
+                raise StoreError(f"store {self.store.url!r}: writer {self.writer_id!r} cannot resume: the metadata of "
+                                 f"its array {name!r} ({path}/zarr.json) cannot be read ({type(e).__name__}: {e}). Its "
+                                 "committed rows are untouched; restore that file (or write under another writer id), "
+                                 f"then check with `python -m experience_dict.store verify {self.store.url}`") from None
+            if arr is None and self._end > 0:   # committed rows, but no metadata: creating it anew would erase them
+                raise StoreError(f"store {self.store.url!r}: writer {self.writer_id!r} cannot resume: its array "
+                                 f"{name!r} has no metadata ({path}/zarr.json missing) although {len(recs)} committed "
+                                 "episodes have rows there. Restore that file (or write under another writer id)")
+            if arr is None:
                 rows = _chunk_rows(feat, meta["chunk_bytes"], meta["max_chunk_rows"])
                 filters, serializer = (), "auto"
                 if _is_image(feat):  # one Blosc block per chunk: consecutive frames share content, so zstd
