@@ -88,12 +88,18 @@ def main(cfg: DictConfig) -> None:
     print("\n" + result.table("task") + "\n\n" + result.table("unit_id"))
     if server:
         print(f"\npolicy server: {server}")
-    from experience_dict.store import ExperienceStore
+    from experience_dict.store import ExperienceStore, StoreError
 
-    check = ExperienceStore.open(str(cfg.store.url)).verify()
-    print(f"\nstore {cfg.store.url}: {check['episodes']} episodes, verify ok={check['ok']}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result_json(result, server, check["ok"], complete=True), indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)   # what the fleet did, written before the store is checked
+    out.write_text(json.dumps(result_json(result, server, None, complete=True), indent=1))
+    try:
+        check = ExperienceStore.open(str(cfg.store.url)).verify()
+        print(f"\nstore {cfg.store.url}: {check['episodes']} episodes, verify ok={check['ok']}")
+    except StoreError as e:   # e.g. the object-store endpoint went down after the last commit: said in one line
+        check = {"ok": False, "episodes": None, "error": str(e)}
+        print(f"\nstore {cfg.store.url}: cannot be checked: {e}", file=sys.stderr)
+    out.write_text(json.dumps(result_json(result, server, check["ok"], complete=True,
+                                          **({"store_error": check["error"]} if "error" in check else {})), indent=1))
     print(f"results: {out}")
     print(f"summary: {result.summary()}")
     bad = [why for why, hit in [("no episode was committed", not result.episodes and not result.interrupted),
@@ -101,7 +107,8 @@ def main(cfg: DictConfig) -> None:
                                 ("tasks were given up on some units: "
                                  + ", ".join(f"{d['task']} on unit {d['unit']}" for d in result.dropped_tasks),
                                  bool(result.dropped_tasks)),
-                                ("the store's verify failed", not check["ok"])] if hit]
+                                ("the store's verify failed" if "error" not in check else
+                                 "the store could not be checked", not check["ok"])] if hit]
     if bad:
         print(f"fleet: FAILED: {'; '.join(bad)}; {'; '.join(result.failures[-3:])}", file=sys.stderr)
         raise SystemExit(1)

@@ -207,3 +207,40 @@ def test_registry_on_s3_publishes_atomically_and_workers_fetch_from_it(s3, tmp_p
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     store = ExperienceStore.open("s3://fleet/acted")
     assert [m.policy_version for m in store.episodes()] == [8, 8]
+
+
+def test_an_object_store_endpoint_down_is_one_named_store_error(tmp_path):
+    """Issue 52, item 21: the S3 endpoint goes down after a commit. The next commit raises ``StoreWriteError`` (a
+    ``StoreError`` naming the store, the writer and the episode; not botocore's ``EndpointConnectionError``) and the
+    episode stays open (commit again once the endpoint is back, or abort); opening the store raises
+    ``StoreUnreachableError``."""
+    from experience_dict.store import StoreUnreachableError, StoreWriteError
+    from experience_dict.store.local_s3 import start_local_s3
+
+    proc, opts = start_local_s3("down")
+    url = "s3://down/store"
+    try:
+        configure_storage({"url": url, "storage_options": opts})
+        w = ExperienceStore.create_or_open(url, spec=SPEC, progress_keys=[], max_chunk_rows=64).writer("unit-0000")
+
+        def episode(e):
+            w.begin_episode(unit_id=0, embodiment="sawyer", task="reach-v3", policy_version=-1, seed=e)
+            for t in range(STEPS):
+                v = np.float32(e * 100 + t)
+                w.add_step({"observation.state": np.full(4, v, np.float32),
+                            "observation.environment_state": np.full(6, v, np.float32)},
+                           np.full(4, 0.5, np.float32), reward=float(t), progress={})
+
+        episode(0)
+        first = w.commit(success=True)
+        proc.kill()
+        proc.wait(10)
+        episode(1)
+        with pytest.raises(StoreWriteError, match=r"writer 'unit-0000'.*episode unit-0000-000001.*cannot be reached"):
+            w.commit(success=False)
+        assert w.open_steps == STEPS                               # the episode stays open
+        with pytest.raises(StoreUnreachableError, match="cannot be reached"):
+            ExperienceStore.open(url)
+    finally:
+        proc.kill()
+    assert first == "unit-0000-000000"

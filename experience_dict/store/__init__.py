@@ -17,6 +17,7 @@ from experience_dict.store.schema import (
     SpecMismatchError,
     StoreError,
     StoreNotFoundError,
+    StoreUnreachableError,
     StoreWriteError,
     WriterBusyError,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "SpecMismatchError",
     "StoreError",
     "StoreNotFoundError",
+    "StoreUnreachableError",
     "StoreWriteError",
     "WriterBusyError",
     "configure_storage",

@@ -27,6 +27,7 @@ from experience_dict.store.schema import (
     SpecMismatchError,
     StoreError,
     StoreNotFoundError,
+    StoreUnreachableError,
     _is_image,
     _layout,
     _packable,
@@ -37,6 +38,7 @@ from experience_dict.store.schema import (
     check_record,
     decode_inline_rows,
     place_episode_rows,
+    unreachable,
 )
 from experience_dict.store.storage import (
     _atomic_write,
@@ -120,6 +122,11 @@ class ExperienceStore:
             meta = group.attrs.get(_META_ATTR)
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError) as e:
             raise StoreNotFoundError(f"no experience store at {self.url!r} ({type(e).__name__})") from e
+        except Exception as e:  # noqa: BLE001 - an endpoint down: one named error, not the backend's traceback
+            if not unreachable(e):
+                raise
+            raise StoreUnreachableError(f"store {self.url!r} cannot be reached ({type(e).__name__}: {e}); nothing "
+                                        "in it is known to be damaged: retry once its storage is back") from None
         if meta is None:
             raise StoreError(f"{self.url!r} is a Zarr group but not an experience store (no '{_META_ATTR}' attrs)")
         version = meta.get("schema_version")

@@ -48,6 +48,21 @@ class CorruptChunkError(StoreError, ValueError):
     the store, shard, array, chunk (and its rows) and the episodes with rows in it."""
 
 
+def unreachable(err: BaseException) -> bool:
+    """Whether ``err`` says the storage cannot be reached (a connection refused or timed out: the builtin
+    ``ConnectionError``, botocore's ``EndpointConnectionError`` / ``ConnectTimeoutError``, aiohttp's
+    ``ClientConnectorError``), as opposed to bad data."""
+    names = {c.__name__ for c in type(err).__mro__}
+    return isinstance(err, (ConnectionError, TimeoutError)) or bool(names & {
+        "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ClientConnectorError",
+        "ServerDisconnectedError", "ConnectionClosedError"})
+
+
+class StoreUnreachableError(StoreError, OSError):
+    """The store's storage cannot be reached (an object-store endpoint down, a lost network mount). Nothing is
+    known to be damaged: the message names the store and the backend's error; retry once it is back."""
+
+
 class StoreWriteError(StoreError, OSError):
     """Writing an episode to the store failed (a full disk: ``errno`` ENOSPC, a lost mount, a denied file). The
     message names the store, the writer, the episode and the file; nothing committed before is touched, and

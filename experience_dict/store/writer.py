@@ -45,6 +45,7 @@ from experience_dict.store.schema import (
     encode_inline_rows,
     place_episode_rows,
     seal_record,
+    unreachable,
 )
 from experience_dict.store.storage import (
     _RENAMEAT2,
@@ -679,14 +680,19 @@ class EpisodeWriter:
                                  for n in self._inline if n in self._cols}
             record = seal_record(rec)
             self._write_record(episode_id, record)  # 2) the commit point
-        except OSError as e:
+        except StoreError:
             self._rewind()
-            what = "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+            raise
+        except Exception as e:  # noqa: BLE001 - OSError, and an object store's own (botocore: an endpoint down)
+            self._rewind()
+            code, filename = getattr(e, "errno", None), getattr(e, "filename", None)
+            what = "no space left on the device" if code == errno.ENOSPC else (
+                "the storage endpoint cannot be reached" if unreachable(e) else (getattr(e, "strerror", None) or str(e)))
             raise StoreWriteError(
-                e.errno, f"store {self.store.url!r}, writer {self.writer_id!r}: writing episode {episode_id} "
-                f"({length} steps) failed: {what} (file {e.filename or 'unknown'}; {type(e).__name__}: {e}). "
-                "Nothing committed is lost; the episode is not visible and stays open: free space and commit() "
-                "again, or abort()", e.filename) from e
+                code, f"store {self.store.url!r}, writer {self.writer_id!r}: writing episode {episode_id} "
+                f"({length} steps) failed: {what} (file {filename or 'unknown'}; {type(e).__name__}: {e}). "
+                "Nothing committed is lost; the episode is not visible and stays open: free space (or bring the "
+                "storage back) and commit() again, or abort()", filename) from e
         except BaseException:
             self._rewind()
             raise
