@@ -7,6 +7,8 @@
     fleetmind export deploy.export.checkpoint=outputs/train_quick deploy.export.out_dir=exports/quick
     fleetmind deploy deploy.robot.type=fleetmind_so100_sim
     fleetmind --help
+    fleetmind eval --help                          # a command's usage: its examples and the config groups
+    fleetmind eval --cfg job                       # every key with its value (Hydra's full dump)
 
 Each command runs ``scripts/<name>.py`` as ``__main__`` (``runpy``), so ``fleetmind X args`` and
 ``python scripts/X.py args`` are the same program. Installed by ``pip install ".[fleet]"`` as a console script
@@ -15,8 +17,13 @@ Each command runs ``scripts/<name>.py`` as ``__main__`` (``runpy``), so ``fleetm
 
 from __future__ import annotations
 
+import ast
 import runpy
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUPS = ("task", "obs", "policy", "robot", "experiment")   # the config groups picked by name (group=choice)
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("scripts.run", "the main job: demonstrations, bases, fleet rounds with FERT, arms, held-out evaluation"),
@@ -41,6 +48,28 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def command_help(cmd: str) -> str:
+    """``fleetmind <cmd> --help``: what the command does, its examples (from its script's docstring, read without
+    importing it: no torch, no Hydra), the config groups it composes and their choices, and where the full config is.
+    """
+    module, desc = COMMANDS[cmd]
+    script = ROOT / (module.replace(".", "/") + ".py")
+    doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+    name = script.name
+    examples = [ln.strip().replace(f"python scripts/{name}", f"fleetmind {cmd}") for ln in doc.splitlines()
+                if f"python scripts/{name}" in ln]
+    lines = [f"usage: fleetmind {cmd} [key=value ...]   ({desc})", ""]
+    if examples:
+        lines += ["examples:", *(f"  {e}" for e in examples), ""]
+    lines.append("config groups (group=choice; configs/<group>/<choice>.yaml):")
+    for g in GROUPS:
+        choices = sorted(p.stem for p in (ROOT / "configs" / g).glob("*.yaml"))
+        lines.append(f"  {g:<10} {' | '.join(choices)}")
+    lines += ["", f"every key and its value: fleetmind {cmd} --cfg job   (Hydra; one key: --cfg job --package <group>)",
+              f"the script: {script.relative_to(ROOT)}; the keys' rules and defaults: configs/ (typed groups)"]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``fleetmind <command> [overrides]``; returns the exit status (2: unknown command).
 
@@ -55,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"fleetmind: unknown command {cmd!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    if any(a in ("-h", "--help") for a in rest):   # a short usage, not Hydra's 567-line dump of every key
+        print(command_help(cmd))
+        return 0
     module = COMMANDS[cmd][0]
     try:
         __import__("hydra")
