@@ -38,3 +38,49 @@ def calm_progress(interval_s: float = LOG_INTERVAL_S, stream=None) -> bool:
 
         tqdm.std.tqdm.__init__ = partialmethod(tqdm.std.tqdm.__init__, mininterval=float(interval_s))
     return True
+
+
+class _Tee:
+    """A text stream that writes to ``stream`` and, line by line, to a logging ``FileHandler``'s file."""
+
+    def __init__(self, stream, handler) -> None:
+        self._stream, self._handler, self._buf = stream, handler, ""
+
+    def write(self, s: str) -> int:
+        n = self._stream.write(s)
+        self._buf += s
+        if "\n" in self._buf:
+            done, self._buf = self._buf.rsplit("\n", 1)
+            with self._handler.lock:   # the handler's own lock: no line of a log record is cut in two
+                self._handler.stream.write(done + "\n")
+                self._handler.stream.flush()
+        return n
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class tee_stdout_to_log:
+    """Context manager: what is printed to stdout also goes to the run's log file (the root logger's last
+    ``logging.FileHandler``: Hydra's ``<run dir>/<job>.log``), so the log holds the stage lines, learning curve and
+    tables, not only the logging records. Without such a handler it does nothing."""
+
+    def __enter__(self):
+        import logging
+
+        self._old = None
+        fh = next((h for h in reversed(logging.getLogger().handlers) if isinstance(h, logging.FileHandler)), None)
+        if fh is not None and fh.stream is not None:
+            self._old, sys.stdout = sys.stdout, _Tee(sys.stdout, fh)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            tee, sys.stdout = sys.stdout, self._old
+            if tee._buf:   # an unfinished last line: to the log as a line of its own
+                with tee._handler.lock:
+                    tee._handler.stream.write(tee._buf + "\n")
+                    tee._handler.stream.flush()

@@ -62,7 +62,10 @@ def main(cfg: DictConfig) -> None:
     from configs.schema import check_or_exit
 
     check_or_exit(cfg)   # every value against its rule, before any work
-    run_job(cfg)
+    from fleet.progress import tee_stdout_to_log
+
+    with tee_stdout_to_log():   # run.log holds the stage lines, the learning curve and the tables too
+        run_job(cfg)
 
 
 if __name__ == "__main__":

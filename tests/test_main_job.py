@@ -283,6 +283,11 @@ def test_default_job_compounds_rounds_with_a_learning_curve_and_the_export_arm(t
         assert {"critic_s", "candidates_s", "distill_s", "train_s", "validation_s"} <= set(lr["times"])
         assert rnd["round_s"] >= rnd["wall_s"] + lr["times"]["train_s"] and f"round {r} wall time" in proc.stdout
     assert (out / "arms.png").stat().st_size > 1000
+    # what stdout said is in the run's log too, and the learning curve in results.md (issue 52, item 11)
+    log = (out / "run.log").read_text()
+    assert "=== [stage" in log and "learning curve (seed 0" in log and "| fert |" in log
+    md = (out / "results.md").read_text()
+    assert "learning curve (seed 0" in md and "v3" in md
     # the same learning run asynchronously (scripts/async_run.py): from this seed's demos and base, the learner in its
     # own process beside a fleet that never waits; every version on the same held-out trials, with staleness
     arun = tmp_path / "async"

@@ -93,3 +93,43 @@ def test_ablate_pool_bootstraps_over_the_pooled_runs(tmp_path):
     assert len(paired["units"]) == 2
     with pytest.raises(SystemExit, match="no evaluated arms"):
         pool([tmp_path / "nothing"], tmp_path / "o2", "base")
+
+
+def test_stdout_goes_to_the_run_log_too(tmp_path, capsys):
+    """fleet.progress.tee_stdout_to_log (issue 52, item 11): printed lines reach the root logger's log file as well
+    as stdout, whole lines beside the log records; nothing after the context."""
+    import logging
+
+    from fleet.progress import tee_stdout_to_log
+
+    root = logging.getLogger()
+    fh = logging.FileHandler(tmp_path / "run.log")
+    root.addHandler(fh)
+    try:
+        with tee_stdout_to_log():
+            print("=== [stage 1/3] demos ===")
+            logging.getLogger("x").warning("a record")
+            print("learning curve", end="")
+        print("after")
+    finally:
+        root.removeHandler(fh)
+        fh.close()
+    log = (tmp_path / "run.log").read_text().splitlines()
+    assert log == ["=== [stage 1/3] demos ===", "a record", "learning curve"]
+    assert capsys.readouterr().out == "=== [stage 1/3] demos ===\nlearning curveafter\n"
+
+
+def test_rounds_panel_counts_versions_and_fits_its_y_axis(tmp_path, monkeypatch):
+    """plot_arms' third panel: x is the policy version (as the printed curve), the y axis fitted to the rates (a
+    71-100 % curve is not squashed into 0-100)."""
+    import fleet.experiment.tables as tables
+
+    seen = {}
+    monkeypatch.setattr(tables, "_save", lambda fig, path: seen.update(fig=fig) or path)
+    rows = {"base": [{"task": "reach-v3", "unit_id": 100, "seed": s, "success": s % 3 > 0} for s in range(9)]}
+    rounds = {"held-out K=1": [{"round": v, "successes": k, "trials": 100} for v, k in ((1, 71), (2, 85), (3, 92))]}
+    tables.plot_arms(tables.success_table(rows), tmp_path / "a.png", rounds=rounds)
+    ax = seen["fig"].axes[2]
+    lo, hi = ax.get_ylim()
+    assert 0.5 < lo < 0.71 and 0.92 < hi <= 1.02 and "version" in ax.get_xlabel()
+    assert list(ax.lines[0].get_xdata()) == [1, 2, 3]

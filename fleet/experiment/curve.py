@@ -68,8 +68,8 @@ def learning_curve(c: dict, sd: Path, reg, heldout: list[int], progress: bool,
     return out
 
 
-def print_curve(curve: list[dict], seed: int) -> None:
-    """Print the learning curve so far: one line per published version."""
+def curve_lines(curve: list[dict], seed: int) -> list[str]:
+    """The learning curve as text: a header and one line per published version (round -1: the base, v1)."""
     def pct(x):
         return "  -  " if x is None else f"{100 * x:5.1f}"
 
@@ -78,7 +78,12 @@ def print_curve(curve: list[dict], seed: int) -> None:
     for p in curve:
         tasks = ", ".join(f"{t} {k}/{n}" for t, (k, n) in sorted((p.get("per_task") or {}).items()))
         lines.append(f"  {p['round']:>5}  v{p['version']:<7} {pct(p['heldout']):>18}  {pct(p['heldout_critic']):>15}  {tasks}")
-    print("\n".join(lines), flush=True)
+    return lines
+
+
+def print_curve(curve: list[dict], seed: int) -> None:
+    """Print the learning curve so far: one line per published version."""
+    print("\n".join(curve_lines(curve, seed)), flush=True)
 
 
 def _curve_in_background(conn, c: dict, sd: str, registry_url: str, heldout: list[int], have: list) -> None:

@@ -68,14 +68,21 @@ def write_reports(c: dict, out: Path, per_seed: dict, arms: list, seeds: list[in
         md = out / f"{name}.md"
         tail = (f"\n\nUnits (demonstrations on {demo_units}, fleet on {fleet_units}, held out {heldout}):\n\n"
                 + units_md + "\n") if name == "results" else ""
+        if name == "results":   # the learning curve beside the table (it was printed to stdout only)
+            from fleet.experiment.curve import curve_lines
+
+            curves = [(s, r.get("learning_curve")) for s, r in per_seed.items() if r.get("learning_curve")]
+            tail += "".join("\n```\n" + "\n".join(curve_lines(pts, s)) + "\n```\n" for s, pts in curves)
         md.write_text(cap.format(**fmt) + md.read_text() + tail)
-    fleet_hist = {f"fleet, seed {s}": [{"round": i, "successes": rr["successes"], "trials": rr["episodes"]}
+    # one x axis for the fleet and the learning curve, the policy version (as stdout's curve and results.json name
+    # it): fleet round i acts with version i + 1 (v1 = the base)
+    fleet_hist = {f"fleet, seed {s}": [{"round": i + 1, "successes": rr["successes"], "trials": rr["episodes"]}
                                        for i, rr in enumerate(r["rounds"])] for s, r in per_seed.items()}
     for s, r in per_seed.items():   # the learning curve: held-out success of each published version
         pts = r.get("learning_curve") or []
-        fleet_hist[f"held-out K=1, seed {s}"] = [{"round": p["round"] + 1, "successes": p["successes"],
+        fleet_hist[f"held-out K=1, seed {s}"] = [{"round": p["version"], "successes": p["successes"],
                                                   "trials": p["trials"]} for p in pts]
-        fleet_hist[f"held-out + critic, seed {s}"] = [{"round": p["round"] + 1, "successes": p["successes_critic"],
+        fleet_hist[f"held-out + critic, seed {s}"] = [{"round": p["version"], "successes": p["successes_critic"],
                                                        "trials": p["trials"]} for p in pts
                                                       if p.get("successes_critic") is not None]
     plot_arms(table, out / "arms.png", title=f"held-out success, seeds {seeds}", rounds=fleet_hist)

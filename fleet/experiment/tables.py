@@ -313,8 +313,9 @@ def plot_arms(table: Mapping, path: str | Path, title: str = "held-out success p
               rounds: Mapping[str, Sequence[Mapping]] | None = None) -> Path:
     """Every arm's held-out success side by side: pooled over tasks (and seeds) with its Wilson 95% interval
     (left), and per task (middle); with ``rounds`` (``{label: [{"round", "successes", "trials"}]}``) holding
-    more than one round, a third panel shows them per round (the fleet on training units per acting version; the
-    main job adds the learning curve: each version on the held-out plan).
+    more than one round, a third panel shows them per policy version (``"round"``: the version acting: the fleet on
+    training units, and the main job's learning curve: each version on the held-out plan), its y axis fitted to
+    the rates shown.
 
     Args:
         table: :func:`success_table` output. path: output PNG path. title: figure title.
@@ -361,14 +362,18 @@ def plot_arms(table: Mapping, path: str | Path, title: str = "held-out success p
     ax.legend(fontsize=7, ncol=min(len(arms), 4), loc="upper center", bbox_to_anchor=(0.5, -0.09), frameon=False)
     if show_rounds:
         ax2 = axes[0][2]
+        shown = []
         for label, pts in rounds.items():
             if pts:
-                ax2.plot([p["round"] for p in pts], [p["successes"] / max(p["trials"], 1) for p in pts],
-                         marker="o", label=label)
+                ys = [p["successes"] / max(p["trials"], 1) for p in pts]
+                shown += ys
+                ax2.plot([p["round"] for p in pts], ys, marker="o", label=label)
         ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax2.set_xlabel("round (policy version acting)")
+        ax2.set_xlabel("policy version acting (v1 = the base)")
         ax2.set_ylabel("success rate")
-        ax2.set_ylim(0, 1.02)
+        lo, hi = min(shown, default=0.0), max(shown, default=1.0)   # a 71-100 % curve is not squashed into 0-100
+        pad = max(0.05, 0.1 * (hi - lo))
+        ax2.set_ylim(max(0.0, lo - pad), min(1.02, hi + pad))
         ax2.grid(alpha=0.3)
         ax2.legend(fontsize=7, loc="lower right")
         ax2.set_title("per round: the fleet (training units), the learning curve (held-out)", fontsize=9)
