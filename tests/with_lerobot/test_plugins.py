@@ -86,6 +86,45 @@ def test_the_plugin_acts_as_fleetmind_runtime_does(lerobot_policy_dir):
         policy.select_action({"observation.state": torch.zeros(1, 4)})
 
 
+def test_save_pretrained_round_trips_through_a_folder_and_a_local_hub_cache(lerobot_policy_dir, tmp_path):
+    """Issue 52, item 8: what ``push_to_hub`` writes (``save_pretrained``) loads again, from its folder and as a repo
+    id in a local Hub cache: the same actions, the processors and the model card carried along; a repo id that is
+    not cached is refused in one line (nothing is downloaded)."""
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot_policy_fleetmind import FleetmindPolicy
+
+    _, folder = lerobot_policy_dir
+    policy = FleetmindPolicy.from_pretrained(folder)
+    saved = tmp_path / "resaved"
+    policy.save_pretrained(saved)
+    names = {p.name for p in saved.iterdir()}
+    assert {"config.json", "README.md", policy.config.export_subdir} <= names
+    assert any(n.endswith(".json") and "processor" in n for n in names)
+    # a local Hub cache: models--<user>--<name>/snapshots/<revision>/ and refs/main, as huggingface_hub lays it out
+    cache = tmp_path / "hub"
+    snap = cache / "models--fleetmind--tiny" / "snapshots" / ("0" * 40)
+    snap.parent.mkdir(parents=True)
+    import shutil
+
+    shutil.copytree(saved, snap)
+    (cache / "models--fleetmind--tiny" / "refs").mkdir()
+    (cache / "models--fleetmind--tiny" / "refs" / "main").write_text("0" * 40)
+    rng = np.random.default_rng(1)
+    obs = {"observation.state": torch.from_numpy(rng.uniform(-0.2, 0.6, (1, 4)).astype(np.float32)),
+           "observation.environment_state": torch.from_numpy(rng.uniform(-1, 1, (1, 17)).astype(np.float32))}
+    acts = []
+    for p in (policy, FleetmindPolicy.from_pretrained(saved), FleetmindPolicy.from_pretrained("fleetmind/tiny",
+                                                                                              cache_dir=cache)):
+        pre, _ = make_pre_post_processors(p.config, pretrained_path=str(p._source))
+        p.reset()
+        torch.manual_seed(0)
+        acts.append(p.select_action(pre(dict(obs))))
+    torch.testing.assert_close(acts[1], acts[0], rtol=0, atol=0)
+    torch.testing.assert_close(acts[2], acts[0], rtol=0, atol=0)
+    with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
+        FleetmindPolicy.from_pretrained("fleetmind/not-cached", cache_dir=cache)
+
+
 def test_an_image_export_takes_lerobots_camera_renamed_and_resized(tmp_path):
     """LeRobot's Meta-World env gives ``observation.image`` at 480 x 480 (B, 3, H, W) in [0, 1]: with lerobot-eval's
     ``rename_map`` the plugin's preprocessor names it as the export's camera, and the policy resizes it to the

@@ -69,26 +69,65 @@ class FleetmindPolicy(PreTrainedPolicy):
                                       action_scale_m=config.action_scale_m)
         self._robot_obs: dict | None = None   # robot mode: the joint readings of the step being acted on
         self._step = 0
+        self._source: Path | None = None   # the folder it was loaded from: save_pretrained carries its files on
+
+    def _save_pretrained(self, save_directory: Path, state_dict: dict[str, Tensor] | None = None) -> None:
+        """What LeRobot's ``save_pretrained`` / ``push_to_hub`` write: the folder this policy was loaded from (its
+        processors and model card ``README.md``), the fleetmind export (weights with their sha256, the ONNX graph,
+        the critic) in ``config.export_subdir``, and ``config.json`` from the current config. No separate
+        ``model.safetensors``: the export's weights are the policy's (``from_pretrained`` checks them).
+
+        Raises:
+            FileNotFoundError: a policy without an export folder to carry (one not loaded by ``from_pretrained``)."""
+        import shutil
+
+        save_directory = Path(save_directory)
+        export = getattr(self.runtime, "folder", None)
+        if export is None:
+            raise FileNotFoundError("save_pretrained: this fleetmind policy has no export folder to carry "
+                                    "(load it with FleetmindPolicy.from_pretrained)")
+        if self._source is not None and self._source.resolve() != save_directory.resolve():
+            for f in self._source.iterdir():
+                if f.is_file() and f.name != "config.json":
+                    shutil.copy2(f, save_directory / f.name)
+        dest = save_directory / self.config.export_subdir
+        if Path(export).resolve() != dest.resolve():
+            shutil.copytree(export, dest, dirs_exist_ok=True)
+        if not (save_directory / "README.md").is_file() and (Path(export) / "README.md").is_file():
+            shutil.copy2(Path(export) / "README.md", save_directory / "README.md")   # the export's model card
+        self.config._save_pretrained(save_directory)
 
     @classmethod
     def from_pretrained(cls, pretrained_name_or_path: str | Path, *, config: FleetmindConfig | None = None,
+                        cache_dir: str | Path | None = None, revision: str | None = None,
                         **_: Any) -> FleetmindPolicy:
-        """Load a LeRobot policy folder of type ``fleetmind`` (``python -m lerobot_policy_fleetmind.export``).
+        """Load a LeRobot policy folder of type ``fleetmind`` (``python -m lerobot_policy_fleetmind.export``, or a
+        policy's ``save_pretrained`` / ``push_to_hub``).
 
         Args:
-            pretrained_name_or_path: a local folder (nothing is downloaded).
+            pretrained_name_or_path: a local folder, or a Hub repo id (``user/name``) already in the local Hub cache
+                (``huggingface_hub.snapshot_download(local_files_only=True)``: nothing is downloaded).
             config: LeRobot's parsed config (``make_policy`` passes it, with command-line overrides applied);
                 None: read from the folder's ``config.json``.
+            cache_dir, revision: the Hub cache and revision for a repo id.
         Raises:
-            FileNotFoundError: not a local folder, or no fleetmind export in it (names the path).
+            FileNotFoundError: neither a local folder nor a cached repo, or no fleetmind export in it (names it).
             ValueError: the export fails its sha256 check or the runtime refuses an option (``policies.runtime``).
         """
         from policies.runtime import PolicyRuntime
 
         folder = Path(pretrained_name_or_path)
         if not folder.is_dir():
-            raise FileNotFoundError(f"{str(folder)!r}: a fleetmind LeRobot policy is a local folder "
-                                    "(python -m lerobot_policy_fleetmind.export writes one)")
+            try:
+                from huggingface_hub import snapshot_download
+
+                folder = Path(snapshot_download(str(pretrained_name_or_path), cache_dir=cache_dir, revision=revision,
+                                                local_files_only=True))
+            except Exception as e:  # noqa: BLE001 - not a repo id, or not cached: one clear error
+                raise FileNotFoundError(
+                    f"{str(pretrained_name_or_path)!r} is neither a local folder nor a Hub repo in the local cache "
+                    f"({type(e).__name__}); nothing is downloaded: fetch it first (huggingface-cli download) or give "
+                    "the folder python -m lerobot_policy_fleetmind.export wrote") from None
         if config is None:
             config = PreTrainedConfig.from_pretrained(folder)
         export = folder / config.export_subdir
@@ -103,7 +142,9 @@ class FleetmindPolicy(PreTrainedPolicy):
             if isinstance(sampler, CriticGuidedSampler):
                 runtime.policy.chunk_sampler = sampler.inner
             runtime.critic = False
-        return cls(config, runtime=runtime)
+        policy = cls(config, runtime=runtime)
+        policy._source = folder
+        return policy
 
     def _from_robot(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """Robot mode: LeRobot's frame (``observation.state`` = (1, 6) joint readings in the robot's
