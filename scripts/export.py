@@ -2,6 +2,8 @@
 
     python scripts/export.py deploy.export.checkpoint=outputs/train_quick deploy.export.out_dir=exports/push
     python scripts/export.py deploy.export.version=3 deploy.export.success_table=outputs/eval/table.json
+    python scripts/export.py deploy.export.registry_url=outputs/run/seed_0/registry deploy.export.out_dir=exports/v \
+        deploy.export.lerobot_dir=lerobot/fleetmind_v deploy.export.lerobot_robot=so100   # + a LeRobot policy folder
 
 Writes weights (safetensors), config, normalization stats, tokenizer, ``export.json`` and a model card
 (``README.md``); load the folder with ``policies.runtime.PolicyRuntime.load``. See ``policies.export``.
@@ -111,8 +113,17 @@ def main(cfg: DictConfig) -> None:
                                 training=training, overwrite=bool(ecfg.overwrite), onnx_steps=onnx_steps(ecfg.onnx_steps, ckpt),
                                 onnx_batch_size=int(ecfg.onnx_batch_size), onnx_optimize=bool(ecfg.onnx_optimize))
     meta = json.loads((out / "export.json").read_text())
-    print(json.dumps({"export_dir": str(out), "files": sorted(meta["files"]), "parameters": meta["parameters"],
-                      "control_hz": meta["control_hz"], "git": meta["git"]}, indent=1))
+    summary = {"export_dir": str(out), "files": sorted(meta["files"]), "parameters": meta["parameters"],
+               "control_hz": meta["control_hz"], "git": meta["git"]}
+    if ecfg.lerobot_dir:   # the LeRobot policy folder of the same export, in the same command
+        try:
+            from lerobot_policy_fleetmind.export import export_for_lerobot
+        except ImportError as e:
+            raise SystemExit(f"export: deploy.export.lerobot_dir needs fleetmind's LeRobot plugins ({e}); install "
+                             "them with `make install` (the lerobot extra and plugins/)") from None
+        summary["lerobot_dir"] = str(export_for_lerobot(out, ecfg.lerobot_dir, overwrite=bool(ecfg.overwrite),
+                                                        robot=ecfg.lerobot_robot))
+    print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

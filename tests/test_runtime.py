@@ -415,15 +415,24 @@ def test_a_published_version_carries_its_rate_tasks_and_lineage_into_the_export(
     reg = CheckpointRegistry(str(tmp_path / "registry"))
     v0 = reg.publish(ckpt, metadata={"run_id": "base", "round": -1, **lineage(url, None)})
     v1 = reg.publish(ckpt, metadata={"run_id": "fert", "round": 0, **lineage(url, reg.latest_version())})
+    import importlib.util
+
+    lerobot_args = ([f"deploy.export.lerobot_dir={tmp_path / 'lerobot'}"]
+                    if importlib.util.find_spec("lerobot_policy_fleetmind") else [])
     res = subprocess.run(
         [sys.executable, "scripts/export.py", f"deploy.export.registry_url={tmp_path / 'registry'}",
          "deploy.export.version=latest", f"deploy.export.out_dir={tmp_path / 'out'}", "deploy.export.onnx_steps=[]",
-         f"hydra.run.dir={tmp_path / 'hydra'}"],
+         f"hydra.run.dir={tmp_path / 'hydra'}", *lerobot_args],
         cwd=REPO, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "MUJOCO_GL": "egl"}, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     meta = json.loads((tmp_path / "out" / "export.json").read_text())
     assert meta["control_hz"] == 80.0 and meta["source"]["version"] == v1
+    if lerobot_args:   # one command from a registry version to a LeRobot policy folder (issue 52, item 9)
+        lr = tmp_path / "lerobot"
+        cfg = json.loads((lr / "config.json").read_text())
+        assert cfg["type"] == "fleetmind" and (lr / cfg["export_subdir"] / "export.json").is_file()
+        assert json.loads(res.stdout[res.stdout.index("{"):])["lerobot_dir"] == str(lr)
     tr = meta["training"]
     assert tr["tasks"] == ["push-v3", "reach-v3"] and tr["store"] == url and tr["parent_version"] == v0
     assert tr["store_episodes"] == 2 and tr["store_demos"] == 1

@@ -58,12 +58,18 @@ class ExportConfig(TypedConfig):
     """The ONNX graphs' batch size (1: one robot; other batch sizes run in PyTorch)."""
     onnx_optimize: bool = True
     """onnxscript's graph optimizer (about half the nodes; ~1 min for the default policy on 2 cores)."""
+    lerobot_dir: str | None = None
+    """Also write a LeRobot policy folder here (``lerobot-eval`` / ``lerobot-rollout --policy.path=<it>``; needs the
+    lerobot extra and fleetmind's plugins): one command from a checkpoint or registry version to LeRobot."""
+    lerobot_robot: str | None = None
+    """With ``lerobot_dir``: ``so100``: the LeRobot policy drives an SO-100 / SO-101 robot (joint readings in, joint
+    targets out: ``lerobot-rollout``); null: the policy's own features (``lerobot-eval``)."""
 
 
 ExportConfig._group, ExportConfig._rules = "deploy.export", {
     "version": lambda v: None if v == "latest" or integer(1)(v) is None else "'latest' or an integer >= 1",
     "overwrite": boolean, "control_hz": optional(POS_NUMBER), "onnx_steps": optional(int_list(1, empty=True)),
-    "onnx_batch_size": POS, "onnx_optimize": boolean}
+    "onnx_batch_size": POS, "onnx_optimize": boolean, "lerobot_robot": optional(one_of("so100"))}
 
 
 @dataclass
