@@ -327,3 +327,17 @@ def test_round_trip_keeps_retry_links_and_terminations(tmp_path):
     assert "retry_of" not in first.extra
     assert retry0.extra["retry_of"] == first.episode_id and retry1.extra["retry_of"] == retry0.episode_id
     assert retry1.extra["lerobot"]["source_retry_of"] == ids[1] and retry1.extra["attempt"] == 1
+
+
+def test_lerobot_dataset_viz_runs_in_the_one_environment(tmp_path):
+    """Issue 52, item 14: LeRobot's viewer (``lerobot-dataset-viz``, rerun-sdk from LeRobot's viz extra) runs on a
+    LeRobotDataset v3 folder offline and writes a Rerun recording with ``--save 1`` (no viewer spawned)."""
+    exe = shutil.which("lerobot-dataset-viz") or str(Path(sys.executable).parent / "lerobot-dataset-viz")
+    out = tmp_path / "viz"
+    p = subprocess.run([exe, "--repo-id", "local/metaworld_push_expert", "--root", str(IMAGE_DS), "--episode-index",
+                        "1", "--save", "1", "--output-dir", str(out), "--num-workers", "0"],
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300,
+                       check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    [rrd] = list(out.glob("*.rrd"))
+    assert rrd.stat().st_size > 10_000
