@@ -116,12 +116,34 @@ class LeRobotInteropError(ValueError):
 # ----------------------------------------------------------------------------- lerobot (lazy)
 
 
+class _ShortTorchcodecNote(logging.Filter):
+    """LeRobot logs a ~100-line traceback (every FFmpeg version torchcodec tried) when torchcodec is installed but
+    FFmpeg's shared libraries are not, then decodes videos with PyAV (``lerobot.utils.import_utils
+    .get_safe_default_video_backend``). That record is replaced by one line, said once per process."""
+
+    said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if "libtorchcodec" not in msg and "Falling back to 'pyav'" not in msg:
+            return True
+        if not _ShortTorchcodecNote.said:
+            _ShortTorchcodecNote.said = True
+            log.info("LeRobot: torchcodec cannot be loaded here (FFmpeg's shared libraries are missing); video frames "
+                     "decode with PyAV instead (LeRobot's fallback)")
+        return False
+
+
 def _lerobot_dataset_cls():
-    """``lerobot.datasets.lerobot_dataset.LeRobotDataset``, imported on first use.
+    """``lerobot.datasets.lerobot_dataset.LeRobotDataset``, imported on first use (LeRobot's torchcodec traceback
+    replaced by one line: :class:`_ShortTorchcodecNote`).
 
     Raises:
         ImportError: lerobot is not installed; the message names the extra that installs it.
     """
+    lr_log = logging.getLogger("lerobot.utils.import_utils")
+    if not any(isinstance(f, _ShortTorchcodecNote) for f in lr_log.filters):
+        lr_log.addFilter(_ShortTorchcodecNote())
     try:
         from lerobot.datasets.lerobot_dataset import LeRobotDataset
     except ImportError as e:

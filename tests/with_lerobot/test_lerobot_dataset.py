@@ -341,3 +341,21 @@ def test_lerobot_dataset_viz_runs_in_the_one_environment(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     [rrd] = list(out.glob("*.rrd"))
     assert rrd.stat().st_size > 10_000
+
+
+def test_export_command_prints_no_torchcodec_traceback(tmp_path):
+    """Issue 52, item 12: ``python -m experience_dict.lerobot export`` on a machine whose torchcodec cannot load
+    FFmpeg's shared libraries: LeRobot's ~100-line traceback is replaced by one logged line; the dataset is written
+    (PNG frames: the test store's 16 px frames are below what the AV1 encoder takes)."""
+    from tests.test_store import new_store, write_episode
+
+    w = new_store(tmp_path / "store").writer("u0")
+    for e in range(2):
+        write_episode(w, 0, e)
+    w.close()
+    p = subprocess.run([sys.executable, "-m", "experience_dict.lerobot", "export", str(tmp_path / "store"),
+                        str(tmp_path / "ds"), "--no-video"], cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout + p.stderr
+    assert "libtorchcodec" not in out and "Traceback" not in out, out[:3000]
+    assert (tmp_path / "ds" / "meta" / "info.json").is_file()
