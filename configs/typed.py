@@ -14,7 +14,7 @@ Migrated so far: ``learner`` (:class:`fleet.fert.learner_config.LearnerConfig`),
 (:mod:`configs.scripts`), ``deploy`` (:class:`fleet.deploy.config.DeployConfig`), ``fleet``
 (:class:`fleet.fleet_config.FleetConfig`), ``robot``, ``obs`` and ``task`` (:mod:`configs.sim_groups`; their presets extend
 the dataclass), ``store`` (:class:`experience_dict.store.config.StoreConfig`); new groups are typed from the start: ``steer``
-(:class:`policies.noise_actor.SteerConfig`).
+(:class:`policies.steer_config.SteerConfig`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from fleet.fert.config import FertConfig
 from fleet.fert.learner_config import LearnerConfig
 from fleet.fleet_config import FleetConfig
 from fleet.labels_config import LabelsConfig
-from policies.noise_actor import SteerConfig
+from policies.steer_config import SteerConfig
 from policies.train_config import TrainConfig
 
 TYPED_GROUPS: dict[str, type] = {"learner": LearnerConfig, "steer": SteerConfig, "train": TrainConfig,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from configs.rules import POS, TypedConfig, integer, number, optional
+from policies.steer_config import SteerConfig  # noqa: F401 - its home is torch-free (configs compose it)
 
 ACTOR_FILE, ACTOR_CONFIG = "noise_actor.safetensors", "noise_actor.json"
 
@@ -152,43 +151,6 @@ def install_noise_actor(policy, directory: str | Path, device: str = "cpu") -> b
     return True
 
 
-@dataclass
-class SteerConfig(TypedConfig):
-    """Fitting a noise actor (``scripts/steer.py``, :func:`fit_noise_actor`). Raises :class:`ConfigError`
-    listing every value out of range."""
-
-    checkpoint: str | None = None
-    """The policy to steer: a ``pretrained_model`` directory with its success critic (``critic.safetensors``)."""
-    critic: str | None = None
-    """A directory holding the success critic to steer against (``critic.safetensors``); null: the checkpoint's
-    own."""
-    out_dir: str | None = None
-    """Where the steered checkpoint goes (the policy's files without the critic, plus the actor); null: the run
-    dir's ``steered/``."""
-    states_per_task: int = 256
-    """Fleet states per task the actor is trained on (``policies.distill.balanced_anchors``)."""
-    updates: int = 1500
-    """Adam updates of the actor."""
-    batch_size: int = 64
-    """States per update."""
-    lr: float = 1.0e-3
-    """Adam learning rate."""
-    hidden: int = 256
-    """The actor's width."""
-    bound: float = 2.0
-    """Each noise coordinate in (-bound, bound)."""
-    pessimism: float = 1.0
-    """The objective is the critic members' mean success probability minus this times their std."""
-    num_inference_steps: int | None = None
-    """DDIM steps of the chain the gradient goes through (null: the policy's own)."""
-    seed: int = 0
-    """States' draw and the actor's initialisation."""
-
-
-_STEER_RULES = {"states_per_task": POS, "updates": POS, "batch_size": POS, "lr": number(0, open_lo=True),
-                "hidden": POS, "bound": number(0, open_lo=True), "pessimism": number(0),
-                "num_inference_steps": optional(POS), "seed": integer(0)}
-SteerConfig._group, SteerConfig._rules = "steer", _STEER_RULES
 
 
 def fit_noise_actor(policy, critic, windows, indices: Sequence[int], cfg: SteerConfig,

@@ -30,6 +30,8 @@ there that no longer exists fails the test too.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,3 +258,17 @@ def test_graph_sees_the_project():
     edges = {(i.src, i.dst, i.local) for i in collect_imports()}
     assert ("fleet.fert.learner", "policies.factory", True) in edges
     assert ("fleet.coordinator", "fleet.worker", False) in edges
+
+
+def test_composing_a_config_loads_no_torch_zarr_mujoco_or_ray():
+    """Issue 50: ``configs.typed`` (every typed group, imported by each Hydra script before it composes) imports no
+    torch, zarr, MuJoCo or Ray, so ``policies.threads.passive_wait`` after it still runs before torch loads (the
+    steer group's config lives in ``policies.steer_config``; the store package loads its reader and writer lazily)."""
+    code = ("import sys, configs.typed; "
+            "bad = sorted({'torch', 'zarr', 'mujoco', 'ray'} & set(sys.modules)); assert not bad, bad; "
+            "from experience_dict.store import ExperienceStore, StoreError; assert 'zarr' in sys.modules; "
+            "from policies.noise_actor import SteerConfig as A; from policies.steer_config import SteerConfig as B; "
+            "assert A is B")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert p.returncode == 0, p.stderr[-2000:]

@@ -3,8 +3,6 @@
 CLI: ``python -m experience_dict.store info|verify|stats URL``.
 """
 
-from experience_dict.store import codecs  # noqa: F401  (registers the store's image codecs with zarr)
-from experience_dict.store.reader import ExperienceStore, copy_episodes
 from experience_dict.store.schema import (
     DEFAULT_PROGRESS_KEYS,
     LOWDIM,
@@ -21,8 +19,24 @@ from experience_dict.store.schema import (
     StoreWriteError,
     WriterBusyError,
 )
-from experience_dict.store.storage import configure_storage
-from experience_dict.store.writer import EpisodeWriter
+
+# the reader, the writer and the storage options need zarr: imported on first use (PEP 562), so that a config
+# (``experience_dict.store.config``) or the store's errors load without zarr, torch or the codecs
+_LAZY = {"ExperienceStore": "reader", "copy_episodes": "reader", "EpisodeWriter": "writer",
+         "configure_storage": "storage"}
+
+
+def __getattr__(name: str):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'experience_dict.store' has no attribute {name!r}")
+    import importlib
+
+    importlib.import_module("experience_dict.store.codecs")   # registers the store's codecs with zarr
+    value = getattr(importlib.import_module(f"experience_dict.store.{mod}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DEFAULT_PROGRESS_KEYS",
