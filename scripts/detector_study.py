@@ -53,6 +53,9 @@ VARIANTS = {
     # scene's one red object
     "pc_rgb": {"cams": [], "size": 64, "updates": 800, "cloud": True, "color": True},
     "pc_rgb_2k": {"cams": [], "size": 64, "updates": 2000, "cloud": True, "color": True},
+    # the three cameras beside the coloured cloud (experiment 55's addendum: reach is best seen by the cameras,
+    # window-open by the cloud)
+    "all64_pc_rgb_2k": {"cams": CAMS, "size": 64, "updates": 2000, "cloud": True, "color": True},
 }
 # Meta-World v3's success cuts on info["obj_to_target"] (metaworld/envs/sawyer_*_v3.py), for records without
 # per-frame marks
