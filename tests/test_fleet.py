@@ -154,8 +154,10 @@ def test_killed_raising_and_hung_workers_are_restarted_and_nothing_lost(tmp_path
 def test_new_version_picked_up_between_episodes_and_tampered_refused(tmp_path):
     reg = CheckpointRegistry(tmp_path / "registry")
     assert reg.publish(tiny_aed_checkpoint(tmp_path / "ck1", seed=1), {"step": 1}) == 1
+    # fleet.episode_timeout_s: on a loaded machine a first episode (torch imported, the checkpoint loaded) outlasted
+    # the default 120 s, and the supervisor restarted the worker as hung in the middle of the test
     cfg = make_cfg(tmp_path, "fleet.units=1", "policy=aed_diffusion", "task.tasks=[reach-v3]",
-                   "task.max_episode_steps=12")
+                   "task.max_episode_steps=12", "fleet.episode_timeout_s=900")
     # a slow step in episode 2 lets the test publish while that episode runs
     faults = {0: {"kind": "sleep", "episode": 2, "step": 3, "seconds": 2, "once_file": str(tmp_path / "f")}}
     with Fleet(cfg, faults=faults) as fleet:
