@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from policies.features import POINT_COLORS
+from policies.features import POINT_COLORS, point_in_dim
 
 CRITIC_WEIGHTS = "critic.safetensors"
 CRITIC_CONFIG = "critic.json"
@@ -75,7 +75,7 @@ class CriticFeatures(nn.Module):
         if self.point_keys:
             from policies.aed_diffusion.modeling_aed_diffusion import PointEncoder
 
-            pin = 3 + 3 * self.point_relative + 3 * self.point_color
+            pin = point_in_dim(self.point_relative, self.point_color)
             self.points = nn.ModuleDict({k.replace(".", "_"): PointEncoder(self.point_channels, self.point_dim, pin)
                                          for k in self.point_keys})
             for k in self.point_keys:   # the policy's coordinate normalisation, copied with its encoder

@@ -7,3 +7,9 @@ POINT_CLOUD = "observation.point_cloud"
 POINT_COLORS = "observation.point_colors"
 """The colours of :data:`POINT_CLOUD`'s points, ``(N, 3)`` uint8 RGB, row i the colour of point i (``sim.pointcloud``,
 ``obs.point_color``)."""
+
+
+def point_in_dim(relative: bool, color: bool) -> int:
+    """Inputs per point of a point encoder (``policies.aed_diffusion.modeling_aed_diffusion.point_features``): 3
+    coordinates, +3 the offset from the hand (``relative``), +3 the colour (``color``)."""
+    return 3 + 3 * bool(relative) + 3 * bool(color)

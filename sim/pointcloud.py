@@ -180,8 +180,9 @@ def cloud_from_depth(depths: Sequence[np.ndarray], cameras: Sequence[DepthCamera
     depths = [np.asarray(d) for d in depths]
     pts = np.concatenate([c.base_points(d) for d, c in zip(depths, cameras)] or [np.zeros((0, 3))], 0)
     keep = crop_mask(pts, crop_min, crop_max)
-    idx = farthest_indices(pts[keep], int(num_points))
-    cloud = snap_to_grid(pts[keep][idx]) if len(idx) else np.zeros((int(num_points), 3), np.float32)
+    inside = pts[keep]
+    idx = farthest_indices(inside, int(num_points))
+    cloud = snap_to_grid(inside[idx]) if len(idx) else np.zeros((int(num_points), 3), np.float32)
     if colors is None:
         return cloud
     rgb = []

@@ -43,6 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from fleet.deploy.safety import EventLog, SafetyEvent
+from policies.features import POINT_CLOUD, POINT_COLORS
 from sim.units import EMBODIMENTS, embodiment_onehot
 
 LEROBOT_ARM_JOINTS = ("shoulder_pan", "shoulder_lift", "elbow_flex", "wrist_flex", "wrist_roll")
@@ -51,8 +52,7 @@ MOTOR_KEYS = tuple(f"{j}.pos" for j in LEROBOT_JOINTS)
 SIM_PREFIX = "sim."   # sim-only observation features of fleetmind_so100_sim (object state)
 EE_ACTION_NAMES = ["dx", "dy", "dz", "gripper"]
 STATE_KEY, ENV_STATE_KEY, IMAGE_PREFIX = "observation.state", "observation.environment_state", "observation.images."
-CLOUD_KEY = "observation.point_cloud"   # from the robot's depth cameras (sim.pointcloud.cloud_from_depth)
-COLORS_KEY = "observation.point_colors"   # the cloud's colours, from the depth cameras' aligned colour images
+CLOUD_KEY, COLORS_KEY = POINT_CLOUD, POINT_COLORS   # from the robot's depth cameras and their aligned colour images
 DEPTH_RGB_SUFFIX = ".depth_rgb"   # "<camera>.depth_rgb": (H, W, 3) uint8, the colour image aligned to "<camera>.depth"
 DEPTH_SUFFIX = ".depth"   # a robot's depth image feature: "<camera>.depth", (H, W) in its calibration's depth units
 EMBODIMENT_KEY = "observation.embodiment"   # a mixed fleet's policy is told its robot (sim.units.embodiment_onehot)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from policies.features import POINT_COLORS
+from policies.features import POINT_COLORS, point_in_dim
 
 
 @dataclass
@@ -209,7 +209,7 @@ class AEDDiffusionConfig:
     def point_in_dim(self) -> int:
         """Inputs per point of the point encoder: 3 coordinates, +3 the offset from the hand (``point_relative``),
         +3 the colour (``point_color``)."""
-        return 3 + 3 * bool(self.point_relative) + 3 * self.point_color
+        return point_in_dim(self.point_relative, self.point_color)
 
     @property
     def normalized_keys(self) -> list[str]:
