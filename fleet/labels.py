@@ -138,11 +138,13 @@ class OnlineLabeller:
             want_points = int(lc.num_points) if lc.point_cloud else 0
             want_color = bool(lc.point_cloud and lc.point_color)
             if list(sp.cameras) != self.cameras or sp.image_size != lc.image_size or sp.num_points != want_points \
-                    or bool(sp.point_color) != want_color:
+                    or bool(sp.point_color) != want_color or (sp.history, sp.history_every) != (
+                        int(lc.history), int(lc.history_every) if lc.history else sp.history_every):
                 raise ValueError(f"success detector {acting.detector_dir}: trained on cameras {sp.cameras} at "
-                                 f"{sp.image_size} px and {sp.num_points} cloud points (colour: {sp.point_color}), "
-                                 f"configured labels.cameras {self.cameras} at {lc.image_size} px and {want_points} "
-                                 f"points (colour: {want_color})")
+                                 f"{sp.image_size} px, {sp.num_points} cloud points (colour: {sp.point_color}) and a "
+                                 f"history of {sp.history} every {sp.history_every} steps; configured labels.cameras "
+                                 f"{self.cameras} at {lc.image_size} px, {want_points} points (colour: {want_color}) "
+                                 f"and labels.history {lc.history} every {lc.history_every}")
 
     @property
     def detects(self) -> bool:
@@ -166,18 +168,28 @@ class OnlineLabeller:
         return None if self.clouds is None else self.clouds.cloud(env)
 
     def judge(self, frames: np.ndarray, states: np.ndarray, tasks: list[str],
-              clouds: np.ndarray | None = None) -> np.ndarray:
+              clouds: np.ndarray | None = None, history: np.ndarray | None = None) -> np.ndarray:
         """(B,) success probabilities of frames (B, C, H, W, 3) uint8 with proprioception (B, S) float32 and, for a
-        detector that reads one, clouds (B, N, 3) float32."""
+        detector that reads them, clouds (B, N, 3) float32 and the proprioception history (B, H, S) float32
+        (:meth:`history_steps`)."""
         import torch
 
         idx = torch.tensor([self.detector.task_index(t) for t in tasks])
         return self.detector.probability(torch.as_tensor(frames), torch.as_tensor(states, dtype=torch.float32),
-                                         idx, None if clouds is None else torch.as_tensor(clouds)).numpy()
+                                         idx, None if clouds is None else torch.as_tensor(clouds),
+                                         None if history is None else torch.as_tensor(history)).numpy()
 
-    @property
-    def threshold(self) -> float:
-        return float(self.detector.spec.threshold)
+    def history_steps(self, t: int) -> list[int]:
+        """The steps of the detector's proprioception history at judged step ``t`` (empty without one), clamped to
+        the labelled budget's first recorded step as in training (``policies.success_detector.history_steps``)."""
+        from policies.success_detector import history_steps
+
+        sp = self.detector.spec
+        return history_steps(t, sp.history, sp.history_every, self.record_every) if sp.history else []
+
+    def threshold_of(self, task: str) -> float:
+        """The detector's firing threshold for ``task`` (per task when fitted so)."""
+        return self.detector.spec.threshold_of(task)
 
     def close(self) -> None:
         self.grabber.close()
@@ -246,15 +258,65 @@ def _episode_verdicts(model, recs: list[dict], every: int) -> np.ndarray:
     import torch
 
     out = []
+    sp = model.spec
     for r in recs:
         keep = (r["step"] % every == 0)
         if not keep.any():
             keep[:] = True
         t = torch.full((int(keep.sum()),), model.task_index(str(r["task"])))
-        clouds = torch.as_tensor(r["clouds"][keep]) if model.spec.num_points else None
+        clouds = torch.as_tensor(r["clouds"][keep]) if sp.num_points else None
+        hist = torch.as_tensor(record_history(r, sp.history, sp.history_every)[keep]) if sp.history else None
         out.append(float(model.probability(torch.as_tensor(r["frames"][keep]), torch.as_tensor(r["state"][keep]),
-                                           t, clouds).max()))
+                                           t, clouds, hist).max()))
     return np.asarray(out)
+
+
+def record_history(rec: dict, history: int, every: int) -> np.ndarray:
+    """(K, H, S) float32: for each frame of a record, its proprioception ``history`` samples back, ``every`` steps
+    apart (``policies.success_detector.history_steps``, clamped to the record's first step).
+
+    Raises:
+        ValueError: a history step the record does not hold (``every`` not a multiple of its recording interval).
+    """
+    from policies.success_detector import history_steps
+
+    steps, state = np.asarray(rec["step"]), np.asarray(rec["state"], np.float32)
+    row = {int(t): i for i, t in enumerate(steps)}
+    out = np.empty((len(steps), int(history), state.shape[-1]), np.float32)
+    for i, t in enumerate(steps):
+        for k, s in enumerate(history_steps(int(t), history, every, int(steps[0]))):
+            if s not in row:
+                raise ValueError(f"labels.history_every={every}: record {rec.get('episode_id')} holds no frame at "
+                                 f"step {s} (it was recorded every {int(steps[1] - steps[0]) if len(steps) > 1 else '?'}"
+                                 " steps)")
+            out[i, k] = state[row[s]]
+    return out
+
+
+def choose_thresholds(p_max: np.ndarray, truth: np.ndarray, tasks_of: list[str] | None = None) -> dict:
+    """The firing threshold(s) with the largest balanced accuracy over 0.05..0.95 (ties: nearest 0.5) on held-out
+    episodes' largest probabilities ``p_max`` (E,) against ``truth`` (E,) bool; with ``tasks_of`` (E task names),
+    one per task (a task whose episodes hold one class only keeps the overall threshold).
+
+    Returns:
+        ``{"threshold": float, "tasks": {task: float}}`` (``tasks`` empty without ``tasks_of``).
+    """
+    grid = np.round(np.arange(0.05, 0.96, 0.05), 2)
+    p_max, truth = np.asarray(p_max, float), np.asarray(truth, bool)
+
+    def best(sel) -> float:
+        def balanced(tau: float) -> float:
+            s = binary_scores(p_max[sel] > tau, truth[sel])
+            return 0.5 * (s["tp"] / max(s["tp"] + s["fn"], 1) + s["tn"] / max(s["tn"] + s["fp"], 1))
+        return float(max(grid, key=lambda x: (balanced(x), -abs(x - 0.5))))
+
+    everything = np.ones(len(truth), bool)
+    tau = best(everything)
+    per = {}
+    for t in sorted(set(tasks_of or [])):
+        sel = np.array([x == t for x in tasks_of])
+        per[t] = best(sel) if 0 < truth[sel].sum() < sel.sum() else tau
+    return {"threshold": tau, "tasks": per}
 
 
 def record_clouds(rec: dict) -> np.ndarray:
@@ -268,8 +330,10 @@ def record_clouds(rec: dict) -> np.ndarray:
     return np.asarray(rec["clouds"], np.float32)
 
 
-def _stack(recs: list[dict], tasks: list[str], mode: str = "ever", clouds: bool = False):
-    """``(frames, state, task, label, clouds or None)`` tensors of every frame of ``recs``."""
+def _stack(recs: list[dict], tasks: list[str], mode: str = "ever", clouds: bool = False,
+           history: tuple[int, int] = (0, 2)):
+    """``(frames, state, task, label, clouds or None, history or None)`` tensors of every frame of ``recs``
+    (``history``: ``(samples, every)``, :func:`record_history`)."""
     import torch
 
     frames = torch.as_tensor(np.concatenate([r["frames"] for r in recs]))
@@ -277,7 +341,8 @@ def _stack(recs: list[dict], tasks: list[str], mode: str = "ever", clouds: bool 
     task = torch.as_tensor(np.concatenate([np.full(len(r["step"]), tasks.index(str(r["task"]))) for r in recs]))
     label = torch.as_tensor(np.concatenate([frame_labels(r, mode) for r in recs]))
     cl = torch.as_tensor(np.concatenate([record_clouds(r) for r in recs])) if clouds else None
-    return frames, state, task, label, cl
+    hist = torch.as_tensor(np.concatenate([record_history(r, *history) for r in recs])) if history[0] else None
+    return frames, state, task, label, cl, hist
 
 
 def binary_scores(pred, truth) -> dict[str, Any]:
@@ -328,30 +393,27 @@ def fit_from_records(record_dir: str | Path, labels: dict, tasks: list[str], out
         S = int(recs[0]["state"].shape[-1])
         return DetectorSpec(tasks=list(tasks), cameras=list(lc.cameras), image_size=lc.image_size, state_dim=S,
                             width=lc.width, num_points=int(lc.num_points) if lc.point_cloud else 0,
-                            point_color=bool(lc.point_cloud and lc.point_color))
+                            point_color=bool(lc.point_cloud and lc.point_color), history=int(lc.history),
+                            history_every=int(lc.history_every))
 
     kw = {"updates": lc.updates, "batch_size": lc.batch_size, "lr": lc.lr, "seed": int(seed)}
-    *data, clouds = _stack(fit, list(tasks), lc.frame_label, clouds=bool(lc.point_cloud))
-    model, info = fit_detector(spec(), *data, clouds=clouds, **kw)
+    *data, clouds, hist = _stack(fit, list(tasks), lc.frame_label, clouds=bool(lc.point_cloud),
+                                 history=(int(lc.history), int(lc.history_every)))
+    model, info = fit_detector(spec(), *data, clouds=clouds, history=hist, **kw)
     p_val = _episode_verdicts(model, val, lc.every)
     t_val = np.array([bool(r["success"]) for r in val])
+    val_tasks = [str(r["task"]) for r in val]
     if lc.threshold is not None:
-        tau = float(lc.threshold)
+        tau, per = float(lc.threshold), {}
     else:
-        grid = np.round(np.arange(0.05, 0.96, 0.05), 2)
-
-        def balanced(tau: float) -> float:
-            s = binary_scores(p_val > tau, t_val)
-            tpr = s["tp"] / max(s["tp"] + s["fn"], 1)
-            tnr = s["tn"] / max(s["tn"] + s["fp"], 1)
-            return 0.5 * (tpr + tnr)
-
-        tau = float(max(grid, key=lambda x: (balanced(x), -abs(x - 0.5))))
-    val_scores = binary_scores(p_val > tau, t_val)
+        chosen = choose_thresholds(p_val, t_val, val_tasks if lc.per_task_threshold else None)
+        tau, per = chosen["threshold"], chosen["tasks"]
     model.spec.threshold = tau
+    model.spec.task_thresholds = [float(per.get(t, tau)) for t in model.spec.tasks] if per else []
+    val_scores = binary_scores(p_val > np.array([model.spec.threshold_of(t) for t in val_tasks]), t_val)
     model.save(out_dir)
     out = {"episodes": len(recs), "fit_episodes": len(fit), "successes": int(truth.sum()), "frames": info["frames"],
-           "positives": info["positives"], "threshold": tau, "validation": val_scores,
+           "positives": info["positives"], "threshold": tau, "task_thresholds": per, "validation": val_scores,
            "fit_s": time.perf_counter() - t0}
     (Path(out_dir) / "fit.json").write_text(json.dumps(out, indent=1))
     return out

@@ -60,6 +60,13 @@ class LabelsConfig(TypedConfig):
     """What the detector learns per frame: ever | now. ever: done from the person's success moment to the end of a
     successful episode; now: done in this frame (the person's per-frame mark). A task whose success is a moment
     (reach passes through its goal and moves on) is mislabelled by ever in the frames after it."""
+    history: int = 0
+    """The detector also reads the robot's proprioception at this many earlier instants, ``history_every`` steps
+    apart, as offsets from now (``policies.success_detector.history_steps``); 0: the current frame only."""
+    history_every: int = 2
+    """Steps between the history's samples (a multiple of ``record_every``, so the labelled budget holds them)."""
+    per_task_threshold: bool = False
+    """Choose the firing threshold per task on the held-out labelled episodes (else one for every task)."""
     val_share: float = 0.25
     """Share of the labelled episodes held out to choose the detector's threshold (episode-level, online rule)."""
     threshold: float | None = None
@@ -77,8 +84,13 @@ class LabelsConfig(TypedConfig):
     acting as on the fleet, its labels against the simulator's (precision, recall); 0: no audit."""
 
     def problems(self, prefix: str | None = None) -> list[str]:
-        """The field rules, and: the detector sees something (a camera or the point cloud)."""
+        """The field rules, and: the detector sees something (a camera or the point cloud); its history's spacing is
+        one the labelled budget records."""
         bad = super().problems(prefix)
+        if self.history and isinstance(self.record_every, int) and self.record_every > 0 \
+                and isinstance(self.history_every, int) and self.history_every % self.record_every:
+            bad.append(f"{prefix or self._group}.history_every: expected a multiple of record_every "
+                       f"({self.record_every}) so the labelled budget holds the history, given {self.history_every}")
         if not self.cameras and not self.point_cloud:
             bad.append(f"{prefix or self._group}.cameras: expected at least one camera unless point_cloud is true, "
                        "given []")
@@ -95,5 +107,6 @@ LabelsConfig._group, LabelsConfig._rules = "labels", {
     "point_cloud": boolean, "point_cameras": names, "point_image_size": integer(8), "num_points": POS,
     "point_color": boolean, "crop_max": xyz,
     "every": POS, "record_every": POS, "budget_full_length": boolean, "frame_label": one_of("ever", "now"),
+    "history": integer(0), "history_every": POS, "per_task_threshold": boolean,
     "val_share": number(0.05, 0.5), "threshold": optional(number(0, 1, True)),
     "updates": POS, "batch_size": POS, "lr": POS_NUMBER, "width": POS, "audit_trials_per_task": integer(0)}

@@ -54,6 +54,15 @@ class DetectorSpec:
     cloud_std: list[float] = field(default_factory=list)
     point_color: bool = False
     """The cloud's points carry their RGB (clouds (B, N, 6)); the PointNet reads it beside the coordinates."""
+    history: int = 0
+    """Earlier proprioception samples the detector reads beside the current one (0: none): the state at
+    ``history_every``, 2 ``history_every``, ... steps before the judged frame (:func:`history_steps`), as offsets
+    from now: the hand's motion around a moment of success (reach passes through its goal)."""
+    history_every: int = 2
+    """Control steps between the history's samples."""
+    task_thresholds: list[float] = field(default_factory=list)
+    """Per-task firing thresholds, in ``tasks`` order (empty: ``threshold`` for every task): tasks whose
+    probabilities are calibrated differently each get their own cut."""
 
     @property
     def cloud_channels(self) -> int:
@@ -71,6 +80,36 @@ class DetectorSpec:
                              f"state_dim={self.state_dim}, width={self.width}")
         if not 0.0 < float(self.threshold) < 1.0:
             raise ValueError(f"DetectorSpec.threshold: expected a probability in (0, 1), given {self.threshold}")
+        if self.history < 0 or self.history_every < 1:
+            raise ValueError(f"DetectorSpec: expected history >= 0 and history_every >= 1, given history="
+                             f"{self.history}, history_every={self.history_every}")
+        if self.task_thresholds and (len(self.task_thresholds) != len(self.tasks)
+                                     or not all(0.0 < float(x) < 1.0 for x in self.task_thresholds)):
+            raise ValueError(f"DetectorSpec.task_thresholds: expected one probability in (0, 1) per task "
+                             f"({len(self.tasks)}), given {self.task_thresholds}")
+
+    def threshold_of(self, task: str) -> float:
+        """The firing threshold for ``task`` (its own with ``task_thresholds``, else ``threshold``).
+
+        Raises:
+            KeyError: a task the detector was not trained on.
+        """
+        if not self.task_thresholds:
+            return float(self.threshold)
+        if str(task) not in self.tasks:
+            raise KeyError(f"success detector: task {task!r} not among its tasks {self.tasks}")
+        return float(self.task_thresholds[self.tasks.index(str(task))])
+
+
+def history_steps(t: int, history: int, every: int, first: int) -> list[int]:
+    """The steps of a detector's proprioception history at judged step ``t``: ``t - every * k`` for k = 1..``history``,
+    each clamped to ``first`` (the earliest step a record holds: the labelled budget's first recorded step), so the
+    fleet and the recorded budget give the detector the same input.
+
+    Returns:
+        ``history`` ints, most recent first.
+    """
+    return [max(int(t) - int(every) * k, int(first)) for k in range(1, int(history) + 1)]
 
 
 class SuccessDetector(nn.Module):
@@ -92,7 +131,8 @@ class SuccessDetector(nn.Module):
             nn.Conv2d(2 * w, 2 * w, 3, padding=1), nn.GELU(),
             nn.AdaptiveAvgPool2d(8), nn.Flatten(), nn.Linear(2 * w * 64, 4 * w), nn.GELU())
         self.camera_embed = nn.Parameter(torch.zeros(len(spec.cameras), 4 * w))
-        self.state_mlp = nn.Sequential(nn.Linear(spec.state_dim, 2 * w), nn.GELU(), nn.Linear(2 * w, 2 * w))
+        self.state_mlp = nn.Sequential(nn.Linear(spec.state_dim * (1 + int(spec.history)), 2 * w), nn.GELU(),
+                                       nn.Linear(2 * w, 2 * w))
         self.task_embed = nn.Embedding(len(spec.tasks), 2 * w)
         cloud_w = 0
         if spec.num_points:
@@ -115,14 +155,15 @@ class SuccessDetector(nn.Module):
         self.register_buffer("state_std", std.clamp_min(1e-6))
 
     def forward(self, frames: torch.Tensor, state: torch.Tensor, task: torch.Tensor,
-                clouds: torch.Tensor | None = None) -> torch.Tensor:
+                clouds: torch.Tensor | None = None, history: torch.Tensor | None = None) -> torch.Tensor:
         """(B,) logits that the task is done.
 
         Args:
             frames: (B, C, H, W, 3) uint8 (or float in 0..255); C = 0 without cameras. state: (B, S) float32, the
                 first three entries the hand's position (metres, base frame). task: (B,) int64. clouds: (B, N, 3)
                 float32 metres, (B, N, 6) with ``spec.point_color`` (RGB 0..255 after the coordinates)
-                (``spec.num_points`` N; None without a cloud).
+                (``spec.num_points`` N; None without a cloud). history: (B, H, S) float32, the proprioception at the
+                steps of :func:`history_steps` (``spec.history`` H; None without).
 
         Raises:
             ValueError: shapes that do not match the spec.
@@ -138,7 +179,14 @@ class SuccessDetector(nn.Module):
         if C:
             x = frames.reshape(B * C, *frames.shape[2:]).permute(0, 3, 1, 2).float() / 127.5 - 1.0
             parts.append((self.encoder(x).reshape(B, C, -1) + self.camera_embed).reshape(B, -1))
-        parts += [self.state_mlp((state.float() - self.state_mean) / self.state_std), self.task_embed(task.long())]
+        s = [(state.float() - self.state_mean) / self.state_std]
+        if self.spec.history:
+            H = int(self.spec.history)
+            if history is None or tuple(history.shape) != (B, H, self.spec.state_dim):
+                raise ValueError(f"SuccessDetector: expected history (B, {H}, {self.spec.state_dim}), given "
+                                 f"{None if history is None else tuple(history.shape)}")
+            s.append(((history.float() - state.float()[:, None]) / self.state_std).reshape(B, -1))
+        parts += [self.state_mlp(torch.cat(s, -1)), self.task_embed(task.long())]
         if self.spec.num_points:
             ch = self.spec.cloud_channels
             if clouds is None or tuple(clouds.shape) != (B, self.spec.num_points, ch):
@@ -152,11 +200,12 @@ class SuccessDetector(nn.Module):
         return self.head(torch.cat(parts, -1)).squeeze(-1)
 
     @torch.no_grad()
-    def probability(self, frames, state, task, clouds=None) -> torch.Tensor:
-        """(B,) success probabilities in [0, 1] (eval mode)."""
+    def probability(self, frames, state, task, clouds=None, history=None) -> torch.Tensor:
+        """(B,) success probabilities in [0, 1] (eval mode); the arguments as :meth:`forward`'s."""
         self.eval()
         return torch.sigmoid(self(torch.as_tensor(frames), torch.as_tensor(state), torch.as_tensor(task),
-                                  None if clouds is None else torch.as_tensor(clouds)))
+                                  None if clouds is None else torch.as_tensor(clouds),
+                                  None if history is None else torch.as_tensor(history)))
 
     def task_index(self, task: str) -> int:
         """The index of ``task`` in the detector's task list.
@@ -219,7 +268,8 @@ def random_shift(frames: torch.Tensor, pad: int, generator: torch.Generator) -> 
 def fit_detector(spec: DetectorSpec, frames: torch.Tensor, state: torch.Tensor, task: torch.Tensor,
                  label: torch.Tensor, updates: int = 1500, batch_size: int = 128, lr: float = 1e-3,
                  weight_decay: float = 1e-4, shift_px: int = 3, seed: int = 0,
-                 clouds: torch.Tensor | None = None, jitter_m: float = 0.002) -> tuple[SuccessDetector, dict]:
+                 clouds: torch.Tensor | None = None, jitter_m: float = 0.002,
+                 history: torch.Tensor | None = None) -> tuple[SuccessDetector, dict]:
     """Train a :class:`SuccessDetector` on labelled frames (binary cross-entropy, positives re-weighted to balance
     the classes, AdamW, random shifts).
 
@@ -228,7 +278,8 @@ def fit_detector(spec: DetectorSpec, frames: torch.Tensor, state: torch.Tensor, 
         frames: (N, C, H, W, 3) uint8. state: (N, S) float32. task: (N,) int64. label: (N,) {0, 1}.
         clouds: (N, P, 3) float32 metres when ``spec.num_points`` ((N, P, 6) with ``spec.point_color``: RGB after
             the coordinates); the coordinates augmented with Gaussian noise of ``jitter_m`` metres (a depth sensor's
-            noise; PointNet's jitter augmentation).
+            noise; PointNet's jitter augmentation). history: (N, H, S) float32 when ``spec.history`` (the
+            proprioception at :func:`history_steps`).
 
     Returns:
         ``(detector in eval mode, {"frames", "positives", "loss"})``.
@@ -247,6 +298,9 @@ def fit_detector(spec: DetectorSpec, frames: torch.Tensor, state: torch.Tensor, 
                              f"{None if clouds is None else tuple(clouds.shape)}")
         flat = clouds[..., :3].float().reshape(-1, 3)
         spec.cloud_mean, spec.cloud_std = flat.mean(0).tolist(), flat.std(0).clamp_min(1e-3).tolist()
+    if spec.history and (history is None or tuple(history.shape) != (n, int(spec.history), spec.state_dim)):
+        raise ValueError(f"fit_detector: expected history ({n}, {spec.history}, {spec.state_dim}), given "
+                         f"{None if history is None else tuple(history.shape)}")
     g = torch.Generator().manual_seed(int(seed))
     torch.manual_seed(int(seed))
     model = SuccessDetector(spec)
@@ -265,7 +319,7 @@ def fit_detector(spec: DetectorSpec, frames: torch.Tensor, state: torch.Tensor, 
         if spec.num_points:
             cl = clouds[idx].float()
             cl[..., :3] += torch.randn(cl[..., :3].shape, generator=g) * float(jitter_m)
-        logit = model(f, state[idx], task[idx], cl)
+        logit = model(f, state[idx], task[idx], cl, history[idx] if spec.history else None)
         loss = nn.functional.binary_cross_entropy_with_logits(logit, label[idx].float(), pos_weight=pos_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()

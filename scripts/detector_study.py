@@ -7,7 +7,8 @@ remaining 25 % (the largest balanced accuracy over 0.05..0.95, as ``fleet.labels
 verdict rule, and the held-out part judged. Truth: the person's episode label (``success``).
 
 Verdict rules: ``any`` (what the fleet runs: the first frame judged every ``--every`` steps above the threshold),
-``k3`` (three consecutive judged frames above it), ``last`` (the episode's final frame). Frame labels (``--label``):
+``k3`` (three consecutive judged frames above it), ``last`` (the episode's final frame); each also with per-task
+thresholds (``<rule>_pt``: each task's own, chosen on its validation episodes). Frame labels (``--label``):
 ``ever`` (done from the success moment on) or ``now`` (done in that frame: the record's ``done_now``; records made
 before it was kept take it from the store's ``progress.obj_to_target`` under Meta-World v3's success cuts).
 
@@ -56,11 +57,15 @@ VARIANTS = {
     # the three cameras beside the coloured cloud (experiment 55's addendum: reach is best seen by the cameras,
     # window-open by the cloud)
     "all64_pc_rgb_2k": {"cams": CAMS, "size": 64, "updates": 2000, "cloud": True, "color": True},
+    # experiment 58: the hand's proprioception 2, 4, 6, 8 steps back beside the coloured cloud (reach's success is a
+    # moment); the 1,024-point cloud is pc_rgb_2k on records made with labels.num_points=1024
+    "pc_rgb_2k_hist": {"cams": [], "size": 64, "updates": 2000, "cloud": True, "color": True, "history": 4},
 }
 # Meta-World v3's success cuts on info["obj_to_target"] (metaworld/envs/sawyer_*_v3.py), for records without
 # per-frame marks
 CUTS = {"reach-v3": 0.05, "button-press-topdown-v3": 0.024, "window-open-v3": 0.05}
 RULES = ("any", "k3", "last")
+HISTORY_EVERY = 2   # steps between a history's samples (the records' interval)
 
 
 def resize(frames: np.ndarray, size: int) -> np.ndarray:
@@ -112,7 +117,7 @@ def run_variant(recs: list[dict], tasks: list[str], v: dict, label: str, folds: 
     """Held-out verdicts ``{rule: (E,) bool}`` and per-frame probabilities of every episode for one variant."""
     import torch
 
-    from fleet.labels import frame_labels, record_clouds
+    from fleet.labels import frame_labels, record_clouds, record_history
     from policies.success_detector import DetectorSpec, fit_detector
 
     cams = [str(c) for c in recs[0].get("cameras", CAMS)]   # the records' own camera order
@@ -132,9 +137,13 @@ def run_variant(recs: list[dict], tasks: list[str], v: dict, label: str, folds: 
           **({} if v.get("state", True) else {"state": np.zeros_like(r["state"])})} for r in recs]
     truth = np.array([bool(r["success"]) for r in R])
     parts = np.array_split(np.random.default_rng(0).permutation(len(R)), folds)
-    pred = {rule: np.zeros(len(R), bool) for rule in RULES}
+    pred = {rule + pt: np.zeros(len(R), bool) for rule in RULES for pt in ("", "_pt")}
+    task_of = np.array([str(r["task"]) for r in R])
     traces: list = [None] * len(R)
     grid = np.round(np.arange(0.05, 0.96, 0.05), 2)
+
+    H = int(v.get("history", 0))
+    hists = [record_history(r, H, HISTORY_EVERY) if H else None for r in R]
 
     def stack(ids):
         sel = [R[i] for i in ids]
@@ -142,7 +151,8 @@ def run_variant(recs: list[dict], tasks: list[str], v: dict, label: str, folds: 
                 torch.as_tensor(np.concatenate([r["state"] for r in sel])),
                 torch.as_tensor(np.concatenate([np.full(len(r["step"]), tasks.index(str(r["task"]))) for r in sel])),
                 torch.as_tensor(np.concatenate([frame_labels(r, label) for r in sel])),
-                torch.as_tensor(np.concatenate([clouds_of(r) for r in sel])) if cloud else None)
+                torch.as_tensor(np.concatenate([clouds_of(r) for r in sel])) if cloud else None,
+                torch.as_tensor(np.concatenate([hists[i] for i in ids])) if H else None)
 
     def probs(model, ids):
         out = []
@@ -151,7 +161,8 @@ def run_variant(recs: list[dict], tasks: list[str], v: dict, label: str, folds: 
             t = torch.full((len(r["step"]),), model.task_index(str(r["task"])))
             out.append(np.concatenate([model.probability(
                 torch.as_tensor(r["frames"][a:a + 256]), torch.as_tensor(r["state"][a:a + 256]), t[a:a + 256],
-                torch.as_tensor(clouds_of(r)[a:a + 256]) if cloud else None).numpy()
+                torch.as_tensor(clouds_of(r)[a:a + 256]) if cloud else None,
+                torch.as_tensor(hists[i][a:a + 256]) if H else None).numpy()
                 for a in range(0, len(t), 256)]))
         return out
 
@@ -162,16 +173,31 @@ def run_variant(recs: list[dict], tasks: list[str], v: dict, label: str, folds: 
         val, fit = rest[:n_val], rest[n_val:]
         spec = DetectorSpec(tasks=tasks, cameras=v["cams"], image_size=v["size"],
                             state_dim=int(R[0]["state"].shape[-1]),
-                            num_points=int(record_clouds(R[0]).shape[1]) if cloud else 0, point_color=color)
-        *data, clouds = stack(fit)
-        model, info = fit_detector(spec, *data, clouds=clouds, updates=v["updates"], batch_size=64, seed=k)
+                            num_points=int(record_clouds(R[0]).shape[1]) if cloud else 0, point_color=color,
+                            history=H, history_every=HISTORY_EVERY)
+        *data, clouds, hist = stack(fit)
+        model, info = fit_detector(spec, *data, clouds=clouds, history=hist, updates=v["updates"], batch_size=64,
+                                   seed=k)
         pv, ph = probs(model, val), probs(model, held)
         for p, i in zip(ph, held):
             traces[i] = p
+
+        def best_tau(rule, sel):   # sel: (len(val),) bool
+            return max(grid, key=lambda x: (balanced([verdict(p, R[i]["step"], rule, x, every)
+                                                      for p, i, s in zip(pv, val, sel) if s], truth[val][sel]),
+                                            -abs(x - 0.5)))
+
         for rule in RULES:
-            tau = max(grid, key=lambda x: (balanced([verdict(p, R[i]["step"], rule, x, every) for p, i in zip(pv, val)],
-                                                    truth[val]), -abs(x - 0.5)))
+            tau = best_tau(rule, np.ones(len(val), bool))
             pred[rule][held] = [verdict(p, R[i]["step"], rule, tau, every) for p, i in zip(ph, held)]
+            # per-task thresholds: each task's own on its validation episodes (the overall one where they hold
+            # one class only)
+            taus = {}
+            for t in tasks:
+                sel = task_of[val] == t
+                taus[t] = best_tau(rule, sel) if 0 < truth[val][sel].sum() < sel.sum() else tau
+            pred[rule + "_pt"][held] = [verdict(p, R[i]["step"], rule, taus[task_of[i]], every)
+                                        for p, i in zip(ph, held)]
         print(f"  fold {k}: fitted on {len(fit)} episodes in {time.time() - t0:.0f} s (loss {info['loss']:.3f})",
               flush=True)
     return pred, traces

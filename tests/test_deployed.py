@@ -437,9 +437,96 @@ def test_detector_study_script_judges_held_out_folds(tmp_path):
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads((tmp_path / "dev.json").read_text())
-    assert set(out) == {"all64:now", "pc_rgb:now"} and set(out["all64:now"]) == {"any", "k3", "last"}
+    assert set(out) == {"all64:now", "pc_rgb:now"}
+    assert set(out["all64:now"]) == {"any", "k3", "last", "any_pt", "k3_pt", "last_pt"}
     assert out["all64:now"]["last"]["all"]["n"] == 18 and out["all64:now"]["last"]["all"]["accuracy"] >= 0.8
     assert out["pc_rgb:now"]["last"]["all"]["n"] == 18 and out["pc_rgb:now"]["last"]["all"]["accuracy"] >= 0.8
     assert len(np.load(tmp_path / "dev_all64_now.npz").files) == 18
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert again.returncode == 0 and "fold" not in again.stdout
+
+
+def test_history_and_per_task_thresholds_reach_the_fleets_detector(tmp_path, monkeypatch):
+    """A detector with a proprioception history (``labels.history``) gets, at each judged step t of a real fleet
+    episode, the states stored at ``history_steps(t)`` (the same steps the labelled budget's records give it) and
+    fires by its task's own threshold."""
+    from experience_dict.store import ExperienceStore
+    from fleet.experiment.protocol import VectorFleet
+    from fleet.labels import Acting, OnlineLabeller
+    from policies.success_detector import DetectorSpec, SuccessDetector, history_steps
+
+    det = SuccessDetector(DetectorSpec(tasks=["reach-v3"], cameras=["corner"], image_size=64, history=3,
+                                       history_every=2, task_thresholds=[0.99]))
+    with torch.no_grad():
+        det.head[-1].weight.zero_()
+        det.head[-1].bias.fill_(2.0)          # p = 0.88: above the one threshold (0.5), below reach's own (0.99)
+    det.save(tmp_path / "det")
+    seen = []
+    orig = OnlineLabeller.judge
+
+    def spy(self, frames, states, tasks, clouds=None, history=None):
+        seen.append((states.copy(), history.copy()))
+        return orig(self, frames, states, tasks, clouds, history)
+
+    monkeypatch.setattr(OnlineLabeller, "judge", spy)
+    ckpt = tiny_aed_checkpoint(tmp_path / "a", seed=0, perturb=0.3)
+    c = _plain(make_cfg(tmp_path, "task.tasks=[reach-v3]", "task.max_episode_steps=20"))
+    labels = {"cameras": ["corner"], "image_size": 64, "every": 5, "history": 3, "history_every": 2}
+    url = str(tmp_path / "store")
+    with VectorFleet(c, str(ckpt), url, batch_size=1, processes=1) as vf:
+        vf.run(plan=[{"task": "reach-v3", "unit_id": 0, "seed": 3}], progress=False,
+               acting=Acting("detector", labels, detector_dir=str(tmp_path / "det")))
+    (m,) = ExperienceStore.open(url).episodes()
+    assert not m.success and m.extra["label"]["p_max"] == pytest.approx(0.8808, abs=1e-3)   # 0.99 not crossed
+    states = ExperienceStore.open(url).load_episode(m.episode_id, keys=["observation.state"])["observation.state"]
+    assert len(seen) == 4                                       # judged at steps 5, 10, 15, 20
+    for k, (now, hist) in enumerate(seen[:3]):
+        t = 5 * (k + 1)
+        np.testing.assert_array_equal(now[0], states[t])        # the state after step t
+        np.testing.assert_array_equal(hist[0], states[history_steps(t, 3, 2, 2)])
+    assert history_steps(5, 3, 2, 2) == [3, 2, 2]               # clamped to the budget's first recorded step
+
+
+def test_record_history_and_per_task_thresholds_on_the_labelled_budget(tmp_path):
+    """``record_history`` gives each record frame the states 2, 4, ... steps back (clamped to the first), refuses a
+    spacing the records do not hold; ``choose_thresholds`` gives each task its own cut where one cannot serve both;
+    a success seen only in the hand's motion is learned with a history and not without."""
+    from fleet.labels import choose_thresholds, fit_from_records, load_records, record_history, save_record
+    from policies.success_detector import DetectorSpec
+
+    rec = {"episode_id": "e", "step": np.array([2, 4, 6, 8]), "state": np.arange(8, dtype=np.float32).reshape(4, 2)}
+    h = record_history(rec, 2, 2)
+    assert h.shape == (4, 2, 2) and h[3, :, 0].tolist() == [4.0, 2.0] and h[0, :, 0].tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="holds no frame at step"):
+        record_history(rec, 1, 3)
+    p = np.array([0.9, 0.85, 0.7, 0.65, 0.3, 0.35, 0.1, 0.12])
+    truth = np.array([1, 1, 0, 0, 1, 1, 0, 0], bool)
+    tasks = ["a"] * 4 + ["b"] * 4
+    one, per = choose_thresholds(p, truth), choose_thresholds(p, truth, tasks)
+    assert sum((p > one["threshold"]) == truth) < 8
+    assert per["tasks"]["a"] > 0.65 and 0.12 < per["tasks"]["b"] < 0.3
+    with pytest.raises(ValueError, match="task_thresholds"):
+        DetectorSpec(tasks=["a", "b"], cameras=["corner"], task_thresholds=[0.5])
+    # the hand drifts slowly from a random start and darts +2 in x exactly when the task is done (a moment): where
+    # the hand is says little, its change since 2 steps ago says it all
+    rng = np.random.default_rng(3)
+    steps = list(range(2, 31, 2))
+    for e in range(30):
+        ok = e % 2 == 0
+        first = int(rng.integers(4, 10)) * 2 if ok else None
+        x = rng.uniform(-5, 5) + np.cumsum(rng.normal(0, 0.1, len(steps)))
+        now = [bool(ok and s == first) for s in steps]
+        for i, d in enumerate(now):
+            if d:
+                x[i] += 2.0
+        states = [np.array([x[i], 0.0, 0.0, 0.0], np.float32) for i in range(len(steps))]
+        frames = [np.zeros((1, 16, 16, 3), np.uint8) for _ in steps]      # the camera sees nothing of it
+        save_record(tmp_path / "rec", f"unit-0000-{e:06d}", "reach-v3", frames, states, steps, ok, first,
+                    done_now=now)
+    assert len(load_records(tmp_path / "rec")) == 30
+    labels = {"cameras": ["corner"], "image_size": 16, "every": 2, "updates": 300, "batch_size": 64, "width": 8,
+              "val_share": 0.3, "frame_label": "now", "per_task_threshold": True}
+    without = fit_from_records(tmp_path / "rec", labels, ["reach-v3"], tmp_path / "d0", seed=0)
+    with_h = fit_from_records(tmp_path / "rec", {**labels, "history": 2}, ["reach-v3"], tmp_path / "d1", seed=0)
+    assert with_h["validation"]["accuracy"] == 1.0 and without["validation"]["accuracy"] < 1.0
+    assert set(with_h["task_thresholds"]) == {"reach-v3"}

@@ -509,6 +509,12 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
         else:
             done[i] = True
 
+    def state_at(i: int, s: int) -> np.ndarray:
+        """(S,) float32: trial ``i``'s proprioception at step ``s`` of its current episode (``s`` <= its step)."""
+        c = cur[i]
+        row = c["steps"][s] if s < c["t"] else None
+        return np.asarray((last_obs[i] if row is None else row[0])["observation.state"], np.float32)
+
     with torch.inference_mode():
         while not done.all():
             batch = {k: torch.as_tensor(np.stack([o[k] for o in last_obs])) for k in last_obs[0]}
@@ -550,10 +556,12 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
                     clouds = [labeller.cloud(envs[i]) for i in due]
                     clouds = None if clouds[0] is None else np.stack(clouds)
                     if detects:
-                        p = labeller.judge(frames, states, [str(wave[i]["task"]) for i in due], clouds)
+                        hist = [[state_at(i, s) for s in labeller.history_steps(cur[i]["t"])] for i in due]
+                        hist = np.asarray(hist, np.float32) if hist[0] else None
+                        p = labeller.judge(frames, states, [str(wave[i]["task"]) for i in due], clouds, hist)
                         for j, i in enumerate(due):
                             cur[i]["p_max"] = max(cur[i]["p_max"], float(p[j]))
-                            if p[j] > labeller.threshold:
+                            if p[j] > labeller.threshold_of(str(wave[i]["task"])):
                                 cur[i]["fired_at"] = cur[i]["t"]
                     else:
                         for j, i in enumerate(due):
