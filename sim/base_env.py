@@ -17,6 +17,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
+from configs.sim_groups import TaskConfig
 from sim.gl import CameraRenderer
 from sim.stability import StepMonitor
 from sim.units import EMBODIMENTS, as_dict, embodiment_onehot, embodiment_spec
@@ -98,7 +99,7 @@ class UnitEnv(gym.Env):
         by = tcfg.get("max_episode_steps_by_embodiment") or {}
         if self.unit.embodiment in by:   # a mixed fleet: each robot's own episode length (set self.unit first)
             self.max_episode_steps = int(by[self.unit.embodiment])
-        self.steps_after_success = int(tcfg.get("steps_after_success", 10))
+        self.steps_after_success = int(tcfg.get("steps_after_success", TaskConfig.steps_after_success))
         self.stop_on_success = bool(tcfg.get("stop_on_success", True))
         limit = self.MAX_EPISODE_STEPS
         if self.max_episode_steps < 1 or (limit is not None and self.max_episode_steps > limit):

@@ -222,3 +222,21 @@ def test_every_arm_and_fert_part_reads_the_typed_fert_group():
     assert plan[0]["explore"]["action_noise_std"] == pytest.approx(0.2 * 1.3) and plan[0]["explore"]["hold_steps"] == 8
     with pytest.raises(ConfigError, match="fert.retry: unknown keys \\['atempts'\\]"):
         retry_plan(fails, {"atempts": 2}, 0, heldout=[100], budget=10)
+
+
+def test_one_default_for_steps_after_success():
+    """The env, FERT's algorithm (its gate's tail, the critic's success step) and a deploy run all fall back to
+    ``TaskConfig``'s ``steps_after_success`` when none is given (issue 50: FERT used 0 where the envs used 10)."""
+    from types import SimpleNamespace
+
+    from configs.sim_groups import TaskConfig
+    from fleet.deploy.config import DeployConfig
+    from fleet.fert.algorithm import FertAlgorithm
+    from sim import make_env
+
+    want = TaskConfig().steps_after_success
+    assert want == 10
+    assert FertAlgorithm.steps_after_success.fget(SimpleNamespace(cfg={})) == want
+    assert FertAlgorithm.steps_after_success.fget(SimpleNamespace(cfg={"task": {"steps_after_success": 3}})) == 3
+    assert DeployConfig().run.steps_after_success == want
+    assert make_env("reach-v3", 0, task_cfg={"max_episode_steps": 20}).steps_after_success == want

@@ -25,6 +25,7 @@ from configs.rules import (
     one_of,
     optional,
 )
+from configs.sim_groups import TaskConfig
 
 LABELS = ("sim", "operator", "classifier", "none")
 WORKSPACE_M = ((-0.05, 0.39, 0.005), (0.29, 0.81, 0.28))   # tcp box, twin frame, metres: its target box + 3 cm
@@ -124,8 +125,9 @@ class RunConfig(TypedConfig):
     """Episodes to run."""
     max_steps: int = 300
     """Control steps per episode (30 Hz: 10 s)."""
-    steps_after_success: int = 10
-    """With a per-step success signal (the simulated robot): end this many steps after it."""
+    steps_after_success: int = TaskConfig.steps_after_success
+    """With a per-step success signal (the simulated robot): end this many steps after it (the simulated fleet's
+    default, ``task.steps_after_success``)."""
     stop_on_success: bool = True
     """End the episode after ``steps_after_success`` steps past the first success."""
     seed: int = 0

@@ -46,6 +46,14 @@ class FertAlgorithm:
         self.reader = None    # the store's reader, made by setup()
         self._range_seen: set[str] = set()   # fleet episodes whose actions tokenizer_range has counted
 
+    @property
+    def steps_after_success(self) -> int:
+        """Steps a successful episode runs past its first success (``task.steps_after_success``; its default is
+        ``configs.sim_groups.TaskConfig``'s, the one the envs use)."""
+        from configs.sim_groups import TaskConfig
+
+        return int((self.cfg.get("task") or {}).get("steps_after_success", TaskConfig.steps_after_success))
+
     def setup(self) -> None:
         """Open the store and build the round's data (:class:`fleet.fert.data.FertData`); once.
 
@@ -64,7 +72,7 @@ class FertAlgorithm:
         stats = self.reader.stats(["observation.state", "observation.environment_state"], episodes=demos)
         fert_cfg = self.fcfg
         if fert_cfg.gate.tail_steps is None:   # the steps a successful episode runs on after its first success
-            tail = int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0)
+            tail = self.steps_after_success
             fert_cfg = dataclasses.replace(fert_cfg, gate=dataclasses.replace(fert_cfg.gate, tail_steps=tail))
         aed_key = None
         if fert_cfg.key == "relative+aed":   # the key's AED part: the (fixed) initial policy's dictionary
@@ -297,7 +305,7 @@ class FertAlgorithm:
         keys = critic_state_keys(policy)
         feats = critic_features(policy, ccfg.images)
         args = (self.store_url, [m.episode_id for m in self.critic_episodes()], keys, int(policy.config.action_dim),
-                int(policy.config.n_action_steps), int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
+                int(policy.config.n_action_steps), self.steps_after_success,
                 dataclasses.asdict(ccfg), int(seed), int(self.lcfg.torch_threads or torch.get_num_threads()),
                 str(out_dir), ccfg.candidates,
                 (feats.spec(), {k: v.cpu() for k, v in feats.state_dict().items()}))
@@ -335,7 +343,7 @@ class FertAlgorithm:
         t0 = time.perf_counter()
         critic, rec = fit_critic(self.reader, self.critic_episodes(), keys, int(policy.config.action_dim),
                                  int(policy.config.n_action_steps),
-                                 int((self.cfg.get("task") or {}).get("steps_after_success", 0) or 0),
+                                 self.steps_after_success,
                                  dataclasses.asdict(ccfg), seed=seed, device=resolve_device(str(self.lcfg.device)),
                                  features=critic_features(policy, ccfg.images))
         critic = critic.cpu()
