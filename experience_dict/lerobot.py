@@ -152,6 +152,11 @@ def _lerobot_dataset_cls():
     return LeRobotDataset
 
 
+SVTAV1_MIN_WIDTH = 25
+"""Narrowest frame (pixels) the bundled SVT-AV1 encodes: at 24 px and below it raises SIGFPE and kills the process
+(PyAV 15.1 / libavcodec 61.19, measured on this machine, any height)."""
+
+
 def _codec_kwargs(vcodec: str) -> dict:
     """``LeRobotDataset.create``'s video codec argument: ``rgb_encoder=RGBEncoderConfig(vcodec=...)``
     (``lerobot.configs.video``, LeRobot 0.6; its other defaults are CRF 30 and GOP 2)."""
@@ -472,6 +477,13 @@ def export_dataset(store_url: str, out_dir: str | Path, repo_id: str | None = No
             raise LeRobotInteropError(f"task string {s!r} would stand for store tasks {tasks[s]!r} and {e.task!r}; "
                                       "give distinct strings with task_strings / --task-string NAME=STRING")
     features = store_to_lerobot_features(store, video=video)
+    if video and "svtav1" in str(vcodec):
+        narrow = {k: f["shape"] for k, f in features.items() if f.get("dtype") == "video"
+                  and f["shape"][1] < SVTAV1_MIN_WIDTH}
+        if narrow:   # SVT-AV1 dies with SIGFPE under them (measured: 24 px wide crashes, 25 px encodes)
+            raise LeRobotInteropError(f"camera images {narrow} are narrower than SVT-AV1 encodes "
+                                      f"({SVTAV1_MIN_WIDTH} px; below it the encoder crashes the process): export "
+                                      "with vcodec='h264' (--vcodec h264) or as images (video=False, --no-video)")
     obs_keys = [k for k in store.features if k.startswith("observation.")]
     progress_keys = list(store.progress_keys)
     embodiments = sorted({e.embodiment for e in eps})

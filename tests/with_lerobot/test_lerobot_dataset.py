@@ -359,3 +359,19 @@ def test_export_command_prints_no_torchcodec_traceback(tmp_path):
     out = p.stdout + p.stderr
     assert "libtorchcodec" not in out and "Traceback" not in out, out[:3000]
     assert (tmp_path / "ds" / "meta" / "info.json").is_file()
+
+
+def test_video_export_of_frames_too_narrow_for_svtav1_is_refused_before_anything_is_written(tmp_path):
+    """SVT-AV1 kills the process with SIGFPE on frames under 25 px wide (measured): the AV1 export refuses them with
+    a named error and leaves no dataset; h264 or PNG frames remain the way out."""
+    from tests.test_store import new_store, write_episode
+
+    w = new_store(tmp_path / "store").writer("u0")
+    write_episode(w, 0, 0)
+    w.close()
+    with pytest.raises(LeRobotInteropError, match="narrower than SVT-AV1 encodes"):
+        export_dataset(str(tmp_path / "store"), tmp_path / "ds", progress=False)
+    assert not (tmp_path / "ds").exists()
+    p = subprocess.run([sys.executable, "-m", "experience_dict.lerobot", "export", str(tmp_path / "store"),
+                        str(tmp_path / "ds")], cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode != 0 and p.returncode != -8 and "narrower than SVT-AV1" in p.stderr + p.stdout
