@@ -199,13 +199,15 @@ class OnlineLabeller:
 
 def save_record(record_dir: str | Path, episode_id: str, task: str, frames: list, states: list, steps: list,
                 success: bool, first_success: int | None, done_now: list | None = None,
-                clouds: list | None = None) -> Path:
+                clouds: list | None = None, cameras: list[str] | None = None) -> Path:
     """Write one labelled episode's detector frames: ``<record_dir>/<episode_id>.npz`` with ``frames`` (K, C, H, W,
     3) uint8, ``state`` (K, S) float32, ``step`` (K,) int64 (the episode step after which each frame was taken),
     and the person's labels: ``success``, ``first_success`` (the step of the success moment, -1 for none) and,
     when given, ``done_now`` (K,) bool: whether the task is done in each frame (the person's per-frame mark; the
     simulator's success at that step stands in for it) and, with ``labels.point_cloud``, ``clouds`` (K, N, 3)
-    float32 metres ((K, N, 6) with ``labels.point_color``: RGB 0..255 after the coordinates)."""
+    float32 metres ((K, N, 6) with ``labels.point_color``: RGB 0..255 after the coordinates); ``cameras``: the
+    names of the frames' C cameras, in order (so a detector reading fewer cameras picks its own,
+    :func:`record_inputs`)."""
     d = Path(record_dir)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{episode_id}.npz"
@@ -213,8 +215,51 @@ def save_record(record_dir: str | Path, episode_id: str, task: str, frames: list
                         step=np.asarray(steps, np.int64), task=np.array(str(task)), success=np.array(bool(success)),
                         first_success=np.array(-1 if first_success is None else int(first_success)),
                         **({} if done_now is None else {"done_now": np.asarray(done_now, bool)}),
-                        **({} if not clouds else {"clouds": np.asarray(clouds, np.float32)}))
+                        **({} if not clouds else {"clouds": np.asarray(clouds, np.float32)}),
+                        **({} if cameras is None else {"cameras": np.asarray([str(c) for c in cameras])}))
     return path
+
+
+def record_inputs(rec: dict, spec) -> dict:
+    """The record ``rec`` with only what a detector of ``spec`` (``policies.success_detector.DetectorSpec``) reads:
+    its cameras' frames (K, len(spec.cameras), H, W, 3) in the spec's order, and its clouds (K, N, 3 or 6) without
+    colour when the spec has none. A budget recorded with more cameras or with colour can so be fitted to a
+    detector that reads fewer.
+
+    Raises:
+        ValueError: a camera the spec reads is not in the record (or the record names no cameras and holds a
+            different number of them), the frames' size differs from the spec's, the spec reads colour the record
+            lacks, or a different number of points.
+    """
+    frames = np.asarray(rec["frames"])
+    have = [str(c) for c in rec["cameras"]] if "cameras" in rec else None
+    want = list(spec.cameras)
+    if not want:
+        frames = frames[:, :0]
+    elif have is not None:
+        missing = [c for c in want if c not in have]
+        if missing:
+            raise ValueError(f"success detector: record {rec.get('episode_id')} holds cameras {have}, not {missing} "
+                             f"that the detector reads (labels.cameras={want}); record the budget with them")
+        frames = frames[:, [have.index(c) for c in want]]
+    elif frames.shape[1] != len(want):
+        raise ValueError(f"success detector: record {rec.get('episode_id')} holds {frames.shape[1]} unnamed cameras, "
+                         f"the detector reads {len(want)} ({want}); record the budget again with labels.cameras={want}")
+    if want and tuple(frames.shape[2:4]) != (spec.image_size, spec.image_size):
+        raise ValueError(f"success detector: record {rec.get('episode_id')} holds {frames.shape[2]}x{frames.shape[3]} "
+                         f"frames, the detector reads {spec.image_size} px (labels.image_size)")
+    out = {**rec, "frames": frames, "cameras": np.asarray(want, dtype=str)}
+    if spec.num_points:
+        clouds = record_clouds(rec)
+        ch = 6 if spec.point_color else 3
+        if clouds.shape[-1] < ch:
+            raise ValueError(f"labels.point_color: record {rec.get('episode_id')} holds clouds without colour "
+                             "(record the budget again with labels.point_color=true)")
+        if clouds.shape[1] != spec.num_points:
+            raise ValueError(f"labels.num_points: record {rec.get('episode_id')} holds clouds of {clouds.shape[1]} "
+                             f"points, the detector reads {spec.num_points}")
+        out["clouds"] = clouds[..., :ch]
+    return out
 
 
 def load_records(record_dir: str | Path) -> list[dict]:
@@ -260,6 +305,7 @@ def _episode_verdicts(model, recs: list[dict], every: int) -> np.ndarray:
     out = []
     sp = model.spec
     for r in recs:
+        r = record_inputs(r, sp)
         keep = (r["step"] % every == 0)
         if not keep.any():
             keep[:] = True
@@ -397,9 +443,11 @@ def fit_from_records(record_dir: str | Path, labels: dict, tasks: list[str], out
                             history_every=int(lc.history_every))
 
     kw = {"updates": lc.updates, "batch_size": lc.batch_size, "lr": lc.lr, "seed": int(seed)}
+    sp = spec()
+    fit, val = [record_inputs(r, sp) for r in fit], [record_inputs(r, sp) for r in val]
     *data, clouds, hist = _stack(fit, list(tasks), lc.frame_label, clouds=bool(lc.point_cloud),
                                  history=(int(lc.history), int(lc.history_every)))
-    model, info = fit_detector(spec(), *data, clouds=clouds, history=hist, **kw)
+    model, info = fit_detector(sp, *data, clouds=clouds, history=hist, **kw)
     p_val = _episode_verdicts(model, val, lc.every)
     t_val = np.array([bool(r["success"]) for r in val])
     val_tasks = [str(r["task"]) for r in val]

@@ -146,6 +146,50 @@ def test_fit_from_records_learns_a_visible_success_and_picks_its_threshold(tmp_p
         fit_from_records(tmp_path / "rec", labels, ["reach-v3"], tmp_path / "det2")
 
 
+def test_fit_from_records_reads_only_the_detectors_cameras_and_colour(tmp_path):
+    """A budget recorded with more cameras and coloured clouds than the detector reads (experiment 59 fits a
+    cloud-only detector on experiment 55's records, made with three cameras): the fit picks the spec's cameras by
+    name and the cloud's coordinates; a camera the records lack is refused by name."""
+    from fleet.labels import fit_from_records, load_records, record_inputs, save_record
+    from policies.success_detector import DetectorSpec
+
+    rng = np.random.default_rng(1)
+    for e in range(24):
+        ok = e % 2 == 0
+        first = int(rng.integers(6, 14)) if ok else None
+        steps = list(range(2, 21, 2))
+        frames, clouds = [], []
+        for s in steps:
+            f = rng.integers(0, 60, (2, 16, 16, 3)).astype(np.uint8)   # (topview: noise, corner: the patch)
+            c = np.concatenate([rng.uniform(-0.5, 0.5, (32, 3)), rng.integers(0, 256, (32, 3))], -1)
+            if ok and s >= first:
+                f[1, 4:10, 4:10] = 250
+                c[:8, 2] = 0.9   # the success also shows in the cloud's geometry
+            frames.append(f)
+            clouds.append(c.astype(np.float32))
+        save_record(tmp_path / "rec", f"unit-0000-{e:06d}", "reach-v3", frames,
+                    [rng.normal(size=4).astype(np.float32) for _ in steps], steps, ok, first, clouds=clouds,
+                    cameras=["topview", "corner"])
+    base = {"image_size": 16, "every": 2, "updates": 150, "batch_size": 32, "width": 8, "val_share": 0.25}
+    out = fit_from_records(tmp_path / "rec", {**base, "cameras": ["corner"]}, ["reach-v3"], tmp_path / "cam", seed=0)
+    assert out["validation"]["precision"] == 1.0 and out["validation"]["recall"] == 1.0
+    out = fit_from_records(tmp_path / "rec", {**base, "cameras": [], "point_cloud": True, "num_points": 32},
+                           ["reach-v3"], tmp_path / "cloud", seed=0)
+    assert out["validation"]["accuracy"] >= 5 / 6
+    rec = load_records(tmp_path / "rec")[0]
+    sel = record_inputs(rec, DetectorSpec(tasks=["reach-v3"], cameras=["corner"], image_size=16, state_dim=4,
+                                          num_points=32, point_color=False))
+    assert sel["frames"].shape[1:] == (1, 16, 16, 3) and np.array_equal(sel["frames"][:, 0], rec["frames"][:, 1])
+    assert sel["clouds"].shape[-1] == 3 and np.array_equal(sel["clouds"], rec["clouds"][..., :3])
+    assert np.array_equal(record_inputs(sel, DetectorSpec(tasks=["reach-v3"], cameras=["corner"], image_size=16,
+                                                          state_dim=4))["frames"], sel["frames"])   # idempotent
+    with pytest.raises(ValueError, match=r"not \['gripperPOV'\]"):
+        fit_from_records(tmp_path / "rec", {**base, "cameras": ["gripperPOV"]}, ["reach-v3"], tmp_path / "no")
+    with pytest.raises(ValueError, match="clouds of 32 points"):
+        fit_from_records(tmp_path / "rec", {**base, "cameras": [], "point_cloud": True, "num_points": 64},
+                         ["reach-v3"], tmp_path / "no2")
+
+
 def _constant_detector(path, fire: bool, cameras=("corner", "topview"), size=64):
     """A real detector whose verdict is fixed by its output bias (always fires, or never)."""
     from policies.success_detector import DetectorSpec, SuccessDetector

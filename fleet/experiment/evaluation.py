@@ -612,7 +612,7 @@ def _commit_segments(w, env, tr: dict, segs: list[dict], version: int, tags: dic
         if sg["record"] is not None and ep_id is not None and sg["record"][0]:
             frames, states, steps, now, clouds = sg["record"]
             save_record(acting.record_dir, ep_id, str(tr["task"]), frames, states, steps, bool(sg["success"]),
-                        sg["first_success"], done_now=now, clouds=clouds)
+                        sg["first_success"], done_now=now, clouds=clouds, cameras=acting.labels["cameras"])
         summ = {"episode_id": ep_id, "unit_id": int(tr["unit_id"]), "task": str(tr["task"]), "seed": int(tr["seed"]),
                 "success": bool(sg["success"]), "length": length, "policy_version": int(version),
                 "is_demo": False, "return": ret, "wall_s": wall, "termination": why,
