@@ -208,12 +208,41 @@ def store_to_lerobot_features(store: ExperienceStore, video: bool = True) -> dic
     return out
 
 
+def is_depth_feature(ft: Mapping) -> bool:
+    """Whether a LeRobot feature is a depth map (``info.is_depth_map``, or LeRobot's legacy ``video.is_depth_map``)."""
+    info = ft.get("info") or {}
+    return bool(info.get("is_depth_map") or info.get("video.is_depth_map"))
+
+
+def decode_depth_frames(video_path: str | Path, timestamps: Sequence[float], tolerance_s: float,
+                        info: Mapping | None) -> np.ndarray:
+    """``(T, H, W, 1)`` float32 metres: a LeRobot depth video's frames at ``timestamps`` (seconds in the file),
+    decoded and de-quantised by LeRobot's own functions (``decode_video_frames(is_depth=True)``,
+    ``dequantize_depth`` with the encoder settings of the feature's ``info``).
+
+    Raises:
+        FileNotFoundError: no such video."""
+    from lerobot.configs.video import encoder_config_from_video_info
+    from lerobot.datasets.depth_utils import dequantize_depth
+    from lerobot.datasets.video_utils import decode_video_frames
+
+    if not os.path.isfile(str(video_path)):
+        raise FileNotFoundError(f"video file {str(video_path)!r} is missing")
+    q = decode_video_frames(video_path, [float(t) for t in timestamps], tolerance_s, backend="pyav", is_depth=True)
+    enc = encoder_config_from_video_info(dict(info or {}))
+    d = dequantize_depth(q, depth_min=enc.depth_min, depth_max=enc.depth_max, shift=enc.shift, use_log=enc.use_log,
+                         output_unit="m")
+    return np.ascontiguousarray(d.permute(0, 2, 3, 1).numpy(), dtype=np.float32)
+
+
 def lerobot_to_store_spec(features: Mapping[str, Mapping], fps: float) -> dict:
     """A store spec (``ExperienceStore.create_or_open``'s ``spec``) from a LeRobot dataset's ``features``.
 
     ``observation.*`` and ``action`` keys become store features with the same dtype and shape (``(1,)`` stays
     ``(1,)``); ``image``/``video`` features become uint8 ``(H, W, C)`` (a ``[channels, height, width]`` layout is
-    transposed). Other columns (``next.*``, ``progress.*``, LeRobot's index columns) are not observations.
+    transposed), except depth maps (LeRobot's ``info.is_depth_map``, e.g. a RealSense's ``<camera>_depth``), which
+    become float32 ``(H, W, 1)`` metres. Other columns (``next.*``, ``progress.*``, LeRobot's index columns) are not
+    observations.
 
     Raises:
         LeRobotInteropError: no ``action`` or no observation feature, or an observation of an unsupported dtype
@@ -229,6 +258,10 @@ def lerobot_to_store_spec(features: Mapping[str, Mapping], fps: float) -> dict:
                 raise LeRobotInteropError(f"image feature {key!r}: expected a 3-d shape, given {shape}")
             if isinstance(names, list) and names and str(names[0]).startswith("channel"):
                 shape = [shape[1], shape[2], shape[0]]
+            if is_depth_feature(ft):
+                spec[key] = {"shape": [shape[0], shape[1], 1], "dtype": "float32",
+                             "names": ["height", "width", "depth"], "unit": "m (a depth map; LeRobot's is_depth_map)"}
+                continue
             spec[key] = {"shape": shape, "dtype": "uint8", "names": ["height", "width", "channel"], "unit": "rgb"}
             continue
         try:
@@ -686,6 +719,15 @@ def import_dataset(root: str | Path, store_url: str, repo_id: str | None = None,
                 steps[k] = np.ascontiguousarray(np.asarray(cols[k]).reshape(T, *spec[k]["shape"]),
                                                 dtype=spec[k]["dtype"])
             for k in image_keys:
+                if spec[k]["dtype"] == "float32":   # a depth map: metres, de-quantised as LeRobot does
+                    if features[k]["dtype"] == "video":
+                        from_ts = float(row[f"videos/{k}/from_timestamp"])
+                        steps[k] = decode_depth_frames(root / meta.get_video_file_path(ep, k),
+                                                       from_ts + np.asarray(cols["timestamp"], np.float64),
+                                                       ds.tolerance_s, features[k].get("info"))
+                    else:
+                        steps[k] = np.asarray(cols[k], np.float32).reshape(T, *spec[k]["shape"])
+                    continue
                 if features[k]["dtype"] == "video":
                     from_ts = float(row[f"videos/{k}/from_timestamp"])
                     path = root / meta.get_video_file_path(ep, k)

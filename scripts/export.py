@@ -121,8 +121,13 @@ def main(cfg: DictConfig) -> None:
         except ImportError as e:
             raise SystemExit(f"export: deploy.export.lerobot_dir needs fleetmind's LeRobot plugins ({e}); install "
                              "them with `make install` (the lerobot extra and plugins/)") from None
-        summary["lerobot_dir"] = str(export_for_lerobot(out, ecfg.lerobot_dir, overwrite=bool(ecfg.overwrite),
-                                                        robot=ecfg.lerobot_robot))
+        try:
+            summary["lerobot_dir"] = str(export_for_lerobot(
+                out, ecfg.lerobot_dir, overwrite=bool(ecfg.overwrite), robot=ecfg.lerobot_robot,
+                depth_cameras=list(ecfg.lerobot_depth_cameras or []) or None, depth_size=int(ecfg.lerobot_depth_size)))
+        except ValueError as e:
+            raise SystemExit(f"export: the fleetmind export is in {out}; its LeRobot folder was not written: {e} "
+                             "(deploy.export.lerobot_depth_cameras=[...] for a point-cloud policy)") from None
     print(json.dumps(summary, indent=1))
 
 

@@ -65,12 +65,18 @@ class ExportConfig(TypedConfig):
     lerobot_robot: str | None = None
     """With ``lerobot_dir``: ``so100``: the LeRobot policy drives an SO-100 / SO-101 robot (joint readings in, joint
     targets out: ``lerobot-rollout``); null: the policy's own features (``lerobot-eval``)."""
+    lerobot_depth_cameras: list[str] | None = None
+    """With ``lerobot_robot`` and a point-cloud policy: the robot's depth cameras (the training's ``obs.point_cameras``,
+    in order), given as LeRobot's ``<camera>_depth`` images; their calibration is the SO-100 twin's."""
+    lerobot_depth_size: int = 64
+    """The depth images' side, pixels (the training's ``obs.point_image_size``)."""
 
 
 ExportConfig._group, ExportConfig._rules = "deploy.export", {
     "version": lambda v: None if v == "latest" or integer(1)(v) is None else "'latest' or an integer >= 1",
     "overwrite": boolean, "control_hz": optional(POS_NUMBER), "onnx_steps": optional(int_list(1, empty=True)),
-    "onnx_batch_size": POS, "onnx_optimize": boolean, "lerobot_robot": optional(one_of("so100"))}
+    "onnx_batch_size": POS, "onnx_optimize": boolean, "lerobot_robot": optional(one_of("so100")),
+    "lerobot_depth_size": POS}
 
 
 @dataclass

@@ -53,8 +53,11 @@ SIM_PREFIX = "sim."   # sim-only observation features of fleetmind_so100_sim (ob
 EE_ACTION_NAMES = ["dx", "dy", "dz", "gripper"]
 STATE_KEY, ENV_STATE_KEY, IMAGE_PREFIX = "observation.state", "observation.environment_state", "observation.images."
 CLOUD_KEY, COLORS_KEY = POINT_CLOUD, POINT_COLORS   # from the robot's depth cameras and their aligned colour images
-DEPTH_RGB_SUFFIX = ".depth_rgb"   # "<camera>.depth_rgb": (H, W, 3) uint8, the colour image aligned to "<camera>.depth"
-DEPTH_SUFFIX = ".depth"   # a robot's depth image feature: "<camera>.depth", (H, W) in its calibration's depth units
+# a robot's depth image feature, LeRobot's naming (``so_follower`` with a RealSense ``use_depth``): "<camera>_depth",
+# (H, W, 1) (or (H, W)) in its calibration's depth units (a RealSense: uint16 millimetres, depth_scale 0.001; the twin:
+# float32 metres, depth_scale 1)
+DEPTH_SUFFIX = "_depth"
+DEPTH_RGB_SUFFIX = "_depth_rgb"   # "<camera>_depth_rgb": (H, W, 3) uint8, the colour image aligned to "<camera>_depth"
 EMBODIMENT_KEY = "observation.embodiment"   # a mixed fleet's policy is told its robot (sim.units.embodiment_onehot)
 
 
@@ -164,6 +167,21 @@ class SO100Kinematics:
         return self.data.site_xpos[self.tcp_site].copy()
 
 
+def _depth_image(obs: Mapping[str, Any], key: str) -> np.ndarray:
+    """(H, W) depth image of ``obs[key]`` given as (H, W) or LeRobot's (H, W, 1).
+
+    Raises:
+        KeyError: ``obs`` lacks ``key``. ValueError: another shape."""
+    if key not in obs:
+        raise KeyError(f"robot observation lacks depth image {key!r} (keys given: {sorted(obs)})")
+    d = np.asarray(obs[key])
+    if d.ndim == 3 and d.shape[2] == 1:
+        d = d[..., 0]
+    if d.ndim != 2:
+        raise ValueError(f"depth image {key!r}: expected (H, W) or (H, W, 1), given {d.shape}")
+    return d
+
+
 def sim_feature_names() -> list[str]:
     """The sim-only observation features of ``fleetmind_so100_sim``: ``sim.<name>`` for the twin's 17
     ``observation.environment_state`` names (metres; quaternion entries unitless)."""
@@ -184,7 +202,7 @@ class SO100Bridge:
         events: the deploy loop's ``EventLog`` (``action_range`` events are added to it).
         depth_cameras: for a policy reading ``observation.point_cloud``: ``{robot camera: calibration}`` (a
             ``sim.pointcloud.DepthCamera`` or its ``to_dict``: intrinsics, the optical frame's pose in the arm's base
-            frame, depth units); the robot gives ``"<camera>.depth"`` images (the twin robot
+            frame, depth units); the robot gives ``"<camera>_depth"`` images (the twin robot
             ``fleetmind_so100_sim`` with ``depth_cameras``, and its ``depth_calibration()``). The cloud is made as
             the fleet's envs make it (``sim.pointcloud.cloud_from_depth``, the twin's workspace box).
         crop_min, crop_max: the cloud's workspace box (base frame, metres); None: the twin's ``POINT_CROP``.
@@ -327,7 +345,7 @@ class SO100Bridge:
             cams = list(self.depth_cameras)
             colors = ([np.asarray(obs[c + DEPTH_RGB_SUFFIX], dtype=np.uint8) for c in cams]
                       if COLORS_KEY in self.input_shapes else None)
-            cloud = cloud_from_depth([np.asarray(obs[c + DEPTH_SUFFIX]) for c in cams],
+            cloud = cloud_from_depth([_depth_image(obs, c + DEPTH_SUFFIX) for c in cams],
                                      [self.depth_cameras[c] for c in cams], *self.crop,
                                      self.input_shapes[CLOUD_KEY][0], colors=colors)
             if colors is None:

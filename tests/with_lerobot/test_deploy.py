@@ -601,7 +601,7 @@ def test_twin_robots_depth_cameras_give_the_fleets_point_cloud(tmp_path):
     robot.connect()
     try:
         feats = robot.observation_features
-        assert feats["corner.depth"] == (48, 48) and feats["topview.depth"] == (48, 48)
+        assert feats["corner_depth"] == (48, 48, 1) and feats["topview_depth"] == (48, 48, 1)
         calib = robot.depth_calibration()
         shapes = {"observation.state": [4], "observation.point_cloud": [96, 3]}
         bridge = SO100Bridge(shapes, ["dx", "dy", "dz", "gripper"], depth_cameras=calib)
@@ -615,8 +615,8 @@ def test_twin_robots_depth_cameras_give_the_fleets_point_cloud(tmp_path):
             assert got.shape == (96, 3) and got.dtype == np.float32
             np.testing.assert_array_equal(got, own["observation.point_cloud"])
         # a robot without the depth images is refused, naming what it lacks
-        with pytest.raises(ValueError, match="corner.depth"):
-            bridge.check_robot({k: v for k, v in feats.items() if not k.endswith(".depth")}, robot.action_features,
+        with pytest.raises(ValueError, match="corner_depth"):
+            bridge.check_robot({k: v for k, v in feats.items() if not k.endswith("_depth")}, robot.action_features,
                                "so100_follower")
         with pytest.raises(ValueError, match="depth cameras"):
             SO100Bridge(shapes, ["dx", "dy", "dz", "gripper"])
@@ -628,7 +628,7 @@ def test_twin_robots_depth_cameras_give_the_fleets_point_cloud(tmp_path):
 @pytest.mark.lerobot
 def test_twin_robots_rgbd_cameras_give_the_fleets_coloured_point_cloud(tmp_path):
     """obs.point_color through a robot: the twin's depth cameras with depth_color give depth-aligned colour images
-    (``<camera>.depth_rgb``); the bridge makes the cloud and its colours with the fleet's own function, equal to what
+    (``<camera>_depth_rgb``); the bridge makes the cloud and its colours with the fleet's own function, equal to what
     the fleet's env observes; a robot without the colour images is refused, naming them."""
     import sim
     from fleet.deploy.lerobot_bridge import SO100Bridge
@@ -637,7 +637,7 @@ def test_twin_robots_rgbd_cameras_give_the_fleets_coloured_point_cloud(tmp_path)
     robot.connect()
     try:
         feats = robot.observation_features
-        assert feats["corner.depth_rgb"] == (40, 40, 3)
+        assert feats["corner_depth_rgb"] == (40, 40, 3)
         shapes = {"observation.state": [4], "observation.point_cloud": [64, 3], "observation.point_colors": [64, 3]}
         bridge = SO100Bridge(shapes, ["dx", "dy", "dz", "gripper"], depth_cameras=robot.depth_calibration())
         bridge.check_robot(feats, robot.action_features, "fleetmind_so100_sim")
@@ -649,8 +649,8 @@ def test_twin_robots_rgbd_cameras_give_the_fleets_coloured_point_cloud(tmp_path)
         np.testing.assert_array_equal(got["observation.point_cloud"], own["observation.point_cloud"])
         assert got["observation.point_colors"].dtype == np.uint8
         np.testing.assert_array_equal(got["observation.point_colors"], own["observation.point_colors"])
-        with pytest.raises(ValueError, match="corner.depth_rgb"):
-            bridge.check_robot({k: v for k, v in feats.items() if not k.endswith(".depth_rgb")},
+        with pytest.raises(ValueError, match="corner_depth_rgb"):
+            bridge.check_robot({k: v for k, v in feats.items() if not k.endswith("_depth_rgb")},
                                robot.action_features, "so100_follower")
         env.close()
     finally:

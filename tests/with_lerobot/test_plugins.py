@@ -171,7 +171,8 @@ def test_lerobot_eval_runs_a_fleetmind_export_on_fleetmind_units(lerobot_policy_
            "--env.type=fleetmind", "--env.task=reach-v3", "--env.units=[100,101]", "--env.episode_length=20",
            "--eval.n_episodes=4", "--eval.batch_size=2", f"--output_dir={tmp_path / 'eval'}"]
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    assert out.returncode == 0, (out.stdout[-3000:], [ln for ln in out.stderr.splitlines() if "Error" in ln][-10:],
+                                 out.stderr[-3000:])
     info = json.loads((tmp_path / "eval" / "eval_info.json").read_text())
     per_task = info["per_task"][0]["metrics"]
     assert len(per_task["successes"]) == 4 and len(per_task["sum_rewards"]) == 4
@@ -318,6 +319,95 @@ def test_a_robot_export_drives_the_twin_as_fleetmind_deploy_bridge_does(twin_pol
         robot.disconnect()
 
 
+CLOUD_CAMS, CLOUD_SIZE = ["corner", "topview"], 48
+
+
+@pytest.fixture(scope="module")
+def twin_cloud_policy_dir(tmp_path_factory) -> tuple[Path, Path]:
+    """(the fleetmind export, the LeRobot folder written with ``--robot so100 --depth-cameras corner,topview``) of a
+    tiny real point-cloud policy (proprioception and a 64-point cloud of the twin's two depth cameras): the deployable
+    observation of issue 49 on the SO-100."""
+    from lerobot_policy_fleetmind.export import export_for_lerobot
+
+    from policies.export import export_checkpoint
+    from tests.test_runtime import tiny_policy
+
+    root = tmp_path_factory.mktemp("twin_cloud_policy")
+    tiny_policy({"observation.state": {"min": [-0.3, -0.45, 0.0, 0.0], "max": [0.3, 0.05, 0.4, 1.0]},
+                 "observation.point_cloud": {"min": [-0.3, -0.45, 0.0], "max": [0.3, 0.05, 0.4]},
+                 "action": {"min": [-1.0] * 4, "max": [1.0] * 4}}, point_channels=[8, 16],
+                input_shapes={"observation.state": [4], "observation.point_cloud": [64, 3]}).save_pretrained(root / "c")
+    export = export_checkpoint(root / "c", root / "export", control_hz=30.0)
+    return export, export_for_lerobot(export, root / "lerobot_policy", robot="so100", depth_cameras=CLOUD_CAMS,
+                                      depth_size=CLOUD_SIZE)
+
+
+def test_a_point_cloud_export_drives_the_twin_from_its_depth_cameras(twin_cloud_policy_dir, tmp_path):
+    """Issue 49, item 2: a point-cloud policy exported ``--robot so100`` takes LeRobot's frame of the twin (joint
+    readings and the depth cameras' ``<camera>_depth`` (H, W, 1) images, through LeRobot's own feature and frame
+    code) and gives, step for step, the joint targets of fleetmind's runtime and deploy bridge on the same readings
+    (the cloud made by the fleet's function from the twin's calibration, saved in the config); the arm moves."""
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot.policies.utils import prepare_observation_for_inference
+    from lerobot.robots import make_robot_from_config
+    from lerobot.utils.feature_utils import build_dataset_frame, hw_to_dataset_features
+    from lerobot_policy_fleetmind import FleetmindPolicy
+    from lerobot_policy_fleetmind.export import export_for_lerobot
+
+    from fleet.deploy.lerobot_bridge import MOTOR_KEYS, SO100Bridge
+    from fleet.deploy.so100_sim_robot import FleetmindSO100SimConfig
+    from policies.runtime import PolicyRuntime
+
+    export, folder = twin_cloud_policy_dir
+    cfg = PreTrainedConfig.from_pretrained(folder)
+    assert sorted(cfg.depth_cameras) == sorted(CLOUD_CAMS)
+    assert cfg.input_features["observation.images.corner_depth"].shape == (1, CLOUD_SIZE, CLOUD_SIZE)
+    assert "observation.point_cloud" not in cfg.input_features
+    policy = FleetmindPolicy.from_pretrained(folder, config=cfg)
+    pre, post = make_pre_post_processors(cfg, pretrained_path=str(folder))
+    runtime = PolicyRuntime.load(export, backend="torch")
+    robot = make_robot_from_config(FleetmindSO100SimConfig(calibration_dir=tmp_path / "calib", render_cameras=[],
+                                                           depth_cameras=CLOUD_CAMS, depth_size=CLOUD_SIZE))
+    robot.connect()
+    try:
+        assert cfg.depth_cameras == robot.depth_calibration()   # the twin's calibration, written at export
+        ref = SO100Bridge({"observation.state": [4], "observation.point_cloud": [64, 3]},
+                          runtime.meta["features"]["action"]["names"], depth_cameras=robot.depth_calibration())
+        hw = {k: v for k, v in robot.observation_features.items() if isinstance(v, tuple) or k.endswith(".pos")}
+        feats = hw_to_dataset_features(hw, "observation")   # LeRobot's own: (H, W, 1) is a depth map
+        assert feats["observation.images.corner_depth"]["info"]["is_depth_map"]
+        policy.reset()
+        runtime.reset()
+        start = robot.joint_positions()
+        for t in range(8):
+            obs = robot.get_observation()
+            frame = prepare_observation_for_inference(build_dataset_frame(feats, obs, "observation"),
+                                                      torch.device("cpu"), "reach", robot.name)
+            torch.manual_seed(t)
+            got = post(policy.select_action(pre(frame)))
+            if t == 0:
+                ref.reset(obs)
+            pol_obs = {k: torch.from_numpy(v)[None] for k, v in ref.policy_observation(obs).items()}
+            assert pol_obs["observation.point_cloud"].shape == (1, 64, 3)
+            torch.manual_seed(t)
+            want = ref.propose(runtime.policy.select_action(pol_obs)[0].double().numpy(), obs, t)
+            ref.sent(want)
+            np.testing.assert_allclose(got[0].double().numpy(), want, rtol=0, atol=1e-4)
+            robot.send_action(dict(zip(MOTOR_KEYS, got[0].tolist())))
+        assert np.abs(robot.joint_positions() - start).max() > 0.1   # the arm moved (degrees)
+        with pytest.raises(ValueError, match="corner_depth"):
+            policy.select_action({"observation.state": torch.zeros(1, 6)})
+    finally:
+        robot.disconnect()
+    with pytest.raises(ValueError, match="depth cameras it was made from"):
+        export_for_lerobot(export, tmp_path / "x", robot="so100")
+    with pytest.raises(ValueError, match=r"no calibration for depth cameras \['topview'\]"):
+        export_for_lerobot(export, tmp_path / "y", robot="so100", depth_cameras=CLOUD_CAMS,
+                           depth_calibration={"corner": cfg.depth_cameras["corner"]})
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
 def test_robot_exports_refuse_what_a_real_arm_cannot_give(lerobot_policy_dir, tmp_path):
     """An export that reads the object state cannot drive a LeRobot robot: the export and the config say why."""
     from lerobot_policy_fleetmind.export import export_for_lerobot
@@ -331,23 +421,29 @@ def test_robot_exports_refuse_what_a_real_arm_cannot_give(lerobot_policy_dir, tm
 
 
 @pytest.mark.slow
-def test_lerobot_rollout_records_the_twin_driven_by_a_fleetmind_export(twin_policy_dir, tmp_path):
+@pytest.mark.parametrize("observation", ["camera", "point_cloud"])
+def test_lerobot_rollout_records_the_twin_driven_by_a_fleetmind_export(observation, request, tmp_path):
     """LeRobot's own ``lerobot-rollout`` (episodic strategy, recording) drives the twin with a ``--robot so100``
-    export; the LeRobotDataset it records imports into a fleetmind store as the robot's joint-space episodes."""
+    export (a camera policy, or a point-cloud policy from the twin's depth cameras); the LeRobotDataset it records
+    imports into a fleetmind store as the robot's joint-space episodes."""
     from experience_dict.lerobot import import_dataset
     from experience_dict.store import ExperienceStore
 
-    _, folder = twin_policy_dir
+    cloud = observation == "point_cloud"
+    _, folder = request.getfixturevalue("twin_cloud_policy_dir" if cloud else "twin_policy_dir")
+    sensors = ([f"--robot.depth_cameras=[{','.join(CLOUD_CAMS)}]", f"--robot.depth_size={CLOUD_SIZE}",
+                "--robot.render_cameras=[corner]", "--robot.image_size=32"] if cloud
+               else ["--robot.render_cameras=[corner]", "--robot.image_size=32"])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
     ds = tmp_path / "rollout_twin"
     cmd = [str(Path(sys.executable).with_name("lerobot-rollout")), "--strategy.type=episodic",
-           f"--policy.path={folder}", "--policy.device=cpu", "--robot.type=fleetmind_so100_sim",
-           "--robot.render_cameras=[corner]", "--robot.image_size=32", "--fps=30",
+           f"--policy.path={folder}", "--policy.device=cpu", "--robot.type=fleetmind_so100_sim", *sensors, "--fps=30",
            "--dataset.repo_id=local/rollout_twin", f"--dataset.root={ds}", "--dataset.single_task=so100-reach",
            "--dataset.num_episodes=2", "--dataset.episode_time_s=2", "--dataset.reset_time_s=0.5",
            "--dataset.push_to_hub=false", "--display_data=false"]
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    assert out.returncode == 0, (out.stdout[-3000:], [ln for ln in out.stderr.splitlines() if "Error" in ln][-10:],
+                                 out.stderr[-3000:])
     info = json.loads((ds / "meta" / "info.json").read_text())
     assert info["total_episodes"] == 2 and info["total_frames"] > 2
     assert info["features"]["action"]["names"][:2] == ["shoulder_pan.pos", "shoulder_lift.pos"]
@@ -358,3 +454,8 @@ def test_lerobot_rollout_records_the_twin_driven_by_a_fleetmind_export(twin_poli
     ep = store.load_episode(eps[0].episode_id)
     assert ep["action"].shape[1] == 6 and ep["observation.images.corner"].shape[1:] == (32, 32, 3)
     assert np.ptp(ep["observation.state"], axis=0).max() > 0   # the joints moved during the episode
+    if cloud:   # LeRobot recorded the depth cameras as depth maps; they come back as metres
+        assert info["features"]["observation.images.corner_depth"]["info"]["is_depth_map"]
+        d = ep["observation.images.corner_depth"]
+        assert d.shape[1:] == (CLOUD_SIZE, CLOUD_SIZE, 1) and d.dtype == np.float32
+        assert 0.1 < float(np.median(d)) < 3.0   # the table and the arm, a metre or so from the camera

@@ -27,11 +27,11 @@ class FleetmindSO100SimConfig(RobotConfig):
             composed ``robot`` group. Only read with a ``unit_id``.
         render_cameras: twin cameras rendered as observation images (``corner``, ``topview``); empty: none.
         image_size: rendered image height = width, pixels.
-        depth_cameras: twin cameras that also give a depth image, feature ``"<camera>.depth"`` (H, W) float32
+        depth_cameras: twin cameras that also give a depth image, feature ``"<camera>_depth"`` (H, W, 1) float32
             metres, as an RGB-D sensor does (``FleetmindSO100Sim.depth_calibration()`` gives their intrinsics and
             poses in the arm's base frame, for the deploy bridge's point cloud); empty: none.
         depth_size: depth image height = width, pixels.
-        depth_color: the depth cameras also give their depth-aligned colour image, feature ``"<camera>.depth_rgb"``
+        depth_color: the depth cameras also give their depth-aligned colour image, feature ``"<camera>_depth_rgb"``
             (H, W, 3) uint8 (an RGB-D sensor's colour stream aligned to depth), for a policy that reads the cloud's
             colours (``observation.point_colors``).
         object_state: also give the sim-only ``sim.<name>`` features (the cube pose and goal, what a state-only

@@ -30,7 +30,13 @@ import numpy as np
 from lerobot.robots.robot import Robot
 from lerobot.utils.errors import DeviceAlreadyConnectedError, DeviceNotConnectedError
 
-from fleet.deploy.lerobot_bridge import MOTOR_KEYS, JointMap, sim_feature_names
+from fleet.deploy.lerobot_bridge import (
+    DEPTH_RGB_SUFFIX,
+    DEPTH_SUFFIX,
+    MOTOR_KEYS,
+    JointMap,
+    sim_feature_names,
+)
 from fleet.deploy.so100_sim_robot.config_fleetmind_so100_sim import ROBOT_TYPE, FleetmindSO100SimConfig
 
 log = logging.getLogger(__name__)
@@ -72,9 +78,9 @@ class FleetmindSO100Sim(Robot):
         feats: dict[str, type | tuple] = dict.fromkeys(MOTOR_KEYS, float)
         feats.update({c: (s, s, 3) for c in self.config.render_cameras})
         d = int(self.config.depth_size)
-        feats.update({f"{c}.depth": (d, d) for c in self.config.depth_cameras})
+        feats.update({f"{c}{DEPTH_SUFFIX}": (d, d, 1) for c in self.config.depth_cameras})
         if self.config.depth_color:
-            feats.update({f"{c}.depth_rgb": (d, d, 3) for c in self.config.depth_cameras})
+            feats.update({f"{c}{DEPTH_RGB_SUFFIX}": (d, d, 3) for c in self.config.depth_cameras})
         if self.config.object_state:
             feats.update(dict.fromkeys(self._sim_names, float))
         return feats
@@ -182,8 +188,9 @@ class FleetmindSO100Sim(Robot):
         return np.array([*arm, self.joint_map.pos_from_opening(self.env.gripper_opening())])
 
     def get_observation(self) -> dict[str, Any]:
-        """``{"<joint>.pos": float, <camera>: (H, W, 3) uint8, "<depth camera>.depth": (H, W) float32 metres,
-        "<depth camera>.depth_rgb": (H, W, 3) uint8 (with ``depth_color``), "sim.<name>": float}`` of the twin now."""
+        """``{"<joint>.pos": float, <camera>: (H, W, 3) uint8, "<depth camera>_depth": (H, W, 1) float32 metres (LeRobot's
+        depth feature), "<depth camera>_depth_rgb": (H, W, 3) uint8 (with ``depth_color``), "sim.<name>": float}`` of
+        the twin now."""
         self._check()
         obs: dict[str, Any] = dict(zip(MOTOR_KEYS, (float(v) for v in self.joint_positions())))
         twin = self.env.observation()
@@ -195,10 +202,11 @@ class FleetmindSO100Sim(Robot):
             depth = self._depth_sensor()
             if self.config.depth_color:
                 colors, depths = depth.rgbd_images(self.env.mj_data)
-                obs.update({f"{c}.depth_rgb": rgb for c, rgb in zip(depth.spec.cameras, colors)})
+                obs.update({f"{c}{DEPTH_RGB_SUFFIX}": rgb for c, rgb in zip(depth.spec.cameras, colors)})
             else:
                 depths = depth.depth_images(self.env.mj_data)
-            obs.update({f"{c}.depth": d for c, d in zip(depth.spec.cameras, depths)})
+            obs.update({f"{c}{DEPTH_SUFFIX}": np.asarray(d, np.float32)[..., None]
+                        for c, d in zip(depth.spec.cameras, depths)})
         return obs
 
     def _depth_sensor(self):

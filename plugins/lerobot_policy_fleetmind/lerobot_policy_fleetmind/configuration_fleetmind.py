@@ -11,6 +11,7 @@ policy, statistics, tokenizer, ``export.json``; optionally the success critic an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from lerobot.configs.policies import PreTrainedConfig
 from lerobot.optim.optimizers import AdamWConfig
@@ -41,6 +42,14 @@ class FleetmindConfig(PreTrainedConfig):
         action_scale_m: with ``robot_bridge``: metres of tool motion per action unit (None: the twin's 1 cm).
         action_feature_names: the action's names in order (with ``robot_bridge``: the robot's joint keys), read by
             ``lerobot-rollout`` to map the action tensor to the robot's action dict.
+        depth_cameras: with ``robot_bridge``, for a policy that reads ``observation.point_cloud``: ``{robot camera:
+            calibration}`` (``sim.pointcloud.DepthCamera.to_dict``: fx, fy, cx, cy in pixels, ``base_from_camera``
+            4 x 4, the optical frame's pose in the arm's base frame, metres; ``depth_scale``: metres per depth unit,
+            0.001 for a RealSense's uint16 millimetres, 1 for the twin's float32 metres). The robot gives each as
+            LeRobot's depth feature ``<camera>_depth`` (H, W, 1) and, for ``observation.point_colors``, the aligned
+            colour image ``<camera>_depth_rgb`` (H, W, 3). ``export --robot so100`` writes the twin's.
+        point_crop: with ``depth_cameras``: the cloud's workspace box ``[[x, y, z] min, [x, y, z] max]`` in the
+            base frame, metres (None: the twin's ``SO100Env.POINT_CROP``, what the fleet's SO-100 envs crop to).
     """
 
     export_subdir: str = EXPORT_SUBDIR
@@ -51,6 +60,8 @@ class FleetmindConfig(PreTrainedConfig):
     robot_bridge: str | None = None
     action_scale_m: float | None = None
     action_feature_names: list[str] | None = None
+    depth_cameras: dict[str, dict[str, Any]] | None = None
+    point_crop: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -62,6 +73,13 @@ class FleetmindConfig(PreTrainedConfig):
             raise ValueError(f"policy.robot_bridge: expected null or so100, given {self.robot_bridge!r}")
         if self.action_scale_m is not None and not self.action_scale_m > 0:
             raise ValueError(f"policy.action_scale_m: expected metres > 0, given {self.action_scale_m}")
+        if self.depth_cameras is not None and self.robot_bridge is None:
+            raise ValueError("policy.depth_cameras: only with policy.robot_bridge (the bridge makes the point cloud "
+                             "from the robot's depth images)")
+        if self.point_crop is not None and (len(self.point_crop) != 2 or any(len(v) != 3 for v in self.point_crop)
+                                            or any(a >= b for a, b in zip(*self.point_crop))):
+            raise ValueError(f"policy.point_crop: expected [[x, y, z] min, [x, y, z] max] with min < max (metres), "
+                             f"given {self.point_crop}")
 
     # LeRobot's training-time windows: fleetmind trains its policies itself (scripts/train.py, the fleet job)
     @property

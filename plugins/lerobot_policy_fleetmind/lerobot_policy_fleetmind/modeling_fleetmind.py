@@ -63,10 +63,13 @@ class FleetmindPolicy(PreTrainedPolicy):
                 raise ValueError(f"policy.robot_bridge={config.robot_bridge}: the export reads {ENV_STATE_KEY!r} "
                                  "(the object state), which no LeRobot robot gives a policy; export a policy that "
                                  "sees proprioception and cameras (experiment=vision_cpu)")
-            # images take the plugin's own path (rename, resize); the bridge maps the state and the actions
+            # images take the plugin's own path (rename, resize); the bridge maps the state, the point cloud (from
+            # the robot's depth images, config.depth_cameras) and the actions
             shapes = {k: v for k, v in runtime.input_shapes.items() if not k.startswith(IMAGE_PREFIX)}
+            crop = config.point_crop or [None, None]
             self.bridge = make_bridge(config.robot_bridge, shapes, runtime.meta["features"]["action"]["names"],
-                                      action_scale_m=config.action_scale_m)
+                                      action_scale_m=config.action_scale_m, depth_cameras=config.depth_cameras,
+                                      crop_min=crop[0], crop_max=crop[1])
         self._robot_obs: dict | None = None   # robot mode: the joint readings of the step being acted on
         self._step = 0
         self._source: Path | None = None   # the folder it was loaded from: save_pretrained carries its files on
@@ -161,9 +164,39 @@ class FleetmindPolicy(PreTrainedPolicy):
         self._robot_obs = dict(zip(MOTOR_KEYS, state[0].double().cpu().tolist()))
         if self._step == 0:   # the episode's first step: the controller starts from the measured arm
             self.bridge.reset(self._robot_obs)
+        depth = self._depth_images(batch)
         mapped = {k: torch.from_numpy(v)[None].to(state.device)
-                  for k, v in self.bridge.policy_observation(self._robot_obs).items()}
+                  for k, v in self.bridge.policy_observation({**self._robot_obs, **depth}).items()}
         return {**batch, **mapped}
+
+    def _depth_images(self, batch: dict[str, Tensor]) -> dict[str, np.ndarray]:
+        """Robot mode, a point-cloud policy: the robot's depth images as the bridge takes them, from LeRobot's frame
+        (``observation.images.<camera>_depth`` (1, 1, H, W) in the calibration's depth units, as LeRobot's
+        ``prepare_observation_for_inference`` leaves a (H, W, 1) depth feature; ``<camera>_depth_rgb`` (1, 3, H, W)
+        in [0, 1]) -> ``{"<camera>_depth": (H, W), "<camera>_depth_rgb": (H, W, 3) uint8}``.
+
+        Raises:
+            ValueError: a depth image the frame lacks or of another shape (names it)."""
+        from fleet.deploy.lerobot_bridge import COLORS_KEY, DEPTH_RGB_SUFFIX, DEPTH_SUFFIX, IMAGE_PREFIX
+
+        out: dict[str, np.ndarray] = {}
+        for cam in self.bridge.depth_cameras if hasattr(self.bridge, "depth_cameras") else {}:
+            key = IMAGE_PREFIX + cam + DEPTH_SUFFIX
+            x = batch.get(key)
+            if x is None or x.dim() != 4 or x.shape[:2] != (1, 1):
+                raise ValueError(f"policy.depth_cameras: the frame lacks {key!r} as one robot's (1, 1, H, W) depth "
+                                 f"image (given {None if x is None else tuple(x.shape)}); the robot must give "
+                                 f"'{cam}{DEPTH_SUFFIX}' (H, W, 1)")
+            out[cam + DEPTH_SUFFIX] = x[0, 0].float().cpu().numpy()
+            if COLORS_KEY in self.bridge.input_shapes:
+                key = IMAGE_PREFIX + cam + DEPTH_RGB_SUFFIX
+                x = batch.get(key)
+                if x is None or x.dim() != 4 or x.shape[:2] != (1, 3):
+                    raise ValueError(f"policy.depth_cameras: the frame lacks {key!r} as one robot's (1, 3, H, W) "
+                                     f"colour image (given {None if x is None else tuple(x.shape)})")
+                out[cam + DEPTH_RGB_SUFFIX] = (x[0].permute(1, 2, 0).float().cpu() * 255).round().clamp(0, 255) \
+                    .to(torch.uint8).numpy()
+        return out
 
     def _to_robot(self, action: Tensor) -> Tensor:
         """Robot mode: the policy's (1, 4) end-effector action -> (1, 6) joint targets (``<joint>.pos`` order).
