@@ -23,6 +23,14 @@ One export, the same held-out trials on both sides:
    difference with a paired-bootstrap 95% interval, the disagreements and the exact McNemar p
    (``paired_differences``), per unit, the safety events and the policy latency per step of the deployment.
 
+``--lerobot`` adds the side ``lerobot_rollout``: the same trials driven by LeRobot's own ``lerobot-rollout``
+(``--strategy.type=base``, one process per trial) through the export's LeRobot policy folder (``python -m
+lerobot_policy_fleetmind.export --robot so100``; for a point-cloud policy one folder per unit, each with that
+unit's depth-camera calibration, as a real arm's hand-eye calibration would be), the twin robot built as the trial's
+unit with its reset seed and ``max_steps`` of the evaluation, its outcome read from the twin's ``result_file``
+(``<out>/lerobot_rollout/results.jsonl``). No safety filter (LeRobot's rollout has none) and LeRobot's own
+denoising noise (not the trial's seed).
+
 ``--variants`` adds diagnostic deployments, each compared with the evaluation the same way: ``nominal`` (the
 twin without units: the trials' seeds on the nominal robot), ``no_safety`` (step limits, workspace and watchdog
 off), ``no_pacing`` (``deploy.run.realtime=false``), ``unseeded`` (``deploy.run.seed_noise=false``).
@@ -186,6 +194,103 @@ def markdown(cmp: dict[str, Any], summaries: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def lerobot_rollout_side(export: Path, trials: list[dict], task: str, ecfg: dict, out: Path,
+                         timeout_s: float = 600.0) -> list[dict]:
+    """Every trial driven by ``lerobot-rollout`` on the twin (see the module doc); resumable (a trial whose outcome
+    is in ``<out>/results.jsonl`` is not run again). Returns evaluation-like results ``{task, unit_id, seed, success,
+    length, stop_reason, wall_s}``, in the order of ``trials``.
+
+    Raises:
+        SystemExit: a rollout that fails or ends without the twin's outcome (its log named)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from lerobot_policy_fleetmind.export import export_for_lerobot, twin_depth_calibration
+
+    meta = json.loads((export / "export.json").read_text())
+    inputs = meta["features"]["inputs"]
+    cloud = "observation.point_cloud" in inputs
+    cams = [k.split(".", 2)[2] for k in inputs if k.startswith("observation.images.")]
+    ocfg = ecfg.get("obs") or {}
+    dcams, dsize = list(ocfg.get("point_cameras") or []), int(ocfg.get("point_image_size") or 64)
+    if cloud and not dcams:
+        raise SystemExit("twin_vs_eval --lerobot: a point-cloud export needs the evaluation's obs.point_cameras "
+                         "(pass obs=pointcloud 'obs.point_cameras=[...]' after --)")
+    max_steps, fps = int(ecfg["task"]["max_episode_steps"]), float(meta.get("control_hz") or 30.0)
+    out.mkdir(parents=True, exist_ok=True)
+    results_file = out / "results.jsonl"
+    done = {}
+    if results_file.is_file():
+        for line in results_file.read_text().splitlines():
+            r = json.loads(line)
+            done[(int(r["unit_id"]), int(r["seed"]))] = r
+    folders: dict[int | None, Path] = {}
+
+    def folder(unit: int) -> Path:
+        key = unit if cloud else None   # a camera policy: one folder; a cloud policy: the unit's calibration
+        if key not in folders:
+            path = out / "policies" / (f"unit_{unit}" if cloud else "all")
+            if not (path / "config.json").is_file():
+                calib = twin_depth_calibration(dcams, dsize, unit, ecfg.get("robot")) if cloud else None
+                export_for_lerobot(export, path, robot="so100", overwrite=True, depth_cameras=dcams or None,
+                                   depth_size=dsize, depth_calibration=calib)
+            folders[key] = path
+        return folders[key]
+
+    exe = str(Path(sys.executable).with_name("lerobot-rollout"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    results = []
+    for i, tr in enumerate(trials):
+        u, s = int(tr["unit_id"]), int(tr["seed"])
+        if (u, s) not in done:
+            log = out / "logs" / f"trial_{i:03d}_unit{u}_seed{s}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            sensors = [f"--robot.render_cameras=[{','.join(cams)}]",
+                       f"--robot.image_size={int(inputs[f'observation.images.{cams[0]}'][0]) if cams else 64}"]
+            if cloud:
+                sensors += [f"--robot.depth_cameras=[{','.join(dcams)}]", f"--robot.depth_size={dsize}",
+                            f"--robot.depth_color={str('observation.point_colors' in inputs).lower()}"]
+            cmd = [exe, "--strategy.type=base", f"--policy.path={folder(u)}", "--policy.device=cpu",
+                   "--robot.type=fleetmind_so100_sim", f"--robot.task={task}", f"--robot.unit_id={u}",
+                   f"--robot.seed={s}", f"--robot.max_steps={max_steps}", f"--robot.result_file={results_file}",
+                   "--robot.object_state=false", *sensors, f"--fps={round(fps)}",
+                   f"--duration={int(timeout_s)}", "--display_data=false"]
+            n_before = len(done)
+            t0 = time.time()
+            with log.open("w") as f:
+                f.write(" ".join(cmd) + "\n")
+                f.flush()
+                proc = subprocess.Popen(cmd, cwd=str(out), env=env, stdout=f, stderr=subprocess.STDOUT)
+                # the twin writes the trial's outcome after max_steps; then the rollout is stopped as a user
+                # stops it (SIGINT: LeRobot's signal handler ends the loop and disconnects the robot)
+                while proc.poll() is None:
+                    time.sleep(0.5)
+                    lines = results_file.read_text().splitlines() if results_file.is_file() else []
+                    if len(lines) > n_before:
+                        proc.send_signal(signal.SIGINT)
+                        try:
+                            proc.wait(timeout=60)
+                        except subprocess.TimeoutExpired:
+                            proc.kill()
+                        break
+            for line in (results_file.read_text().splitlines() if results_file.is_file() else []):
+                r = json.loads(line)
+                done.setdefault((int(r["unit_id"]), int(r["seed"])), {**r, "wall_s": time.time() - t0})
+            if (u, s) not in done:
+                raise SystemExit(f"twin_vs_eval --lerobot: trial {i} (unit {u}, seed {s}) ended without the twin's "
+                                 f"outcome (exit {proc.returncode}); see {log}")
+            print(f"  lerobot-rollout trial {i + 1}/{len(trials)}: unit {u} seed {s} "
+                  f"{'success' if done[(u, s)]['success'] else 'failure'} ({time.time() - t0:.0f} s)", flush=True)
+        r = done[(u, s)]
+        results.append({"task": task, "unit_id": u, "seed": s, "success": bool(r["success"]),
+                        "length": int(r["first_success_step"] or r["steps"]),
+                        "stop_reason": "max_steps" if int(r["steps"]) >= max_steps else "stopped early",
+                        "safety_counts": {}, "wall_s": r.get("wall_s")})
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--export", required=True, help="export folder (scripts/export.py)")
@@ -194,6 +299,9 @@ def main() -> None:
     ap.add_argument("--out", default="outputs/twin_vs_eval", help="output folder")
     ap.add_argument("--eval-dir", default=None, help="reuse this scripts/eval.py run dir instead of evaluating")
     ap.add_argument("--no-realtime", action="store_true", help="deploy as fast as possible (pacing off)")
+    ap.add_argument("--lerobot", action="store_true",
+                    help="also drive the trials with LeRobot's own lerobot-rollout (the side lerobot_rollout)")
+    ap.add_argument("--no-deploy", action="store_true", help="skip scripts/deploy.py's side (twin)")
     ap.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                     help="diagnostic deployments also compared with the evaluation")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for both scripts (after --), e.g. robot=shifted")
@@ -230,7 +338,7 @@ def main() -> None:
             f"deploy.run.realtime={str(not a.no_realtime).lower()}"]
     results: dict[str, list[dict]] = {"eval": [{**e, "task": str(e["task"])} for e in evaluated]}
     summaries: dict[str, dict] = {}
-    for arm in ["twin", *(f"twin_{v}" for v in a.variants)]:
+    for arm in [*([] if a.no_deploy else ["twin"]), *(f"twin_{v}" for v in a.variants)]:
         variant = arm.removeprefix("twin_") if arm != "twin" else None
         tf = nominal_file if variant == "nominal" else trials_file
         run_dir = out / arm
@@ -240,6 +348,9 @@ def main() -> None:
         report = json.loads((run_dir / "deploy_report.json").read_text())
         results[arm] = twin_episodes(report, trials, task)
         summaries[arm] = deployment_summary(report)
+
+    if a.lerobot:
+        results["lerobot_rollout"] = lerobot_rollout_side(export, trials, task, ecfg, out / "lerobot_rollout")
 
     # 3. the comparison
     cmp = compare(results)

@@ -289,6 +289,46 @@ def test_expert_through_the_bridge_succeeds_and_matches_the_twin(tmp_path):
     np.testing.assert_allclose(np.array(tcps[:results[0].steps]), np.array(ref), atol=1e-6)
 
 
+def test_twin_ends_a_trial_at_max_steps_and_writes_its_outcome(tmp_path):
+    """The twin as a trial of fleetmind's evaluation (``scripts/twin_vs_eval.py --lerobot``): after ``max_steps``
+    actions it holds still (a rollout's return to its start pose changes nothing) and writes the trial's outcome
+    once; the expert through the bridge reaches the simulator's success, which the outcome records."""
+    import json
+
+    from fleet.deploy.lerobot_bridge import MOTOR_KEYS
+
+    res = tmp_path / "results.jsonl"
+    robot = _robot(tmp_path, render_cameras=[], seed=10, max_steps=12, result_file=str(res))
+    robot.connect()
+    hold = {k: robot.get_observation()[k] for k in MOTOR_KEYS}
+    away = {**hold, "shoulder_pan.pos": hold["shoulder_pan.pos"] + 20.0}
+    for _ in range(12):
+        robot.send_action(away)
+    assert robot.episode_over and json.loads(res.read_text())["steps"] == 12
+    moved = robot.joint_positions()
+    for _ in range(5):   # past max_steps: nothing is applied
+        robot.send_action(hold)
+    np.testing.assert_array_equal(robot.joint_positions(), moved)
+    robot.disconnect()
+    lines = [json.loads(x) for x in res.read_text().splitlines()]
+    assert lines == [{"task": "so100-reach", "unit_id": None, "seed": 10, "steps": 12, "success": False,
+                      "first_success_step": None}]
+    # the expert solves the trial: its outcome is the simulator's success, written at disconnect
+    res2 = tmp_path / "expert.jsonl"
+    robot = _robot(tmp_path, render_cameras=[], seed=10, max_steps=300, result_file=str(res2))
+    free = safety_limits({"max_step_deg": 1e6, "max_step_gripper": 1e6, "workspace_m": WORKSPACE,
+                          "deadline_s": None}, JointMap())
+    dep = Deployer(ExpertRuntime(robot), robot, RunConfig(episodes=1, max_steps=300, label="sim", realtime=False,
+                                                          seed=10), free, JointMap())
+    robot.connect()
+    (r,) = dep.run_all()
+    robot.disconnect()
+    (out,) = [json.loads(x) for x in res2.read_text().splitlines()]
+    assert r.success and out["success"] and out["seed"] == 10 and 0 < out["first_success_step"] <= out["steps"]
+    with pytest.raises(ValueError, match="max_steps"):
+        _robot(tmp_path, max_steps=0)
+
+
 def far_from_home(robot, observation) -> bool:
     """A success classifier for the test below (label=classifier): the arm left its home pose (degrees)."""
     return bool(abs(observation["shoulder_lift.pos"] + 90.0) > 1.0 or abs(observation["elbow_flex.pos"] - 90.0) > 1.0)

@@ -36,6 +36,13 @@ class FleetmindSO100SimConfig(RobotConfig):
             colours (``observation.point_colors``).
         object_state: also give the sim-only ``sim.<name>`` features (the cube pose and goal, what a state-only
             policy's ``observation.environment_state`` holds). No real arm has them.
+        max_steps: sim-only: after this many ``send_action`` calls the episode is over, as fleetmind's evaluation
+            ends a trial at ``task.max_episode_steps``: later actions are not applied (the twin holds still, so a
+            rollout's return to its start pose does not change the outcome); null: never.
+        result_file: sim-only: append the episode's outcome here as one JSON line ``{"task", "unit_id", "seed",
+            "steps", "success", "first_success_step"}`` (the simulator's success, ever reached within the steps
+            taken) once ``max_steps`` is reached, or at ``disconnect``: what ``scripts/twin_vs_eval.py`` compares
+            with the evaluation of the same trial; null: none.
         joint_signs / joint_offsets_deg: the simulated calibration, LeRobot degrees = sign x MJCF degrees + offset
             per arm joint (shoulder_pan .. wrist_roll); the default is the identity. Set them to emulate a real
             arm's calibration (the bridge's ``deploy.bridge`` values must then match).
@@ -55,6 +62,8 @@ class FleetmindSO100SimConfig(RobotConfig):
     depth_size: int = 64
     depth_color: bool = False
     object_state: bool = True
+    max_steps: int | None = None
+    result_file: str | None = None
     joint_signs: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0, 1.0, 1.0])
     joint_offsets_deg: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0, 0.0])
 
@@ -71,6 +80,8 @@ class FleetmindSO100SimConfig(RobotConfig):
         for c in self.depth_cameras:
             if c not in CAMERAS:
                 raise ValueError(f"depth_cameras: unknown camera {c!r}; the twin's cameras: {', '.join(CAMERAS)}")
+        if self.max_steps is not None and int(self.max_steps) < 1:
+            raise ValueError(f"max_steps: expected >= 1 or null, given {self.max_steps}")
         if int(self.image_size) < 8 or int(self.depth_size) < 8:
             raise ValueError(f"image_size / depth_size: expected >= 8 pixels, given {self.image_size} / "
                              f"{self.depth_size}")

@@ -70,6 +70,7 @@ class FleetmindSO100Sim(Robot):
         self._sim_names = sim_feature_names()
         self._pending: deque = deque()   # (q_arm rad (5,), jaw rad) waiting out the unit's action latency
         self._depth: tuple | None = None  # (env, DepthPointCloud) of config.depth_cameras (_depth_sensor)
+        self._episode: dict[str, Any] = {}   # this scene's outcome (config.max_steps / result_file)
 
     # ------------------------------------------------------------------ features
     @cached_property
@@ -156,6 +157,29 @@ class FleetmindSO100Sim(Robot):
 
         hold = (self.env.arm_joints, JAW_OPEN)   # the env's HOLD_ACTION: no motion, gripper open
         self._pending = deque([hold] * int(self.env.latency_steps))
+        self._episode = {"task": self.config.task, "unit_id": self.unit_id, "seed": None if seed is None else int(seed),
+                         "steps": 0, "success": False, "first_success_step": None, "written": False}
+
+    @property
+    def episode_over(self) -> bool:
+        """Sim-only: ``config.max_steps`` actions were applied to this scene (later ones are not)."""
+        return self.config.max_steps is not None and self._episode.get("steps", 0) >= int(self.config.max_steps)
+
+    def episode_result(self) -> dict[str, Any]:
+        """Sim-only: this scene's outcome so far ``{"task", "unit_id", "seed", "steps", "success",
+        "first_success_step"}`` (the simulator's success, ever reached)."""
+        return {k: v for k, v in self._episode.items() if k != "written"}
+
+    def _write_result(self) -> None:
+        if self.config.result_file and self._episode and not self._episode["written"]:
+            import json
+            from pathlib import Path
+
+            path = Path(self.config.result_file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:
+                f.write(json.dumps(self.episode_result()) + "\n")
+            self._episode["written"] = True
 
     @property
     def unit(self):
@@ -246,6 +270,8 @@ class FleetmindSO100Sim(Robot):
         if not np.all(np.isfinite(t)):
             raise ValueError(f"{self}: non-finite joint targets {dict(zip(MOTOR_KEYS, t.tolist()))}")
         t = np.clip(t, self._limits[:, 0], self._limits[:, 1])
+        if self.episode_over:   # the trial is over (config.max_steps): the twin holds still
+            return dict(zip(MOTOR_KEYS, (float(v) for v in t)))
         from sim.so100.env import JAW_CLOSED, JAW_OPEN
 
         jaw = JAW_CLOSED + self.joint_map.opening_from_pos(t[5]) * (JAW_OPEN - JAW_CLOSED)
@@ -253,11 +279,18 @@ class FleetmindSO100Sim(Robot):
         q_arm, jaw = self._pending.popleft()
         _obs, reward, _term, _trunc, info = self.env.step_joint_targets(q_arm, jaw)
         self._info = {**info, "reward": float(reward)}
+        ep = self._episode
+        ep["steps"] += 1
+        if bool(info.get("success")) and not ep["success"]:
+            ep["success"], ep["first_success_step"] = True, ep["steps"]
+        if self.episode_over:
+            self._write_result()
         return dict(zip(MOTOR_KEYS, (float(v) for v in t)))
 
     def disconnect(self) -> None:
-        """Free the renderer and the twin."""
+        """Write the episode's outcome (``config.result_file``) if not yet written; free the renderer and the twin."""
         self._check()
+        self._write_result()
         if self._depth is not None:
             self._depth[1].close()
             self._depth = None

@@ -96,19 +96,22 @@ def robot_features(meta: dict, robot: str, depth_cameras: list[str] | None = Non
     return inputs, outputs, list(MOTOR_KEYS)
 
 
-def twin_depth_calibration(cameras: list[str], depth_size: int = 64) -> dict[str, dict]:
-    """``{camera: sim.pointcloud.DepthCamera.to_dict()}``: the SO-100 twin robot's (``fleetmind_so100_sim``, its
-    default unit) depth cameras at ``depth_size`` pixels, read from the twin itself (what it gives ``lerobot-rollout``).
+def twin_depth_calibration(cameras: list[str], depth_size: int = 64, unit_id: int | None = None,
+                           fleet_robot: dict | None = None) -> dict[str, dict]:
+    """``{camera: sim.pointcloud.DepthCamera.to_dict()}``: the SO-100 twin robot's (``fleetmind_so100_sim``; the
+    nominal twin, or robot unit ``unit_id`` of ``fleet_robot``, whose cameras are jittered per unit) depth cameras at
+    ``depth_size`` pixels, read from the twin itself (what it gives ``lerobot-rollout``).
 
     Raises:
-        ValueError: a camera the twin does not have."""
+        ValueError: a camera the twin does not have, or a unit ``fleet_robot`` does not name."""
     import tempfile
 
     from fleet.deploy.so100_sim_robot import FleetmindSO100Sim, FleetmindSO100SimConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         robot = FleetmindSO100Sim(FleetmindSO100SimConfig(calibration_dir=Path(tmp), render_cameras=[],
-                                                          depth_cameras=list(cameras), depth_size=int(depth_size)))
+                                                          depth_cameras=list(cameras), depth_size=int(depth_size),
+                                                          unit_id=unit_id, fleet_robot=fleet_robot))
         robot.connect()
         try:
             return robot.depth_calibration()
