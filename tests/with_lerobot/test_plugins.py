@@ -408,6 +408,36 @@ def test_a_point_cloud_export_drives_the_twin_from_its_depth_cameras(twin_cloud_
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+@pytest.mark.slow
+def test_twin_vs_eval_drives_the_evaluations_trials_through_lerobot_rollout(twin_cloud_policy_dir, tmp_path):
+    """``scripts/twin_vs_eval.py --lerobot``: fleetmind's evaluation of a point-cloud export on a held-out trial, then
+    the same trial (unit, reset seed, episode length) driven by ``lerobot-rollout`` through a LeRobot folder carrying
+    that unit's depth calibration; the twin's outcome file pairs with the evaluation's episode."""
+    export, _ = twin_cloud_policy_dir
+    out = tmp_path / "tve"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cmd = [sys.executable, "scripts/twin_vs_eval.py", "--export", str(export), "--task", "so100-reach",
+           "--trials", "1", "--out", str(out), "--no-deploy", "--lerobot", "--", "obs=pointcloud",
+           f"obs.point_cameras=[{','.join(CLOUD_CAMS)}]", "obs.num_points=64", f"obs.point_image_size={CLOUD_SIZE}",
+           "task.max_episode_steps=45"]
+    run = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
+                         timeout=900, check=False)
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    cmp = json.loads((out / "comparison.json").read_text())
+    assert set(cmp["table"]["arms"]) == {"eval", "lerobot_rollout"} and cmp["verdict"]["lerobot_rollout"]["pairs"] == 1
+    (got,) = [json.loads(x) for x in (out / "lerobot_rollout" / "results.jsonl").read_text().splitlines()]
+    (ev,) = json.loads(next(p for p in (out / "eval" / "episodes").glob("*.json")
+                            if p.name != "fingerprints.json").read_text())
+    assert (got["unit_id"], got["seed"], got["steps"]) == (ev["unit_id"], ev["seed"], 45)
+    folder = next((out / "lerobot_rollout" / "policies").iterdir())
+    assert folder.name == f"unit_{ev['unit_id']}"   # the unit's own calibration (its cameras are jittered)
+    from lerobot_policy_fleetmind.export import twin_depth_calibration
+
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["depth_cameras"] != twin_depth_calibration(CLOUD_CAMS, CLOUD_SIZE)
+
+
 def test_robot_exports_refuse_what_a_real_arm_cannot_give(lerobot_policy_dir, tmp_path):
     """An export that reads the object state cannot drive a LeRobot robot: the export and the config say why."""
     from lerobot_policy_fleetmind.export import export_for_lerobot
