@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from fleet.progress import calm_progress
 from fleet.refusals import one_line_refusals
@@ -50,7 +51,15 @@ log = logging.getLogger("deploy")
 SIM_TYPE = "fleetmind_so100_sim"
 
 
-def sim_robot_defaults(fields: dict, input_shapes: dict, meta: dict, fleet_robot: dict | None = None) -> dict:
+def _plain(value: Any) -> Any:
+    """A config value as plain Python (an OmegaConf list or mapping to a list or dict)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def sim_robot_defaults(fields: dict, input_shapes: dict, meta: dict, fleet_robot: dict | None = None,
+                       depth_cameras: Any = None) -> dict:
     """Fill the simulated robot's null fields from the export: the cameras it reads at their size, and the
     task it was trained on when that is a single SO-100 task; and ``fleet_robot`` (what its robot units are
     drawn from: ``deploy.robot.unit_id``, ``deploy.run.trials``) from the composed ``robot`` group, so the twin
@@ -63,6 +72,15 @@ def sim_robot_defaults(fields: dict, input_shapes: dict, meta: dict, fleet_robot
         fields["render_cameras"] = cams
     if fields.get("image_size") is None and cams:
         fields["image_size"] = int(input_shapes[f"observation.images.{cams[0]}"][0])
+    if "observation.point_cloud" in input_shapes:   # a point-cloud policy: the twin's depth cameras give its cloud
+        if not depth_cameras:
+            raise ValueError("the export reads observation.point_cloud: name its depth cameras "
+                             "(deploy.bridge.depth_cameras=[corner,topview]: the training's obs.point_cameras) and "
+                             "their size (deploy.robot.depth_size: obs.point_image_size)")
+        if fields.get("depth_cameras") is None:
+            fields["depth_cameras"] = [str(c) for c in depth_cameras]
+        if fields.get("depth_color") is None:
+            fields["depth_color"] = "observation.point_colors" in input_shapes
     if fields.get("task") is None:
         tasks = [t for t in (meta.get("training", {}) or {}).get("tasks") or [] if str(t).startswith("so100-")]
         if len(tasks) == 1:
@@ -90,13 +108,15 @@ def main(cfg: DictConfig) -> None:
             from omegaconf import OmegaConf
 
             robot_fields = sim_robot_defaults(robot_fields, rt.input_shapes, rt.meta,
-                                              OmegaConf.to_container(cfg.robot, resolve=True))
+                                              OmegaConf.to_container(cfg.robot, resolve=True),
+                                              _plain(b.depth_cameras))
         robot = make_robot(build_robot_config(robot_fields))
         joint_map = JointMap(list(b.joint_signs), list(b.joint_offsets_deg), float(b.gripper_closed_pos),
                              float(b.gripper_open_pos))
         deployer = Deployer(rt, robot, run, safety_limits(d.safety, joint_map), joint_map,
                             cameras=dict(b.cameras or {}), export_dir=str(export), hang_s=d.safety.hang_s,
-                            robot_type=robot_fields["type"], embodiment=b.embodiment)
+                            robot_type=robot_fields["type"], embodiment=b.embodiment,
+                            depth_cameras=_plain(b.depth_cameras))
     except (FileNotFoundError, ValueError, TypeError) as e:
         raise SystemExit(f"deploy: {e}") from e
     log.info("deploying %s (policy version %s) on %s at %.1f Hz, label=%s", export, deployer.policy_version,

@@ -336,6 +336,11 @@ def main() -> None:
             "deploy.run.label=sim", f"deploy.run.max_steps={int(ecfg['task']['max_episode_steps'])}",
             f"deploy.run.steps_after_success={int(ecfg['task']['steps_after_success'])}",
             f"deploy.run.realtime={str(not a.no_realtime).lower()}"]
+    meta = json.loads((export / "export.json").read_text())
+    if "observation.point_cloud" in meta["features"]["inputs"]:   # the twin's depth cameras, each unit's calibration
+        ocfg = ecfg.get("obs") or {}
+        base += [f"deploy.bridge.depth_cameras=[{','.join(ocfg.get('point_cameras') or [])}]",
+                 f"+deploy.robot.depth_size={int(ocfg.get('point_image_size') or 64)}"]
     results: dict[str, list[dict]] = {"eval": [{**e, "task": str(e["task"])} for e in evaluated]}
     summaries: dict[str, dict] = {}
     for arm in [*([] if a.no_deploy else ["twin"]), *(f"twin_{v}" for v in a.variants)]:

@@ -31,7 +31,7 @@ LABELS = ("sim", "operator", "classifier", "none")
 WORKSPACE_M = ((-0.05, 0.39, 0.005), (0.29, 0.81, 0.28))   # tcp box, twin frame, metres: its target box + 3 cm
 ROBOT = {"type": "fleetmind_so100_sim", "id": None, "calibration_dir": None, "port": None, "cameras": None,
          "max_relative_target": None, "task": None, "render_cameras": None, "image_size": None, "object_state": None,
-         "unit_id": None, "fleet_robot": None}
+         "unit_id": None, "fleet_robot": None, "depth_cameras": None, "depth_size": None, "depth_color": None}
 
 
 @dataclass
@@ -196,13 +196,21 @@ class BridgeConfig(TypedConfig):
     """``gripper.pos`` of a closed gripper."""
     gripper_open_pos: float = 100.0
     """``gripper.pos`` of an open gripper (the twin's ``JAW_OPEN``)."""
+    depth_cameras: Any = None
+    """A point-cloud policy's depth cameras (the training's ``obs.point_cameras``, in order): a list of names (the
+    simulated robot's own calibration, read at every episode start: a unit's cameras differ; the twin robot is then
+    given them as ``depth_cameras``) or ``{camera: {fx, fy, cx, cy, base_from_camera, depth_scale}}`` (a real
+    RGB-D sensor's intrinsics and hand-eye calibration; the robot gives ``<camera>_depth`` images)."""
 
 
 BridgeConfig._group, BridgeConfig._rules = "deploy.bridge", {
     "cameras": lambda v: None if v is None or isinstance(v, Mapping) else "null or a mapping {policy camera: robot camera}",
     "joint_signs": lambda v: None if isinstance(v, list | tuple) and len(v) == 5 and all(x in (1, -1) for x in v)
     else "five signs, each 1 or -1",
-    "joint_offsets_deg": lambda v: None if isinstance(v, list | tuple) and len(v) == 5 else "five offsets in degrees"}
+    "joint_offsets_deg": lambda v: None if isinstance(v, list | tuple) and len(v) == 5 else "five offsets in degrees",
+    "depth_cameras": lambda v: None if v is None or isinstance(v, Mapping) or (
+        isinstance(v, list | tuple) and v and all(isinstance(c, str) for c in v))
+    else "null, a list of camera names or a mapping {camera: calibration}"}
 
 
 @dataclass

@@ -294,15 +294,27 @@ class Deployer:
     def __init__(self, runtime, robot, run: RunConfig, safety: SafetyLimits | None = None,
                  joint_map: JointMap | None = None, cameras: Mapping[str, str] | None = None,
                  export_dir: str | None = None, input_fn: Callable[[str], str] = input, hang_s: float = 30.0,
-                 robot_type: str | None = None, embodiment: str = "so100"):
+                 robot_type: str | None = None, embodiment: str = "so100", depth_cameras: Any = None):
         self.runtime, self.robot, self.run = runtime, robot, run
         self.input_fn, self.export_dir = input_fn, export_dir
         self.joint_map = joint_map or JointMap()
         self.eventlog = EventLog()
         meta = dict(getattr(runtime, "meta", {}) or {})
         action_names = (meta.get("features", {}).get("action", {}) or {}).get("names") or ["dx", "dy", "dz", "gripper"]
+        # depth cameras (a point-cloud policy): {camera: calibration} of a real sensor, or camera names whose
+        # calibration the simulated robot gives (re-read at every episode start: a unit's cameras differ)
+        self._robot_depth = isinstance(depth_cameras, list | tuple)
+        if self._robot_depth:
+            if not hasattr(robot, "depth_calibration"):
+                raise ValueError(f"deploy.bridge.depth_cameras={list(depth_cameras)}: only the simulated robot gives "
+                                 "its cameras' calibration; give a real sensor's as {camera: {fx, fy, cx, cy, "
+                                 "base_from_camera, depth_scale}}")
+            from sim.pointcloud import DepthCamera
+
+            eye = [[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]]
+            depth_cameras = {str(c): DepthCamera(1.0, 1.0, 0.0, 0.0, tuple(map(tuple, eye))) for c in depth_cameras}
         self.bridge = make_bridge(embodiment, runtime.input_shapes, action_names, joint_map=self.joint_map,
-                                  cameras=cameras, events=self.eventlog)
+                                  cameras=cameras, events=self.eventlog, depth_cameras=depth_cameras or None)
         rtype = robot_type or getattr(getattr(robot, "config", None), "type", None) or getattr(robot, "name", "robot")
         self.robot_type = rtype
         self.bridge.check_robot(robot.observation_features, robot.action_features, rtype)
@@ -391,6 +403,8 @@ class Deployer:
             if hasattr(type(robot), "action_scale_m") and hasattr(self.bridge, "set_action_scale"):
                 # the unit's action gain lives in the twin's EE controller, which the bridge runs here
                 self.bridge.set_action_scale(robot.action_scale_m)
+            if self._robot_depth:   # this unit's depth cameras, as its hand-eye calibration would give them
+                self.bridge.set_depth_cameras(robot.depth_calibration())
         elif self.run.wait_for_reset:
             self.input_fn(f"Reset the scene for episode (seed {seed}) and press Enter to start ")
 
@@ -563,6 +577,8 @@ class Deployer:
         does not pay for lazy initialisation; returns its seconds."""
         t0 = time.perf_counter()
         self.runtime.reset()
+        if self._robot_depth:
+            self.bridge.set_depth_cameras(self.robot.depth_calibration())
         self.runtime.select_action(self.bridge.policy_observation(self.robot.get_observation()))
         self.runtime.reset()
         return time.perf_counter() - t0

@@ -387,6 +387,20 @@ class SO100Bridge:
         q_cmd, _jaw = self.controller.step(a, self.fk(j))
         return np.array([*self.joint_map.arm_to_robot(q_cmd), self.joint_map.pos_from_command(a[3])])
 
+    def set_depth_cameras(self, depth_cameras: Mapping[str, Any]) -> None:
+        """The depth cameras' calibration from now on ``{robot camera: DepthCamera or its dict}`` (the simulated robot
+        built as another fleet unit has its own camera poses: ``FleetmindSO100Sim.depth_calibration()``).
+
+        Raises:
+            ValueError: a calibration that does not parse, or other cameras than before."""
+        from sim.pointcloud import DepthCamera
+
+        cams = {str(c): v if isinstance(v, DepthCamera) else DepthCamera.from_dict(dict(v))
+                for c, v in depth_cameras.items()}
+        if self.depth_cameras and list(cams) != list(self.depth_cameras):
+            raise ValueError(f"depth cameras {list(cams)}: the bridge reads {list(self.depth_cameras)}")
+        self.depth_cameras = cams
+
     def set_action_scale(self, action_scale_m: float | Sequence[float]) -> None:
         """Metres of tcp target motion per action unit from now on: one value or (3,) per axis (the simulated
         robot built as a fleet unit gives its ``action_scale_m``: the twin's 1 cm times the unit's action gain).

@@ -329,6 +329,64 @@ def test_twin_ends_a_trial_at_max_steps_and_writes_its_outcome(tmp_path):
         _robot(tmp_path, max_steps=0)
 
 
+def test_deploy_runs_a_point_cloud_export_with_each_units_depth_calibration(tmp_path):
+    """A point-cloud policy through fleetmind's own deploy path (``scripts/deploy.py``): the twin gives its depth
+    images, the bridge makes the cloud with the calibration of the trial's unit (its cameras are jittered per unit),
+    re-read at every episode start; a deploy without the depth cameras named is refused in one line."""
+    from fleet.deploy.deployer import RunConfig as DeployRun
+    from policies.export import export_checkpoint
+    from policies.runtime import PolicyRuntime
+    from tests.test_runtime import tiny_policy
+
+    tiny_policy({"observation.state": {"min": [-0.3, -0.45, 0.0, 0.0], "max": [0.3, 0.05, 0.4, 1.0]},
+                 "observation.point_cloud": {"min": [-0.3, -0.45, 0.0], "max": [0.3, 0.05, 0.4]},
+                 "action": {"min": [-1.0] * 4, "max": [1.0] * 4}}, point_channels=[8, 16],
+                input_shapes={"observation.state": [4], "observation.point_cloud": [64, 3]}).save_pretrained(
+        tmp_path / "ckpt")
+    export = export_checkpoint(tmp_path / "ckpt", tmp_path / "export", control_hz=30.0)
+    robot = _robot(tmp_path, render_cameras=[], depth_cameras=["corner", "topview"], depth_size=40,
+                   fleet_robot=_fleet_robot())
+    trials = tmp_path / "trials.json"
+    trials.write_text(json.dumps([{"seed": 3, "unit_id": 101}, {"seed": 4, "unit_id": 103}]))
+    dep = Deployer(PolicyRuntime.load(export), robot,
+                   DeployRun(episodes=2, max_steps=6, label="sim", realtime=False, trials=str(trials)),
+                   safety_limits({"deadline_s": None}, JointMap()), JointMap(), depth_cameras=["corner", "topview"])
+    seen = []
+    real = dep.bridge.policy_observation
+
+    def observe(obs):
+        seen.append((robot.unit_id, {c: cam.to_dict() for c, cam in dep.bridge.depth_cameras.items()},
+                     robot.depth_calibration()))
+        return real(obs)
+
+    dep.bridge.policy_observation = observe
+    robot.connect()
+    try:
+        results = dep.run_all()
+    finally:
+        robot.disconnect()
+    assert [r.steps for r in results] == [6, 6]
+    # every cloud (the warm-up's on the nominal twin included) made with the calibration of the robot as built then
+    assert {u for u, _, _ in seen} >= {101, 103} and all(used == own for _, used, own in seen)
+    by_unit = {u: used for u, used, _ in seen}
+    assert by_unit[101] != by_unit[103]
+    with pytest.raises(ValueError, match="only the simulated robot"):
+        Deployer(PolicyRuntime.load(export), type("Arm", (), {"observation_features": {}, "action_features": {}})(),
+                 DeployRun(episodes=1), depth_cameras=["corner"])
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
+           "WANDB_MODE": "offline", "HF_LEROBOT_CALIBRATION": str(tmp_path / "calib")}
+    cmd = [sys.executable, "scripts/deploy.py", f"deploy.run.export_dir={export}", "deploy.run.label=sim",
+           "deploy.robot.task=so100-reach", "deploy.run.episodes=1", "deploy.run.max_steps=5",
+           "deploy.run.realtime=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    bad = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert bad.returncode != 0 and "deploy.bridge.depth_cameras" in bad.stderr
+    ok = subprocess.run([*cmd, "deploy.bridge.depth_cameras=[corner,topview]", "+deploy.robot.depth_size=40"],
+                        cwd=REPO, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "deploy_report.json").read_text())
+    assert [e["actions_sent"] for e in report["episodes"]] == [5]
+
+
 def far_from_home(robot, observation) -> bool:
     """A success classifier for the test below (label=classifier): the arm left its home pose (degrees)."""
     return bool(abs(observation["shoulder_lift.pos"] + 90.0) > 1.0 or abs(observation["elbow_flex.pos"] - 90.0) > 1.0)
