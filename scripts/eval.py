@@ -10,7 +10,8 @@ Every arm runs the same held-out trial plan (``fleet.experiment.evaluation.evalu
 seed per trial), on the Ray fleet, committing its episodes to ``<run dir>/eval_store`` (never a training store).
 Writes into the run dir: ``results.md`` / ``results.json`` (success with Wilson 95% intervals per task and on
 average), ``paired.md`` / ``paired.json`` (every arm against ``eval.baseline`` trial by trial, when set),
-``episodes/<arm>.json`` and ``videos/<arm>/*.mp4`` (successes and failures).
+``episodes/<arm>.json``, ``videos/<arm>/*.mp4`` (successes and failures) and, for multi-stage tasks
+(``fleet.stages.STAGED_TASKS``), ``stages.md`` / ``stages.json``: at which stage each arm's failures stall.
 
 Raises SystemExit with a message naming the problem for a missing checkpoint directory or no checkpoint given.
 """
@@ -86,6 +87,7 @@ def main(cfg: DictConfig) -> None:
         write_paired,
         write_table,
     )
+    from fleet.stages import stall_markdown, write_stall_report
     from sim import unit_lists
     from sim.units import parse_units
 
@@ -113,6 +115,9 @@ def main(cfg: DictConfig) -> None:
                      "eval_seed": ecfg.seed, "wall_s": time.perf_counter() - t0}
     write_table(table, out, "results")
     print("\nsuccess (Wilson 95% interval):\n" + table_markdown(table), flush=True)
+    stalls = write_stall_report(results, out / "eval_store", out)   # multi-stage tasks: where failures stall
+    if stalls:
+        print("\nwhere the failures stall (stages.md):\n" + stall_markdown(stalls), flush=True)
     base = ecfg.baseline
     if base:
         if base not in arms:

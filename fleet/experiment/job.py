@@ -27,6 +27,7 @@ from fleet.experiment.state import JobState, Stages, plain_config, seed_config
 from fleet.experiment.sweep import check_fleet_sizes, sweep_report
 from fleet.experiment.tables import paired_markdown, table_markdown
 from fleet.lineage import lineage
+from fleet.stages import stall_markdown, write_stall_report
 from fleet.registry import CheckpointRegistry
 
 
@@ -62,6 +63,10 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
     stages.start(f"seed {seed}: held-out evaluation of {len(arms)} arms, {c['eval']['trials_per_task']} trials per task")
     chosen = {a.name: ckpt[a.name] for a in arms}
     results = evaluate_arms(c, chosen, sd, int(c["eval"]["trials_per_task"]), units=heldout, progress=progress)
+    stalls = write_stall_report(results, sd / "eval_store", sd)   # multi-stage tasks: where failures stall
+    if stalls:
+        print(f"seed {seed}: where the held-out failures stall (seed_{seed}/stages.md)\n" + stall_markdown(stalls),
+              flush=True)
     label_audit = stage_label_audit(c, sd, state, ckpt, heldout, progress)
     rounds_rec = [state.get(f"round_{r}") for r in range(int(c["fert"]["rounds"]))]
     curve = state.get("curve") if state.done("curve") else []
