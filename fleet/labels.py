@@ -197,6 +197,60 @@ class OnlineLabeller:
             self.clouds.close()
 
 
+def trusted_label(meta, margin: float) -> bool:
+    """Whether a learner reads episode ``meta`` (an ``EpisodeMeta``) under ``labels.trust_margin`` ``margin``.
+
+    An episode the detector labelled is trusted when its largest success probability ``p_max`` is at least
+    ``margin`` from the threshold it was judged against, on the side of its verdict: a success with ``p_max >=
+    threshold + margin``, a failure with ``p_max <= threshold - margin``. Demonstrations, the person's labels
+    (``source: human``), the simulator's and every episode when ``margin <= 0`` are trusted.
+
+    Raises:
+        ValueError: a detector label without the ``threshold`` it was judged against (an episode written before
+            labels carried it) while ``margin > 0``.
+    """
+    lab = (meta.extra or {}).get("label") if margin > 0 and not meta.is_demo else None
+    if not lab or lab.get("source") != "detector":
+        return True
+    if lab.get("threshold") is None:
+        raise ValueError(f"episode {meta.episode_id}: its detector label names no threshold, so labels.trust_margin "
+                         f"{margin} cannot be applied (a store written before labels carried it); set it to 0")
+    p, thr = float(lab["p_max"]), float(lab["threshold"])
+    return p >= thr + margin if meta.success else p <= thr - margin
+
+
+class TrustedLabels:
+    """A store reader (``ExperienceStore``) whose :meth:`episodes` leaves out the episodes a learner should not read
+    under ``labels.trust_margin`` (:func:`trusted_label`): detector labels too close to the firing threshold count
+    neither as successes nor as failures. Every other attribute is the reader's.
+
+    Why: the detector's precision rises with its confidence (experiment 59's store: positives with ``p_max`` in
+    [0.7, 0.8) were 75 % true, above 0.99 all true), and imitation learns from its positives.
+    """
+
+    def __init__(self, reader, margin: float) -> None:
+        self._reader, self.margin = reader, float(margin)
+
+    def episodes(self, *args, **kwargs) -> list:
+        return [m for m in self._reader.episodes(*args, **kwargs) if trusted_label(m, self.margin)]
+
+    def __getattr__(self, name: str):
+        return getattr(self._reader, name)
+
+    def __len__(self) -> int:
+        return len(self.episodes())
+
+
+def learner_reader(url: str, labels: dict | None):
+    """The store at ``url`` as a learner reads it: an ``ExperienceStore``, wrapped in :class:`TrustedLabels` when
+    ``labels.trust_margin`` (``labels``: the ``labels`` config mapping; None: the defaults) is above 0."""
+    from experience_dict.store import ExperienceStore
+
+    reader = ExperienceStore.open(url)
+    margin = float(LabelsConfig.from_dict(labels).trust_margin)
+    return TrustedLabels(reader, margin) if margin > 0 else reader
+
+
 def save_record(record_dir: str | Path, episode_id: str, task: str, frames: list, states: list, steps: list,
                 success: bool, first_success: int | None, done_now: list | None = None,
                 clouds: list | None = None, cameras: list[str] | None = None) -> Path:

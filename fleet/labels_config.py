@@ -79,6 +79,11 @@ class LabelsConfig(TypedConfig):
     """AdamW learning rate (cosine to 0)."""
     width: int = 16
     """Channels of the detector's first convolution."""
+    trust_margin: float = 0.0
+    """Learners read a detector-labelled fleet episode only when its largest success probability is at least this far
+    from the firing threshold on the side of its verdict (``fleet.labels.trusted_label``); the others are left out of
+    every learner's data (the critic, the filtered successes, FERT's failures and retrieval pool, filtered BC). 0: every
+    label is read. The fleet, the gate and the audit are unchanged."""
     audit_trials_per_task: int = 50
     """Held-out audit: trials per task of the base and the final version on held-out units with the detector
     acting as on the fleet, its labels against the simulator's (precision, recall); 0: no audit."""
@@ -108,5 +113,5 @@ LabelsConfig._group, LabelsConfig._rules = "labels", {
     "point_color": boolean, "crop_max": xyz,
     "every": POS, "record_every": POS, "budget_full_length": boolean, "frame_label": one_of("ever", "now"),
     "history": integer(0), "history_every": POS, "per_task_threshold": boolean,
-    "val_share": number(0.05, 0.5), "threshold": optional(number(0, 1, True)),
+    "val_share": number(0.05, 0.5), "trust_margin": number(0, 1), "threshold": optional(number(0, 1, True)),
     "updates": POS, "batch_size": POS, "lr": POS_NUMBER, "width": POS, "audit_trials_per_task": integer(0)}

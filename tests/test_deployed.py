@@ -4,6 +4,7 @@ saved and loaded safely, learns from labelled frames, and its labels are the onl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -267,7 +268,8 @@ def test_the_detectors_labels_are_the_only_labels_the_learner_reads(tmp_path):
     reader = ExperienceStore.open(url)
     metas = reader.episodes()
     assert len(metas) == 3 and all(m.success and m.length == 5 + 3 for m in metas)
-    assert all(m.extra["label"] == {"source": "detector", "fired_at": 5, "p_max": 1.0} for m in metas)
+    assert all(m.extra["label"] == {"source": "detector", "fired_at": 5, "p_max": 1.0, "threshold": 0.5}
+               for m in metas)
     assert all(m.termination == "terminated" for m in metas)
     oracle = [m.extra["oracle"]["success"] for m in metas]
     audit = label_audit(metas)["overall"]
@@ -279,6 +281,48 @@ def test_the_detectors_labels_are_the_only_labels_the_learner_reads(tmp_path):
                     *(REPO / "experience_dict").rglob("*.py"), REPO / "fleet" / "experiment" / "arms.py",
                     REPO / "fleet" / "experiment" / "offline.py", REPO / "fleet" / "experiment" / "bases.py"]
     assert not [p.name for p in learner_side if "oracle" in p.read_text()]
+
+
+def test_labels_too_close_to_the_threshold_are_left_out_of_the_learners_data(tmp_path):
+    """``labels.trust_margin``: a detector that fires at p = 0.6 against its threshold of 0.5 labels every episode a
+    success; a learner whose margin is 0.2 reads none of them (neither successes nor failures), one with 0.05 reads
+    all, and demonstrations and the person's labels are always read."""
+    from experience_dict.store import ExperienceStore
+    from fleet.experiment.protocol import VectorFleet, collect_demos
+    from fleet.labels import Acting, TrustedLabels, learner_reader, trusted_label
+
+    ckpt = tiny_aed_checkpoint(tmp_path / "a", seed=0, perturb=0.3)
+    c = _plain(make_cfg(tmp_path, "task.tasks=[reach-v3]", "task.max_episode_steps=30",
+                        "task.steps_after_success=3"))
+    labels = {"cameras": ["corner", "topview"], "image_size": 64, "every": 5}
+    det = _constant_detector(tmp_path / "det", fire=True)
+    from policies.success_detector import SuccessDetector
+
+    d = SuccessDetector.load(det)
+    with torch.no_grad():
+        d.head[-1].bias.fill_(float(np.log(0.6 / 0.4)))     # p = 0.6 whatever it sees
+    det = d.save(tmp_path / "det06")
+    url = str(tmp_path / "store")
+    collect_demos(_plain(make_cfg(tmp_path, "task.tasks=[reach-v3]")), [0], 1, 0.0, 0, url, progress=False)
+    plan = [{"task": "reach-v3", "unit_id": u, "seed": 7 + u} for u in (0, 1)]
+    with VectorFleet(c, str(ckpt), url, batch_size=2, processes=1) as vf:
+        vf.run(plan=plan, progress=False, acting=Acting("detector", labels, detector_dir=str(det)))
+    fleet = ExperienceStore.open(url).episodes(is_demo=False)
+    assert len(fleet) == 2 and all(m.success and m.extra["label"]["p_max"] == pytest.approx(0.6, abs=1e-3)
+                                   for m in fleet)
+    strict = learner_reader(url, {"trust_margin": 0.2})
+    assert isinstance(strict, TrustedLabels)
+    assert strict.episodes(is_demo=False) == [] and len(strict.episodes(is_demo=True)) == 1
+    assert strict.episodes(success=True) == strict.episodes(is_demo=True)
+    loose = learner_reader(url, {"trust_margin": 0.05})
+    assert len(loose.episodes(is_demo=False, success=True)) == 2 and loose.keys == strict.keys
+    assert not isinstance(learner_reader(url, None), TrustedLabels)          # the default reads every label
+    m = fleet[0]
+    human = dataclasses.replace(m, extra={**m.extra, "label": {"source": "human", "p_max": 0.0}})
+    assert trusted_label(human, 0.3)
+    old = dataclasses.replace(m, extra={**m.extra, "label": {"source": "detector", "p_max": 0.6}})
+    with pytest.raises(ValueError, match="names no threshold"):
+        trusted_label(old, 0.1)
 
 
 def test_fleet_acting_labels_round_zero_by_a_person_first_then_by_the_detector(tmp_path):

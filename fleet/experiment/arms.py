@@ -264,12 +264,13 @@ def train_offline_arms_process(cfg: dict, jobs: list, heldout: list[int], seed: 
     it opens its own reader of ``cfg.store``). Returns ``{arm name: (checkpoint, wall_s)}``."""
     import time
 
-    from experience_dict.store import ExperienceStore, configure_storage
+    from experience_dict.store import configure_storage
+    from fleet.labels import learner_reader
     from policies.threads import passive_wait
 
     passive_wait()
     configure_storage(cfg["store"])
-    reader = ExperienceStore.open(cfg["store"]["url"])
+    reader = learner_reader(cfg["store"]["url"], cfg.get("labels"))   # labels.trust_margin's view
     out = {}
     for arm, init, out_dir in jobs:
         t0 = time.perf_counter()

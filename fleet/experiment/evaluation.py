@@ -457,7 +457,7 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
 
     Returns per trial the list of its episodes (segments), each ``{"steps": store rows (obs, action, reward,
     progress), "success": the episode's label, "sim_success": the simulator's verdict, "return", "length", "why":
-    termination, "label": {"source", "fired_at", "p_max"} or None, "first_success": the simulator's first success
+    termination, "label": {"source", "fired_at", "p_max"[, "threshold"]} or None, "first_success": the simulator's first success
     step or None, "explore": the recovery's ``fleet.worker.Exploration`` or None, "record": the labelled budget's
     detector frames or None}``. Without ``acting`` a trial is one episode labelled by the simulator (as
     ``fleet.worker.RobotWorker.run_episode``). With ``acting`` (:class:`fleet.labels.Acting`) and its
@@ -499,6 +499,8 @@ def _step_wave(model, envs: list, wave: list[dict], max_steps: int, takes_genera
         c["why"], c["success"] = why, bool(label)
         if acting is not None:
             c["label"] = {"source": acting.source, "fired_at": c["fired_at"], "p_max": round(float(c["p_max"]), 4)}
+            if detects:   # the threshold the verdict was judged against (fleet.labels.trusted_label reads it)
+                c["label"]["threshold"] = round(float(labeller.threshold_of(str(wave[i]["task"]))), 4)
         segs[i].append(c)
         attempt = len(segs[i]) - 1      # recovery attempts so far
         if (recovery is not None and not label and why == "truncated" and attempt < recovery.attempts):

@@ -61,11 +61,12 @@ class FertAlgorithm:
             RuntimeError: the store holds no demonstrations to replay."""
         if self.data is not None:
             return
-        from experience_dict.store import ExperienceStore, configure_storage
+        from experience_dict.store import configure_storage
         from fleet.fert.data import FertData
+        from fleet.labels import learner_reader
 
         configure_storage({**dict(self.cfg.get("store") or {}), "url": self.store_url})
-        self.reader = ExperienceStore.open(self.store_url)
+        self.reader = learner_reader(self.store_url, self.cfg.get("labels"))   # labels.trust_margin's view
         demos = self.reader.episodes(is_demo=True)
         if not demos:
             raise RuntimeError(f"store {self.store_url!r} holds no demonstrations to replay")
