@@ -81,6 +81,75 @@ def episode_stage(task: str, progress: Mapping[str, np.ndarray], success: bool) 
     return stage
 
 
+def stage_at(task: str, progress: Mapping[str, np.ndarray], step: int) -> int:
+    """The stage (0-3) an episode had reached by ``step`` (inclusive): :func:`episode_stage` of its first
+    ``step + 1`` steps, without the success (the per-step success is not stored).
+
+    Raises:
+        ValueError: as :func:`episode_stage`, or a negative ``step``.
+    """
+    if step < 0:
+        raise ValueError(f"stage_at: expected step >= 0, given {step}")
+    return episode_stage(task, {k: np.asarray(v)[: int(step) + 1] for k, v in progress.items()}, False)
+
+
+def retrieval_stage_match(retrieved: Mapping[str, Any], reader) -> dict[str, Any]:
+    """Whether FERT's retrieved windows start where their failure stalled, per task.
+
+    Args:
+        retrieved: one round's ``"retrieved"`` record of its retrieval audit (``fleet.fert.retrieve.Retrieval.to_json``:
+            ``contexts`` with ``episode_id``, ``task``, ``onset``; ``entries`` with ``context``, ``episode_id``,
+            ``step`` (the window's anchor: it ends there and the supervised continuation starts there), ``weight``).
+        reader: the learner's store (``ExperienceStore``) holding those episodes.
+
+    Returns:
+        ``{task: {"contexts", "entries", "context_stage": {stage: contexts}, "anchor_stage": {stage: weight},
+        "same_stage_weight": the retrieval weight on windows whose anchor is at the failure's stage at its onset,
+        "later_stage_weight": at a later stage, "earlier_stage_weight": at an earlier one, "own_retry_weight"}}`` for
+        the staged tasks (weights normalised within the task; stages by name).
+    """
+    keys = [k for k, _ in STAGE_SIGNALS]
+    cache: dict[str, dict] = {}
+
+    def prog(ep: str) -> dict:
+        if ep not in cache:
+            cache[ep] = reader.load_episode(ep, keys=keys)
+        return cache[ep]
+
+    ctx_stage = []
+    for c in retrieved["contexts"]:
+        t = str(c["task"])
+        ctx_stage.append(stage_at(t, prog(str(c["episode_id"])), int(c["onset"])) if is_staged(t) else None)
+    out: dict[str, Any] = {}
+    for e in retrieved["entries"]:
+        c = retrieved["contexts"][int(e["context"])]
+        cs = ctx_stage[int(e["context"])]
+        if cs is None:
+            continue
+        t = str(c["task"])
+        a = stage_at(t, prog(str(e["episode_id"])), int(e["step"]))
+        w = float(e["weight"])
+        r = out.setdefault(t, {"contexts": set(), "entries": 0, "weight": 0.0,
+                               "context_stage": {n: 0 for n in STAGE_NAMES[:-1]},
+                               "anchor_stage": {n: 0.0 for n in STAGE_NAMES[:-1]},
+                               "same": 0.0, "later": 0.0, "earlier": 0.0, "own": 0.0})
+        if int(e["context"]) not in r["contexts"]:
+            r["contexts"].add(int(e["context"]))
+            r["context_stage"][STAGE_NAMES[cs]] += 1
+        r["entries"] += 1
+        r["weight"] += w
+        r["anchor_stage"][STAGE_NAMES[a]] += w
+        r["same" if a == cs else "later" if a > cs else "earlier"] += w
+        r["own"] += w * bool(e.get("own_retry"))
+    for t, r in out.items():
+        tot = r.pop("weight") or 1.0
+        out[t] = {"contexts": len(r["contexts"]), "entries": r["entries"], "context_stage": r["context_stage"],
+                  "anchor_stage": {k: round(v / tot, 4) for k, v in r["anchor_stage"].items()},
+                  "same_stage_weight": round(r["same"] / tot, 4), "later_stage_weight": round(r["later"] / tot, 4),
+                  "earlier_stage_weight": round(r["earlier"] / tot, 4), "own_retry_weight": round(r["own"] / tot, 4)}
+    return out
+
+
 def stages_of(reader, episodes: Sequence[Mapping[str, Any]]) -> list[int | None]:
     """Each episode summary's stage (None for a task without stages or an episode without an id), its progress read
     from ``reader`` (an ``ExperienceStore``) by ``episode_id``; success from the summary's ``oracle_success`` when

@@ -55,6 +55,11 @@ def test_audit_files_of_a_round(tmp_path):
     assert js.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 2000
     on_disk = json.loads(js.read_text())
     assert on_disk["round"] == 3 and on_disk["selections"] == len(ret) == audit["selections"]
+    # every failure context and what it retrieved, for the stage analysis (fleet/stages.py)
+    got = on_disk["retrieved"]
+    assert len(got["entries"]) == len(ret) and len(got["contexts"]) == len(ret.contexts)
+    assert all(reader.episode(e["episode_id"]).success and 0 <= e["context"] < len(got["contexts"])
+               for e in got["entries"])
     # outcomes: the stalled failures of version 1 (4 per task, +1 near-duplicate in push; the flat one is v0)
     assert outcomes["push-v3"]["episodes"] == 5 and outcomes["push-v3"]["successes"] == 0
     assert on_disk["outcomes"]["reach-v3"]["rate"] == 0.0

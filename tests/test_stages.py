@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 import sim
-from fleet.stages import STAGE_NAMES, STAGED_TASKS, episode_stage, stall_table, write_stall_report
+from fleet.stages import (
+    STAGE_NAMES,
+    STAGED_TASKS,
+    episode_stage,
+    retrieval_stage_match,
+    stage_at,
+    stall_table,
+    write_stall_report,
+)
 
 KEYS = ["progress.near_object", "progress.grasp_success", "progress.in_place_reward"]
 
@@ -89,3 +97,69 @@ def test_stall_report_reads_the_episodes_progress_from_a_real_store(tmp_path):
     got = write_stall_report({"base": eps}, tmp_path / "store", tmp_path / "out")
     assert got == table and "stalled at reached" in (tmp_path / "out" / "stages.md").read_text()
     assert write_stall_report({"base": eps[-1:]}, tmp_path / "store", tmp_path / "none") is None
+
+
+def test_retrieval_stage_match_and_the_script_on_a_real_store(tmp_path):
+    """A failure that stalled after reaching (its onset at its last step) retrieves three windows of a success: before
+    its reach, between reach and grasp, after the grasp: the same-stage weight is the middle one's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from experience_dict.store import ExperienceStore
+
+    task = "pick-place-v3"
+    env = sim.make_env(task, 0)
+    spec = env.spec_dict()
+    obs, _ = env.reset(seed=5)
+    expert = sim.make_expert(env, noise_std=0.0, seed=5)
+    rows = []
+    for _ in range(300):
+        a = expert(obs)
+        nxt, r, term, trunc, info = env.step(a)
+        rows.append((obs, a, r, info["progress"]))
+        obs = nxt
+        if term or trunc:
+            break
+    near = next(i for i, row in enumerate(rows) if row[3]["near_object"] >= 0.5)
+    grasp = next(i for i, row in enumerate(rows) if row[3]["grasp_success"] >= 0.5)
+    sd = tmp_path / "seed_0"
+    store = ExperienceStore.create_or_open(str(sd / "store"), spec=spec, control_hz=spec.get("control_hz"))
+    w = store.writer("t")
+    ids = []
+    for n, ok in ((len(rows), True), (grasp, False)):
+        w.begin_episode(unit_id=0, embodiment="sawyer", task=task, policy_version=0, seed=5, is_demo=False)
+        for o, a, r, p in rows[:n]:
+            w.add_step(o, np.asarray(a, np.float32), r, p)
+        ids.append(w.commit(success=ok, termination="truncated"))
+    reader = ExperienceStore.open(str(sd / "store"))
+    prog = reader.load_episode(ids[0], keys=KEYS)
+    assert [stage_at(task, prog, t) for t in (near - 1, near, grasp - 1, grasp)] == [0, 1, 1, 2]
+    retrieved = {"contexts": [{"episode_id": ids[1], "task": task, "unit_id": 0, "policy_version": 0,
+                               "onset": grasp - 1}],
+                 "entries": [{"context": 0, "episode_id": ids[0], "step": near - 2, "weight": 0.5, "own_retry": True},
+                             {"context": 0, "episode_id": ids[0], "step": near + 1, "weight": 0.3},
+                             {"context": 0, "episode_id": ids[0], "step": grasp + 1, "weight": 0.2}]}
+    m = retrieval_stage_match(retrieved, reader)[task]
+    assert m["contexts"] == 1 and m["entries"] == 3 and m["context_stage"]["reached"] == 1
+    assert (m["same_stage_weight"], m["earlier_stage_weight"], m["later_stage_weight"]) == (0.3, 0.5, 0.2)
+    assert m["anchor_stage"] == {"start": 0.5, "reached": 0.3, "grasped": 0.2, "carried": 0.0}
+    assert m["own_retry_weight"] == 0.5
+    # the script over a seed directory: the learner's audit and the held-out episodes (here the same store)
+    (sd / "learner_fert" / "audits").mkdir(parents=True)
+    (sd / "learner_fert" / "audits" / "retrieval_audit_round_002.json").write_text(
+        __import__("json").dumps({"round": 2, "retrieved": retrieved}))
+    (sd / "episodes").mkdir()
+    (sd / "episodes" / "base.json").write_text(__import__("json").dumps(
+        [{"task": task, "episode_id": i, "success": ok} for i, ok in zip(ids, (True, False))]))
+    (sd / "eval_store").symlink_to(sd / "store")
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(repo / "scripts" / "stages.py"), str(sd)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "| fert | 2 | pick-place-v3 | 0 / 1 / 0 / 0 | 0.50 / 0.30 / 0.20 / 0.00 | 0.30 | 0.20 | 0.50 | 0.50 |" \
+        in (sd / "retrieval_stages.md").read_text()
+    assert "| base | pick-place-v3 | 1/2 | 0 | 1 | 0 | 0 |" in (sd / "stages.md").read_text()
+    bad = subprocess.run([sys.executable, str(repo / "scripts" / "stages.py"), str(tmp_path)], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode != 0 and "not a seed directory" in bad.stderr

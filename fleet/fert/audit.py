@@ -249,7 +249,8 @@ def plot_audit(audit: Mapping, path: str | Path) -> Path:
 def write_retrieval_audit(retrieval: Retrieval, index: SuccessIndex, out_dir: str | Path, round_idx: int,
                           outcomes: Mapping[str, Mapping] | None = None, tokenizer_range: dict | None = None) -> dict:
     """Write ``<out_dir>/retrieval_audit_round_<NNN>.json`` and ``.png``; returns the audit dict (with the
-    two paths under ``"files"``). ``tokenizer_range``: the round's :meth:`ActionTokenizer.range_report` of the
+    two paths under ``"files"`` and, under ``"retrieved"``, :meth:`Retrieval.to_json`: every failure context and
+    the windows it retrieved). ``tokenizer_range``: the round's :meth:`ActionTokenizer.range_report` of the
     fleet's new actions (how many action groups the AED tokenizer clipped), kept under that key."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -259,5 +260,6 @@ def write_retrieval_audit(retrieval: Retrieval, index: SuccessIndex, out_dir: st
     stem = out / f"retrieval_audit_round_{round_idx:03d}"
     png = plot_audit(audit, stem.with_suffix(".png"))
     audit["files"] = {"json": str(stem.with_suffix(".json")), "png": str(png)}
+    audit["retrieved"] = retrieval.to_json()   # every failure context and its retrieved windows (fleet/stages.py reads it)
     stem.with_suffix(".json").write_text(json.dumps(audit, indent=1))
     return audit
