@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fleet.stages import STAGE_NAMES, retrieval_stage_match, stall_markdown, write_stall_report  # noqa: E402
+from fleet.stages import STAGE_NAMES, retrieval_stage_match, stall_markdown, write_stall_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         (sd / "retrieval_stages.json").write_text(json.dumps(match, indent=1))
         names = STAGE_NAMES[:-1]
         lines = ["# Retrieval against the failure's stage (simulator's stage signals)", "",
-                 "Failure contexts by the stage reached at their onset; the retrieval weight by the stage of the "
-                 "retrieved window's anchor (where its supervised continuation starts), relative to the context's.", "",
+                 ("Failure contexts by the stage reached at their onset; the retrieval weight by the stage of the "
+                  "retrieved window's anchor (where its supervised continuation starts), relative to the context's."),
+                 "",
                  "| learner | round | task | contexts at " + " / ".join(names) + " | anchors at " + " / ".join(names)
                  + " | same stage | later | earlier | own retry |", "|---|---|---|---|---|---|---|---|---|"]
         for learner, rounds in match.items():

@@ -62,10 +62,11 @@ def test_a_task_without_stages_and_a_bad_signal_are_refused_by_name():
     assert "pick-place-wall-v3" in STAGED_TASKS
 
 
-def test_stall_report_reads_the_episodes_progress_from_a_real_store(tmp_path):
+def _expert_store(url, task: str, cuts) -> tuple[list, list[str]]:
+    """One scripted-expert episode of ``task`` (seed 5) as store rows, committed to a real store at ``url`` once per
+    ``(length or None for all of it, success)`` of ``cuts``; returns (rows, episode ids)."""
     from experience_dict.store import ExperienceStore
 
-    task = "pick-place-v3"
     env = sim.make_env(task, 0)
     spec = env.spec_dict()
     rows = []
@@ -78,17 +79,29 @@ def test_stall_report_reads_the_episodes_progress_from_a_real_store(tmp_path):
         obs = nxt
         if term or trunc:
             break
-    grasp = next(i for i, row in enumerate(rows) if row[3]["grasp_success"] >= 0.5)
-    store = ExperienceStore.create_or_open(str(tmp_path / "store"), spec=spec, control_hz=spec.get("control_hz"))
-    w = store.writer("t")
+    env.close()
+    w = ExperienceStore.create_or_open(str(url), spec=spec, control_hz=spec.get("control_hz")).writer("t")
     ids = []
-    for n, ok in ((len(rows), True), (grasp, False), (3, False)):   # a success, a stall at "reached", at "start"
+    for n, ok in cuts(rows):
         w.begin_episode(unit_id=0, embodiment="sawyer", task=task, policy_version=0, seed=5, is_demo=False)
         for o, a, r, p in rows[:n]:
             w.add_step(o, np.asarray(a, np.float32), r, p)
-        if n == 3:
-            assert rows[2][3]["near_object"] < 0.5
         ids.append(w.commit(success=ok, termination="truncated"))
+    return rows, ids
+
+
+def _first(rows, signal: str) -> int:
+    return next(i for i, row in enumerate(rows) if row[3][signal] >= 0.5)
+
+
+def test_stall_report_reads_the_episodes_progress_from_a_real_store(tmp_path):
+    from experience_dict.store import ExperienceStore
+
+    task = "pick-place-v3"
+    # a success, a stall at "reached" (cut at the grasp), a stall at "start" (3 steps)
+    rows, ids = _expert_store(tmp_path / "store", task,
+                              lambda rows: [(len(rows), True), (_first(rows, "grasp_success"), False), (3, False)])
+    assert rows[2][3]["near_object"] < 0.5
     eps = [{"task": task, "episode_id": i, "success": ok} for i, ok in zip(ids, (True, False, False))]
     eps.append({"task": "reach-v3", "episode_id": "x", "success": False})   # not staged: left out
     table = stall_table({"base": eps}, ExperienceStore.open(str(tmp_path / "store")))
@@ -109,29 +122,10 @@ def test_retrieval_stage_match_and_the_script_on_a_real_store(tmp_path):
     from experience_dict.store import ExperienceStore
 
     task = "pick-place-v3"
-    env = sim.make_env(task, 0)
-    spec = env.spec_dict()
-    obs, _ = env.reset(seed=5)
-    expert = sim.make_expert(env, noise_std=0.0, seed=5)
-    rows = []
-    for _ in range(300):
-        a = expert(obs)
-        nxt, r, term, trunc, info = env.step(a)
-        rows.append((obs, a, r, info["progress"]))
-        obs = nxt
-        if term or trunc:
-            break
-    near = next(i for i, row in enumerate(rows) if row[3]["near_object"] >= 0.5)
-    grasp = next(i for i, row in enumerate(rows) if row[3]["grasp_success"] >= 0.5)
     sd = tmp_path / "seed_0"
-    store = ExperienceStore.create_or_open(str(sd / "store"), spec=spec, control_hz=spec.get("control_hz"))
-    w = store.writer("t")
-    ids = []
-    for n, ok in ((len(rows), True), (grasp, False)):
-        w.begin_episode(unit_id=0, embodiment="sawyer", task=task, policy_version=0, seed=5, is_demo=False)
-        for o, a, r, p in rows[:n]:
-            w.add_step(o, np.asarray(a, np.float32), r, p)
-        ids.append(w.commit(success=ok, termination="truncated"))
+    rows, ids = _expert_store(sd / "store", task,
+                              lambda rows: [(len(rows), True), (_first(rows, "grasp_success"), False)])
+    near, grasp = _first(rows, "near_object"), _first(rows, "grasp_success")
     reader = ExperienceStore.open(str(sd / "store"))
     prog = reader.load_episode(ids[0], keys=KEYS)
     assert [stage_at(task, prog, t) for t in (near - 1, near, grasp - 1, grasp)] == [0, 1, 1, 2]
@@ -155,11 +149,11 @@ def test_retrieval_stage_match_and_the_script_on_a_real_store(tmp_path):
     (sd / "eval_store").symlink_to(sd / "store")
     repo = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, str(repo / "scripts" / "stages.py"), str(sd)], capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr
     assert "| fert | 2 | pick-place-v3 | 0 / 1 / 0 / 0 | 0.50 / 0.30 / 0.20 / 0.00 | 0.30 | 0.20 | 0.50 | 0.50 |" \
         in (sd / "retrieval_stages.md").read_text()
     assert "| base | pick-place-v3 | 1/2 | 0 | 1 | 0 | 0 |" in (sd / "stages.md").read_text()
     bad = subprocess.run([sys.executable, str(repo / "scripts" / "stages.py"), str(tmp_path)], capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=300, check=False)
     assert bad.returncode != 0 and "not a seed directory" in bad.stderr
