@@ -81,6 +81,43 @@ def episode_stage(task: str, progress: Mapping[str, np.ndarray], success: bool) 
     return stage
 
 
+def stage_series(task: str, progress: Mapping[str, np.ndarray]) -> np.ndarray:
+    """(T,) int64: the stage (0-3) an episode had reached by each step (inclusive), without the success.
+
+    Raises:
+        ValueError: as :func:`episode_stage`.
+    """
+    if not is_staged(task):
+        raise ValueError(f"task {task!r} has no per-stage progress (staged tasks: {sorted(STAGED_TASKS)})")
+    reached = None
+    for key, thr in STAGE_SIGNALS:
+        if key not in progress:
+            raise ValueError(f"episode of {task!r}: stage signal {key!r} missing (has {sorted(progress)})")
+        x = np.asarray(progress[key], np.float64)
+        if x.size and not np.isfinite(x).all():
+            raise ValueError(f"episode of {task!r}: stage signal {key!r} holds a non-finite value")
+        hit = np.maximum.accumulate(x >= thr) if x.size else np.zeros(0, bool)
+        reached = hit[None] if reached is None else np.vstack([reached, hit & reached[-1]])
+    return reached.sum(axis=0).astype(np.int64)
+
+
+class StageLookup:
+    """Stages at steps of a store's episodes, each episode's :func:`stage_series` read once (``reader``: an
+    ``ExperienceStore``); None for a task without stages. What ``fert.stage_match`` keys retrieval on."""
+
+    def __init__(self, reader) -> None:
+        self.reader, self._series = reader, {}
+
+    def __call__(self, episode_id: str, task: str, step: int) -> int | None:
+        if not is_staged(task):
+            return None
+        if episode_id not in self._series:
+            keys = [k for k, _ in STAGE_SIGNALS]
+            self._series[episode_id] = stage_series(task, self.reader.load_episode(episode_id, keys=keys))
+        s = self._series[episode_id]
+        return int(s[min(max(int(step), 0), len(s) - 1)]) if len(s) else 0
+
+
 def stage_at(task: str, progress: Mapping[str, np.ndarray], step: int) -> int:
     """The stage (0-3) an episode had reached by ``step`` (inclusive): :func:`episode_stage` of its first
     ``step + 1`` steps, without the success (the per-step success is not stored).
@@ -90,7 +127,8 @@ def stage_at(task: str, progress: Mapping[str, np.ndarray], step: int) -> int:
     """
     if step < 0:
         raise ValueError(f"stage_at: expected step >= 0, given {step}")
-    return episode_stage(task, {k: np.asarray(v)[: int(step) + 1] for k, v in progress.items()}, False)
+    s = stage_series(task, progress)
+    return int(s[min(int(step), len(s) - 1)]) if len(s) else 0
 
 
 def retrieval_stage_match(retrieved: Mapping[str, Any], reader) -> dict[str, Any]:

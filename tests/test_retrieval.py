@@ -452,3 +452,36 @@ def test_task_priority_and_failure_contexts_do_not_follow_the_wall_clock():
     assert a == b
     # newest first: the contexts kept are the last commits of the units (the 12th, 11th, ... of each)
     assert [commit_order(m) for m in metas][:2] == [(2, 0, 0, "unit-0000-000000"), (2, 1, 0, "unit-0000-000001")]
+
+
+def test_stage_match_keeps_only_windows_at_the_stage_the_failure_reached(world):
+    """``retrieve(stage_of=...)`` (``fert.stage_match``): every kept window's anchor is at the stage its context had
+    reached at its onset; without it some are not (the same contexts and index)."""
+    url, _ = world
+    reader = ExperienceStore.open(url)
+    fert = FertData(reader, FERT_CFG, stats=reader.stats(list(STATE_KEYS)), exclude_units=[HELDOUT])
+    fert.update()
+    contexts = failure_contexts(reader, exclude_units=[HELDOUT], onsets=fert.onsets)
+    queries = embed_contexts(reader, fert.embedder, contexts)
+    calls = []
+
+    def stage_of(episode_id, task, step):     # a two-stage task: the second stage from step 15 on (push only)
+        calls.append(episode_id)
+        return None if task == "reach-v3" else int(step >= 15)
+
+    plain = retrieve(fert.index, queries, contexts, top_k=4)
+    staged = retrieve(fert.index, queries, contexts, top_k=4, stage_of=stage_of)
+    def off(ret):
+        return [i for i in range(len(ret)) if ret.source_task[i] == "push-v3"
+                and stage_of(ret.episode_id[i], "push-v3", ret.step[i])
+                != stage_of(ret.contexts[ret.context[i]].episode_id, "push-v3", ret.contexts[ret.context[i]].onset)]
+    assert off(plain) and not off(staged) and calls
+    reach = [i for i in range(len(plain)) if plain.source_task[i] == "reach-v3"]
+    assert [plain.episode_id[i] for i in reach] == [staged.episode_id[i] for i in range(len(staged))
+                                                    if staged.source_task[i] == "reach-v3"]   # no stages: as before
+    np.testing.assert_allclose(staged.weight.sum(), 1.0)
+    # through the config: fleet.stages knows neither test task, so retrieval is as before
+    cfg = FertData(reader, {**FERT_CFG, "stage_match": True}, stats=reader.stats(list(STATE_KEYS)),
+                   exclude_units=[HELDOUT])
+    cfg.update()
+    assert cfg.retrieve().episode_id == fert.retrieve().episode_id

@@ -157,3 +157,20 @@ def test_retrieval_stage_match_and_the_script_on_a_real_store(tmp_path):
     bad = subprocess.run([sys.executable, str(repo / "scripts" / "stages.py"), str(tmp_path)], capture_output=True,
                          text=True, timeout=300, check=False)
     assert bad.returncode != 0 and "not a seed directory" in bad.stderr
+
+
+def test_stage_lookup_reads_each_episode_once_and_agrees_with_stage_at(tmp_path):
+    from experience_dict.store import ExperienceStore
+    from fleet.stages import StageLookup, stage_series
+
+    task = "pick-place-v3"
+    rows, ids = _expert_store(tmp_path / "store", task, lambda rows: [(len(rows), True)])
+    reader = ExperienceStore.open(str(tmp_path / "store"))
+    prog = reader.load_episode(ids[0], keys=KEYS)
+    series = stage_series(task, prog)
+    assert (np.diff(series) >= 0).all() and series[0] == 0 and series[-1] == 3
+    look = StageLookup(reader)
+    near, grasp = _first(rows, "near_object"), _first(rows, "grasp_success")
+    assert [look(ids[0], task, t) for t in (near - 1, near, grasp, 10**6)] == [0, 1, 2, 3]
+    assert all(look(ids[0], task, t) == stage_at(task, prog, t) for t in range(0, len(rows), 7))
+    assert look("anything", "reach-v3", 3) is None and len(look._series) == 1

@@ -190,6 +190,11 @@ class FertConfig(TypedConfig):
     neighbours: str = "fleet"
     """fleet: own retries, then the whole fleet's successes | own_retries: only the failure's own successful retries
     (an unrecovered failure retrieves nothing)."""
+    stage_match: bool = False
+    """An analysis arm, not deployable (it reads the simulator's stage signals, ``fleet.stages``): a failure context
+    retrieves only windows whose anchor is at the stage the failure had reached at its onset (the nearest of 16 x
+    ``top_k`` candidates; a context with none retrieves nothing). It isolates whether retrieval keyed on the stage
+    helps (issue 48, item 3). Tasks without stages retrieve as before."""
     gate: GateConfig = field(default_factory=GateConfig)
     """Progress gate and advantage weights."""
     retry: RetryConfig = field(default_factory=RetryConfig)
@@ -270,7 +275,7 @@ PriorityConfig._group, PriorityConfig._rules = "fert.priority", {
 FertConfig._group, FertConfig._rules = "fert", {
     "rounds": integer(0), "window": POS, "key": one_of("relative", "relative+aed", "absolute"),
     "aed_key_scale_m": number(0, open_lo=True), "include_retries": boolean, "own_retries_first": boolean,
-    "neighbours": one_of("fleet", "own_retries"), "frame_stride": POS, "encoder": one_of("state", "policy"),
+    "neighbours": one_of("fleet", "own_retries"), "stage_match": boolean, "frame_stride": POS, "encoder": one_of("state", "policy"),
     "pool": one_of("flatten", "mean", "last"), "approx_above": optional(integer(64)), "nprobe": POS,
     "tokenizer_range_warn": number(0, 1), "index_stride": POS, "include_demos": boolean, "top_k": POS,
     "temperature": number(0, open_lo=True), "min_similarity": optional(number(-1, 1)),

@@ -119,9 +119,14 @@ class FertData:
             contexts = [self._with_gain(c) for c in contexts]
         queries = embed_contexts(self.reader, self.embedder, contexts)
         fc = self.cfg
+        stage_of = None
+        if fc.stage_match:   # an analysis arm: the simulator's stage signals key retrieval (fleet.stages)
+            from fleet.stages import StageLookup
+
+            stage_of = StageLookup(self.reader)
         return retrieve(self.index, queries, contexts, self.priority, top_k=fc.top_k, temperature=fc.temperature,
                         min_similarity=fc.min_similarity, gate=self.gate, own_retries_first=fc.own_retries_first,
-                        confidence_scale=fc.confidence_scale_m, neighbours=fc.neighbours)
+                        confidence_scale=fc.confidence_scale_m, neighbours=fc.neighbours, stage_of=stage_of)
 
     def _with_gain(self, c: FailureContext) -> FailureContext:
         """``c`` with ``gain``: the failed episode's progress over the gate horizon after its onset."""

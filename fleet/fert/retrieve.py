@@ -76,7 +76,7 @@ def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[Failur
              priority: TaskPriority | None = None, top_k: int = 8, temperature: float = 0.1,
              min_similarity: float | None = None, gate: Mapping | None = None,
              own_retries_first: bool = True, confidence_scale: float | None = None,
-             neighbours: str = "fleet") -> Retrieval:
+             neighbours: str = "fleet", stage_of=None) -> Retrieval:
     """Top-k successful windows of the same task for every failure context, with sampling weights.
 
     Candidates per context: the nearest window of each of its own successful retries first (same task, unit
@@ -114,6 +114,9 @@ def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[Failur
         own_retries_first: put the context's own successful retries first.
         confidence_scale: kernel width ``sigma`` of the context confidence (> 0), or None for confidence 1.
         neighbours: ``"fleet"`` (own retries, then the whole fleet's index) or ``"own_retries"`` (only them).
+        stage_of: ``f(episode_id, task, step) -> stage or None`` (``fleet.stages.StageLookup``; ``fert.stage_match``):
+            a context keeps only candidates whose anchor is at its own stage at its onset (searched among 16 x
+            ``top_k``); None, or a task without stages: no stage key.
 
     Raises:
         ValueError: ``len(queries) != len(contexts)`` or bad ``top_k``/``temperature``/gate/``confidence_scale``/
@@ -135,7 +138,7 @@ def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[Failur
         by_task.setdefault(c.task, []).append(i)
     neigh: list[list[Neighbor]] = [[] for _ in contexts]
     cand_w: list[np.ndarray] = [np.zeros(0) for _ in contexts]
-    oversample = 4 if gate is not None else 1
+    oversample = (4 if gate is not None else 1) * (16 if stage_of is not None else 1)
     for task, idx in by_task.items():
         for i, nb in zip(idx, index.search(task, queries[idx], top_k * oversample)):
             own_only = neighbours == "own_retries"
@@ -143,6 +146,9 @@ def retrieve(index: SuccessIndex, queries: np.ndarray, contexts: Sequence[Failur
             seen = {(n.episode_id, n.step) for n in own}
             cand = own + ([] if own_only else [n for n in nb if (n.episode_id, n.step) not in seen])
             cand = [n for n in cand if min_similarity is None or n.similarity >= min_similarity]
+            stage = stage_of(contexts[i].episode_id, task, contexts[i].onset) if stage_of is not None else None
+            if stage is not None:    # fert.stage_match: only windows at the stage the failure had reached
+                cand = [n for n in cand if stage_of(n.episode_id, task, n.step) == stage]
             if gate is not None:
                 gains = np.array([n.gain for n in cand], np.float64)
                 fail_gain = contexts[i].gain if np.isfinite(contexts[i].gain) else 0.0
