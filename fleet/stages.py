@@ -68,17 +68,8 @@ def episode_stage(task: str, progress: Mapping[str, np.ndarray], success: bool) 
         raise ValueError(f"task {task!r} has no per-stage progress (staged tasks: {sorted(STAGED_TASKS)})")
     if success:
         return len(STAGE_NAMES) - 1
-    stage = 0
-    for k, (key, thr) in enumerate(STAGE_SIGNALS, start=1):
-        if key not in progress:
-            raise ValueError(f"episode of {task!r}: stage signal {key!r} missing (has {sorted(progress)})")
-        x = np.asarray(progress[key], np.float64)
-        if x.size and not np.isfinite(x).all():
-            raise ValueError(f"episode of {task!r}: stage signal {key!r} holds a non-finite value")
-        if not (x.size and x.max() >= thr):
-            break
-        stage = k
-    return stage
+    series = stage_series(task, progress)
+    return int(series[-1]) if len(series) else 0
 
 
 def stage_series(task: str, progress: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -146,18 +137,8 @@ def retrieval_stage_match(retrieved: Mapping[str, Any], reader) -> dict[str, Any
         "later_stage_weight": at a later stage, "earlier_stage_weight": at an earlier one, "own_retry_weight"}}`` for
         the staged tasks (weights normalised within the task; stages by name).
     """
-    keys = [k for k, _ in STAGE_SIGNALS]
-    cache: dict[str, dict] = {}
-
-    def prog(ep: str) -> dict:
-        if ep not in cache:
-            cache[ep] = reader.load_episode(ep, keys=keys)
-        return cache[ep]
-
-    ctx_stage = []
-    for c in retrieved["contexts"]:
-        t = str(c["task"])
-        ctx_stage.append(stage_at(t, prog(str(c["episode_id"])), int(c["onset"])) if is_staged(t) else None)
+    stage_of = StageLookup(reader)    # each episode's stages read once
+    ctx_stage = [stage_of(str(c["episode_id"]), str(c["task"]), int(c["onset"])) for c in retrieved["contexts"]]
     out: dict[str, Any] = {}
     for e in retrieved["entries"]:
         c = retrieved["contexts"][int(e["context"])]
@@ -165,7 +146,7 @@ def retrieval_stage_match(retrieved: Mapping[str, Any], reader) -> dict[str, Any
         if cs is None:
             continue
         t = str(c["task"])
-        a = stage_at(t, prog(str(e["episode_id"])), int(e["step"]))
+        a = stage_of(str(e["episode_id"]), t, int(e["step"]))
         w = float(e["weight"])
         r = out.setdefault(t, {"contexts": set(), "entries": 0, "weight": 0.0,
                                "context_stage": {n: 0 for n in STAGE_NAMES[:-1]},
