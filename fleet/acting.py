@@ -197,7 +197,8 @@ class ObservationHistory:
     def push_action(self, action: np.ndarray) -> None:
         import torch
 
-        self._h.push_action(torch.as_tensor(np.asarray(action, dtype=np.float32))[None])
+        # a copy: the action may be a read-only view (a Ray object-store array); torch warns on a non-writable one
+        self._h.push_action(torch.from_numpy(np.array(action, dtype=np.float32, copy=True))[None])
 
     def sample(self) -> dict[str, np.ndarray]:
         """The current step's sample: ``name -> (T, ...)`` plus ``name_is_pad -> (T,)``.

@@ -11,9 +11,23 @@ from __future__ import annotations
 from typing import Any
 
 
-def lineage(store_url: str, parent_version: int | None) -> dict[str, Any]:
+def point_cloud_sensors(obs: dict | None) -> dict[str, Any] | None:
+    """``{"cameras", "image_size", "color"}`` of a point-cloud observation group (``obs.point_cameras`` in order,
+    ``obs.point_image_size`` in pixels, ``obs.point_color``): the depth cameras a robot must give a policy trained on
+    it; None when ``obs`` has no point cloud."""
+    if not obs or not obs.get("point_cloud"):
+        return None
+    size = obs.get("point_image_size", 64)
+    return {"cameras": [str(c) for c in obs.get("point_cameras") or []],
+            "image_size": int(size) if isinstance(size, (int, float)) else [int(x) for x in size],
+            "color": bool(obs.get("point_color", False))}
+
+
+def lineage(store_url: str, parent_version: int | None, obs: dict | None = None) -> dict[str, Any]:
     """``{"control_hz", "tasks", "store", "store_episodes", "store_demos", "parent_version"}`` for a version
-    trained on the store at ``store_url`` (as it is now) from ``parent_version`` (None: from demonstrations).
+    trained on the store at ``store_url`` (as it is now) from ``parent_version`` (None: from demonstrations), and
+    ``"point_cloud"`` (:func:`point_cloud_sensors`) when the observation group ``obs`` has a point cloud: the depth
+    cameras an export's robot must give (``scripts/export.py`` names them in the LeRobot folder without being told).
 
     ``control_hz`` is the store's control rate (Hz; None when the store does not record one); ``tasks`` the sorted
     task names of its episodes; ``store_episodes`` / ``store_demos`` its episode and demonstration counts now.
@@ -28,4 +42,5 @@ def lineage(store_url: str, parent_version: int | None) -> dict[str, Any]:
     hz = reader.control_hz
     return {"control_hz": None if hz is None else float(hz), "tasks": sorted({str(m.task) for m in metas}),
             "store": str(store_url), "store_episodes": len(metas), "store_demos": sum(bool(m.is_demo) for m in metas),
-            "parent_version": None if parent_version is None else int(parent_version)}
+            "parent_version": None if parent_version is None else int(parent_version),
+            **({"point_cloud": pc} if (pc := point_cloud_sensors(obs)) else {})}

@@ -156,7 +156,8 @@ def prepare(c: dict, src: Path, out: Path) -> str:
             copy_episodes(src_store, str(dst), src_store.episodes(is_demo=True), writer_id="demos")
         from fleet.lineage import lineage
 
-        reg.publish(base, metadata={"run_id": "base", "round": -1, "kind": "base", **lineage(str(dst), None)})
+        reg.publish(base, metadata={"run_id": "base", "round": -1, "kind": "base",
+                                    **lineage(str(dst), None, c.get("obs"))})
     return base
 
 

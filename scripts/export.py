@@ -76,6 +76,29 @@ def onnx_steps(given, ckpt: Path) -> list[int]:
     return [int(cfg["num_inference_steps"])] if has_graph and "num_inference_steps" in cfg else []
 
 
+def lerobot_depth_sensors(ecfg, meta: dict) -> tuple[list[str] | None, int]:
+    """The robot's depth cameras and their image side (pixels) for a point-cloud export's LeRobot folder: as given
+    (``deploy.export.lerobot_depth_cameras`` / ``lerobot_depth_size``), else what the policy was trained on
+    (``export.json`` ``training.point_cloud``: a published version's lineage, or the training run's config).
+
+    Raises:
+        SystemExit: the given cameras are not the ones the policy was trained on (a cloud from other cameras is
+            another observation)."""
+    pc = (meta.get("training") or {}).get("point_cloud") or {}
+    given = list(ecfg.lerobot_depth_cameras or [])
+    if given and pc.get("cameras") and given != list(pc["cameras"]):
+        raise SystemExit(f"export: deploy.export.lerobot_depth_cameras={given}, but the policy was trained on the "
+                         f"point cloud of {pc['cameras']} (in that order); leave it unset to use them")
+    cams = given or list(pc.get("cameras") or []) or None
+    size = ecfg.lerobot_depth_size if ecfg.lerobot_depth_size is not None else pc.get("image_size")
+    if isinstance(size, list):   # [height, width]: LeRobot's depth features here are square
+        if len(set(size)) != 1:
+            raise SystemExit(f"export: the policy's depth images are {size[0]} x {size[1]} pixels; the LeRobot folder "
+                             "takes square ones (deploy.export.lerobot_depth_size)")
+        size = size[0]
+    return cams, int(size if size is not None else 64)
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 @one_line_refusals("export")   # a refusal (store, registry, policy): one line, exit 2, the trace in the run's log
 def main(cfg: DictConfig) -> None:
@@ -102,7 +125,7 @@ def main(cfg: DictConfig) -> None:
                       "version": manifest["version"], "metadata": md}
             # what the fleet published with the version (fleet.lineage): its rate, tasks, store and parent
             training = {k: md.get(k) for k in ("control_hz", "tasks", "store", "store_episodes", "store_demos",
-                                               "parent_version")}
+                                               "parent_version", "point_cloud")}
         hz = ecfg.control_hz if ecfg.control_hz is not None else (training or {}).get("control_hz")
         hz = hz if hz is not None else store_control_hz(ckpt)
         if hz is None:
@@ -121,10 +144,11 @@ def main(cfg: DictConfig) -> None:
         except ImportError as e:
             raise SystemExit(f"export: deploy.export.lerobot_dir needs fleetmind's LeRobot plugins ({e}); install "
                              "them with `make install` (the lerobot extra and plugins/)") from None
+        cams, size = lerobot_depth_sensors(ecfg, meta)
         try:
             summary["lerobot_dir"] = str(export_for_lerobot(
                 out, ecfg.lerobot_dir, overwrite=bool(ecfg.overwrite), robot=ecfg.lerobot_robot,
-                depth_cameras=list(ecfg.lerobot_depth_cameras or []) or None, depth_size=int(ecfg.lerobot_depth_size)))
+                depth_cameras=cams, depth_size=size))
         except ValueError as e:
             raise SystemExit(f"export: the fleetmind export is in {out}; its LeRobot folder was not written: {e} "
                              "(deploy.export.lerobot_depth_cameras=[...] for a point-cloud policy)") from None

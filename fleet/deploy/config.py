@@ -67,16 +67,17 @@ class ExportConfig(TypedConfig):
     targets out: ``lerobot-rollout``); null: the policy's own features (``lerobot-eval``)."""
     lerobot_depth_cameras: list[str] | None = None
     """With ``lerobot_robot`` and a point-cloud policy: the robot's depth cameras (the training's ``obs.point_cameras``,
-    in order), given as LeRobot's ``<camera>_depth`` images; their calibration is the SO-100 twin's."""
-    lerobot_depth_size: int = 64
-    """The depth images' side, pixels (the training's ``obs.point_image_size``)."""
+    in order), given as LeRobot's ``<camera>_depth`` images; their calibration is the SO-100 twin's. null: the ones
+    the policy was trained on (a published version's lineage, or the training run's config)."""
+    lerobot_depth_size: int | None = None
+    """The depth images' side, pixels (the training's ``obs.point_image_size``); null: the training's, else 64."""
 
 
 ExportConfig._group, ExportConfig._rules = "deploy.export", {
     "version": lambda v: None if v == "latest" or integer(1)(v) is None else "'latest' or an integer >= 1",
     "overwrite": boolean, "control_hz": optional(POS_NUMBER), "onnx_steps": optional(int_list(1, empty=True)),
     "onnx_batch_size": POS, "onnx_optimize": boolean, "lerobot_robot": optional(one_of("so100")),
-    "lerobot_depth_size": POS}
+    "lerobot_depth_size": optional(POS)}
 
 
 @dataclass

@@ -48,7 +48,7 @@ def run_seed(c: dict, sd: Path, seed: int, arms: list, stages: Stages, progress:
     reg = CheckpointRegistry(c["fleet"]["registry_url"])
     if reg.latest_version() is None:
         reg.publish(ckpt["base"], metadata={"run_id": "base", "round": -1, "kind": "base",
-                                            **lineage(c["store"]["url"], None)})
+                                            **lineage(c["store"]["url"], None, c.get("obs"))})
     background: dict = {}
 
     def after_last_fleet() -> None:

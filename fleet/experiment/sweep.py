@@ -103,7 +103,7 @@ def fleet_size_sweep(c: dict, sd: Path, sizes: list[int], base_ckpt: str, train_
             from fleet.lineage import lineage
 
             reg.publish(base_ckpt, metadata={"run_id": "base", "round": -1, "kind": "base",
-                                             **lineage(cn["store"]["url"], None)})
+                                             **lineage(cn["store"]["url"], None, cn.get("obs"))})
         state = JobState(sub / "job_state.json")
         stages = Stages([5] * int(cn["fert"]["rounds"]) + [2])
         print(f"\nfleet-size sweep: {n} unit(s) x {per_unit} episodes per round, {cn['fert']['rounds']} rounds "

@@ -299,7 +299,7 @@ class FertLearner:
 
         v = reg.publish(checkpoint, metadata={"run_id": self.run_id, "round": r, "step": int(out["step"]),
                                               "kind": "fert", "loss": (out.get("metrics") or {}).get("loss"),
-                                              **lineage(self.store_url, reg.latest_version())})
+                                              **lineage(self.store_url, reg.latest_version(), self.cfg.get("obs"))})
         self.state["published"].append(v)
         return v
 

@@ -342,6 +342,52 @@ def twin_cloud_policy_dir(tmp_path_factory) -> tuple[Path, Path]:
                                       depth_size=CLOUD_SIZE)
 
 
+def test_a_published_point_cloud_version_names_its_depth_cameras_in_the_lerobot_folder(tmp_path):
+    """The path from a run to ``lerobot-rollout`` (issue 52): a point-cloud version published with its lineage (as
+    the job and the learner publish it) becomes a ``--robot so100`` LeRobot folder in one ``scripts/export.py`` call
+    that names no depth cameras: the folder takes the cameras and image size the policy was trained on. Other
+    cameras than the training's are refused, and nothing is written."""
+    from experience_dict.store import ExperienceStore
+    from fleet.lineage import lineage
+    from fleet.registry import CheckpointRegistry
+    from tests.test_runtime import tiny_policy
+    from tests.test_store import PROGRESS, SPEC, write_episode
+
+    url = str(tmp_path / "store")
+    w = ExperienceStore.create_or_open(url, SPEC, progress_keys=PROGRESS, chunk_bytes=4096).writer("unit-0000")
+    write_episode(w, 0, 0, task="so100-reach", is_demo=True)
+    w.close()
+    tiny_policy({"observation.state": {"min": [-0.3, -0.45, 0.0, 0.0], "max": [0.3, 0.05, 0.4, 1.0]},
+                 "observation.point_cloud": {"min": [-0.3, -0.45, 0.0], "max": [0.3, 0.05, 0.4]},
+                 "action": {"min": [-1.0] * 4, "max": [1.0] * 4}}, point_channels=[8, 16],
+                input_shapes={"observation.state": [4], "observation.point_cloud": [64, 3]}).save_pretrained(tmp_path / "c")
+    obs = {"point_cloud": True, "point_cameras": CLOUD_CAMS, "point_image_size": CLOUD_SIZE, "point_color": False}
+    md = lineage(url, None, obs)
+    assert md["point_cloud"] == {"cameras": CLOUD_CAMS, "image_size": CLOUD_SIZE, "color": False}
+    assert "point_cloud" not in lineage(url, None, {"point_cloud": False})
+    CheckpointRegistry(str(tmp_path / "registry")).publish(tmp_path / "c", metadata={"run_id": "base", **md})
+
+    def export(name: str, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "scripts/export.py", f"deploy.export.registry_url={tmp_path / 'registry'}",
+             "deploy.export.version=latest", f"deploy.export.out_dir={tmp_path / name}", "deploy.export.onnx_steps=[]",
+             f"deploy.export.lerobot_dir={tmp_path / (name + '_lerobot')}", "deploy.export.lerobot_robot=so100",
+             f"hydra.run.dir={tmp_path / ('hydra_' + name)}", *extra],
+            cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+            env={**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "MUJOCO_GL": "egl"})
+
+    res = export("a")
+    assert res.returncode == 0, res.stderr[-3000:]
+    meta = json.loads((tmp_path / "a" / "export.json").read_text())
+    assert meta["training"]["point_cloud"]["cameras"] == CLOUD_CAMS
+    cfg = json.loads((tmp_path / "a_lerobot" / "config.json").read_text())
+    assert list(cfg["depth_cameras"]) == CLOUD_CAMS
+    assert cfg["input_features"]["observation.images.topview_depth"]["shape"] == [1, CLOUD_SIZE, CLOUD_SIZE]
+    bad = export("b", "deploy.export.lerobot_depth_cameras=[topview,corner]")
+    assert bad.returncode != 0 and "trained on the point cloud of ['corner', 'topview']" in bad.stderr + bad.stdout
+    assert not (tmp_path / "b_lerobot").exists()
+
+
 def test_a_point_cloud_export_drives_the_twin_from_its_depth_cameras(twin_cloud_policy_dir, tmp_path):
     """Issue 49, item 2: a point-cloud policy exported ``--robot so100`` takes LeRobot's frame of the twin (joint
     readings and the depth cameras' ``<camera>_depth`` (H, W, 1) images, through LeRobot's own feature and frame
