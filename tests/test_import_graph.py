@@ -272,3 +272,14 @@ def test_composing_a_config_loads_no_torch_zarr_mujoco_or_ray():
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        check=False)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_composing_a_config_loads_no_heavy_library():
+    """Issue 50: ``configs.typed`` (every typed group, what each Hydra script imports first) imports no torch, zarr,
+    MuJoCo or Ray, so ``policies.threads.passive_wait()`` can run after it and before torch loads."""
+    code = ("import sys, configs.typed\n"
+            "heavy = [m for m in ('torch', 'zarr', 'mujoco', 'ray') if m in sys.modules]\n"
+            "assert not heavy, heavy")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
