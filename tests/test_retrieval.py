@@ -119,6 +119,27 @@ def test_failure_onsets_are_written_to_the_store(world):
     assert annotate_failures(fresh, W) == {}                        # nothing left to annotate
 
 
+def test_learners_with_other_onset_settings_keep_their_own_onsets_on_one_store(tmp_path):
+    """Two learners on one store, one without progress signals (the deployed preset: every onset the last step)
+    and one with them (the analysis arm ``fert_sim_progress``): whichever annotates the store first, each retrieves
+    from its own onsets."""
+    url = str(tmp_path / "store")
+    _, ids = build_store(url)
+    reader = ExperienceStore.open(url)
+    stats = reader.stats(list(STATE_KEYS))
+    blind = FertData(reader, OmegaConf.merge(FERT_CFG, {"onset": {"progress": False}}), stats=stats,
+                     exclude_units=[HELDOUT])
+    blind.update()   # first: the store's onsets are its (the last step)
+    assert {reader.episode(e).failure_onset for e in ids["stall"]} == {T - 1}
+    other = ExperienceStore.open(url)
+    seeing = FertData(other, FERT_CFG, stats=stats, exclude_units=[HELDOUT])
+    seeing.update()
+    assert {e: seeing.onsets[e] for e in ids["stall"]} == {e: (s - 1, "progress") for e, s in ids["stall"].items()}
+    got = {c.episode_id: c.onset for c in seeing.retrieve().contexts if c.episode_id in ids["stall"]}
+    assert got == {e: s - 1 for e, s in ids["stall"].items()}
+    assert {c.onset for c in blind.retrieve().contexts if c.episode_id in ids["stall"]} == {T - 1}
+
+
 def test_retrieval_same_task_successes_only(world):
     url, ids = world
     reader = ExperienceStore.open(url)

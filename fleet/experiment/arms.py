@@ -124,6 +124,9 @@ ARMS: dict[str, Arm] = {a.name: a for a in [
     Arm("fert_no_distill", "base", "fert", "the same rounds without the critic's distillation: retrieval + replay; "
         "its weights alone (K = 1)",
         fert={"distill": {"enabled": False}}, in_loop=True),
+    Arm("fert_sim_progress", "base", "fert", "analysis, not deployable: the same rounds with the simulator's progress "
+        "signals for the failure onsets and the retrieval gate (what experiment=deployed turns off); its weights "
+        "alone (K = 1)", fert={"onset": {"progress": True}}, in_loop=True),
 ]}
 
 # ``init`` values that name a checkpoint of the in-loop fert arm (what it published; its fine-tuned candidate)
@@ -144,7 +147,8 @@ PAIRS = [("fert", "base"), ("fert_critic", "base"), ("fert_critic", "fert"), ("f
          ("bc_retries_focus", "filtered_bc_retries"), ("fert_own_retries", "bc_retries_focus"), ("demos_bc", "base"), ("fert", "demos_bc"),
          ("filtered_bc", "demos_bc"), ("filtered_bc_retries", "demos_bc"), ("fert_no_aed", "base_no_aed"), ("fert", "fert_no_aed"), ("base", "base_no_aed"),
          ("fert", "fert_no_retrieval"), ("fert_no_retrieval", "base"), ("fert", "fert_no_distill"),
-         ("fert_no_distill", "base"), ("fert_no_retrieval", "filtered_bc_retries")]
+         ("fert_no_distill", "base"), ("fert_no_retrieval", "filtered_bc_retries"),
+         ("fert_sim_progress", "fert"), ("fert_sim_progress", "fert_no_retrieval"), ("fert_sim_progress", "base")]
 
 
 def get_arms(names: Iterable[str]) -> list[Arm]:

@@ -28,7 +28,13 @@ import numpy as np
 from fleet.fert.config import FertConfig
 from fleet.fert.contexts import FailureContext, embed_contexts, failure_contexts
 from fleet.fert.dataset import FertDataset
-from fleet.fert.failure import DEFAULT_SIGNALS, annotate_failures, progress_score, segment_gain
+from fleet.fert.failure import (
+    DEFAULT_SIGNALS,
+    annotate_failures,
+    failure_onsets,
+    progress_score,
+    segment_gain,
+)
 from fleet.fert.index import SuccessIndex
 from fleet.fert.keys import STATE_KEYS, ContextEmbedder, Encoder, RelativeEmbedder
 from fleet.fert.priority import TaskPriority
@@ -108,6 +114,8 @@ class FertData:
         new = self.reader.refresh()
         ann = annotate_failures(self.reader, self.window, self.tolerance, self.signals)
         self.onsets.update(ann)
+        # failures another learner annotated first (with its own onset settings): this learner's own onsets
+        self.onsets.update(failure_onsets(self.reader, self.window, self.tolerance, self.signals, known=self.onsets))
         return {"new_episodes": int(new), "annotated": len(ann), "indexed": self.index.refresh(self.reader),
                 "observed": self.priority.observe(self.reader)}
 

@@ -41,7 +41,7 @@ policy got stuck.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 
 import numpy as np
 
@@ -188,16 +188,36 @@ def annotate_failures(reader, window: int, tolerance: float = 0.02,
     Returns:
         ``{episode_id: (onset, method)}`` for the episodes annotated in this call.
     """
+    todo = {m.episode_id for m in reader.episodes(success=False, is_demo=False, **filters)
+            if m.failure_onset is None or overwrite}
+    out = failure_onsets(reader, window, tolerance, signals, only=todo, **filters)
+    for eid, (onset, _) in out.items():
+        reader.set_failure_onset(eid, onset)
+    return out
+
+
+def failure_onsets(reader, window: int, tolerance: float = 0.02,
+                   signals: Mapping[str, tuple[str, float]] = DEFAULT_SIGNALS, known: Container[str] = (),
+                   only: Container[str] | None = None, **filters) -> dict[str, tuple[int, str]]:
+    """The failure onset of every failed, non-demo episode not in ``known`` (and in ``only`` when given), computed
+    with these ``signals`` whatever the store holds (nothing is written).
+
+    Learners with other onset settings share one store (an analysis arm beside the fleet's learner), so each keeps
+    its own onsets in memory; the store's ``failure_onset`` (:func:`annotate_failures`) is the first one written.
+
+    Args: see :func:`find_failure_onset` and :func:`annotate_failures`.
+
+    Returns:
+        ``{episode_id: (onset, method)}``.
+    """
     out: dict[str, tuple[int, str]] = {}
     stored = set(reader.keys)
     available = [k for k in signals if k in stored]
     for meta in reader.episodes(success=False, is_demo=False, **filters):
-        if meta.failure_onset is not None and not overwrite:
+        if meta.episode_id in known or (only is not None and meta.episode_id not in only):
             continue
         progress = reader.load_episode(meta.episode_id, keys=available) if available else {}
-        onset, method = find_failure_onset(progress, meta.length, window, tolerance, signals)
-        reader.set_failure_onset(meta.episode_id, onset)
-        out[meta.episode_id] = (onset, method)
+        out[meta.episode_id] = find_failure_onset(progress, meta.length, window, tolerance, signals)
     return out
 
 
