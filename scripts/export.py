@@ -138,6 +138,8 @@ def main(cfg: DictConfig) -> None:
     meta = json.loads((out / "export.json").read_text())
     summary = {"export_dir": str(out), "files": sorted(meta["files"]), "parameters": meta["parameters"],
                "control_hz": meta["control_hz"], "git": meta["git"]}
+    if meta["source"].get("version") is not None:   # 'latest' resolved: the registry version exported
+        summary["version"] = meta["source"]["version"]
     if ecfg.lerobot_dir:   # the LeRobot policy folder of the same export, in the same command
         try:
             from lerobot_policy_fleetmind.export import export_for_lerobot

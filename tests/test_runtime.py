@@ -432,7 +432,8 @@ def test_a_published_version_carries_its_rate_tasks_and_lineage_into_the_export(
         lr = tmp_path / "lerobot"
         cfg = json.loads((lr / "config.json").read_text())
         assert cfg["type"] == "fleetmind" and (lr / cfg["export_subdir"] / "export.json").is_file()
-        assert json.loads(res.stdout[res.stdout.index("{"):])["lerobot_dir"] == str(lr)
+        summary = json.loads(res.stdout[res.stdout.index("{"):])
+        assert summary["lerobot_dir"] == str(lr) and summary["version"] == v1   # 'latest' resolved in the summary
     tr = meta["training"]
     assert tr["tasks"] == ["push-v3", "reach-v3"] and tr["store"] == url and tr["parent_version"] == v0
     assert tr["store_episodes"] == 2 and tr["store_demos"] == 1
