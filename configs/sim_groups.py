@@ -152,3 +152,15 @@ class TaskConfig(TypedConfig):
 
 
 TaskConfig._group, TaskConfig._rules = "task", {"max_episode_steps": POS, "steps_after_success": integer(0)}
+
+
+def point_cloud_sensors(obs: dict | None) -> dict[str, Any] | None:
+    """``{"cameras", "image_size", "color"}`` of a point-cloud observation group (``obs.point_cameras`` in order,
+    ``obs.point_image_size`` in pixels, ``obs.point_color``): the depth cameras a robot must give a policy trained on
+    it; None when ``obs`` has no point cloud."""
+    if not obs or not obs.get("point_cloud"):
+        return None
+    size = obs.get("point_image_size", 64)
+    return {"cameras": [str(c) for c in obs.get("point_cameras") or []],
+            "image_size": int(size) if isinstance(size, (int, float)) else [int(x) for x in size],
+            "color": bool(obs.get("point_color", False))}

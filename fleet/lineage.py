@@ -10,17 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def point_cloud_sensors(obs: dict | None) -> dict[str, Any] | None:
-    """``{"cameras", "image_size", "color"}`` of a point-cloud observation group (``obs.point_cameras`` in order,
-    ``obs.point_image_size`` in pixels, ``obs.point_color``): the depth cameras a robot must give a policy trained on
-    it; None when ``obs`` has no point cloud."""
-    if not obs or not obs.get("point_cloud"):
-        return None
-    size = obs.get("point_image_size", 64)
-    return {"cameras": [str(c) for c in obs.get("point_cameras") or []],
-            "image_size": int(size) if isinstance(size, (int, float)) else [int(x) for x in size],
-            "color": bool(obs.get("point_color", False))}
+from configs.sim_groups import point_cloud_sensors
 
 
 def lineage(store_url: str, parent_version: int | None, obs: dict | None = None) -> dict[str, Any]:

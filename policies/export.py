@@ -44,7 +44,7 @@ def training_provenance(checkpoint_dir: Path) -> dict[str, Any]:
     ``train_summary`` (``train_summary.json``: episodes, parameters, last metrics), ``tasks`` and ``store``
     (Hydra's ``.hydra/config.yaml`` of the run, else ``train_summary.json``), ``control_hz`` (Hz, the training
     store's control rate as ``scripts/train.py`` records it in ``train_summary.json``), ``point_cloud`` (the depth
-    cameras of a point-cloud observation, ``fleet.lineage.point_cloud_sensors``, from the Hydra config)."""
+    cameras of a point-cloud observation, ``configs.sim_groups.point_cloud_sensors``, from the Hydra config)."""
     out: dict[str, Any] = {}
     ckpt = checkpoint_dir.parent
     state = ckpt / "training_state" / "state.json"
@@ -67,7 +67,7 @@ def training_provenance(checkpoint_dir: Path) -> dict[str, Any]:
             c = OmegaConf.to_container(OmegaConf.load(hydra_cfg), resolve=False)
             out.setdefault("tasks", list((c.get("task") or {}).get("tasks") or []))
             out.setdefault("store", (c.get("store") or {}).get("url"))
-            from fleet.lineage import point_cloud_sensors
+            from configs.sim_groups import point_cloud_sensors
 
             if (pc := point_cloud_sensors(c.get("obs"))) is not None:
                 out.setdefault("point_cloud", pc)

@@ -188,9 +188,9 @@ def annotate_failures(reader, window: int, tolerance: float = 0.02,
     Returns:
         ``{episode_id: (onset, method)}`` for the episodes annotated in this call.
     """
-    todo = {m.episode_id for m in reader.episodes(success=False, is_demo=False, **filters)
-            if m.failure_onset is None or overwrite}
-    out = failure_onsets(reader, window, tolerance, signals, only=todo, **filters)
+    done = () if overwrite else {m.episode_id for m in reader.episodes(success=False, is_demo=False, **filters)
+                                 if m.failure_onset is not None}
+    out = failure_onsets(reader, window, tolerance, signals, known=done, **filters)
     for eid, (onset, _) in out.items():
         reader.set_failure_onset(eid, onset)
     return out
@@ -198,9 +198,9 @@ def annotate_failures(reader, window: int, tolerance: float = 0.02,
 
 def failure_onsets(reader, window: int, tolerance: float = 0.02,
                    signals: Mapping[str, tuple[str, float]] = DEFAULT_SIGNALS, known: Container[str] = (),
-                   only: Container[str] | None = None, **filters) -> dict[str, tuple[int, str]]:
-    """The failure onset of every failed, non-demo episode not in ``known`` (and in ``only`` when given), computed
-    with these ``signals`` whatever the store holds (nothing is written).
+                   **filters) -> dict[str, tuple[int, str]]:
+    """The failure onset of every failed, non-demo episode not in ``known``, computed with these ``signals``
+    whatever the store holds (nothing is written).
 
     Learners with other onset settings share one store (an analysis arm beside the fleet's learner), so each keeps
     its own onsets in memory; the store's ``failure_onset`` (:func:`annotate_failures`) is the first one written.
@@ -214,7 +214,7 @@ def failure_onsets(reader, window: int, tolerance: float = 0.02,
     stored = set(reader.keys)
     available = [k for k in signals if k in stored]
     for meta in reader.episodes(success=False, is_demo=False, **filters):
-        if meta.episode_id in known or (only is not None and meta.episode_id not in only):
+        if meta.episode_id in known:
             continue
         progress = reader.load_episode(meta.episode_id, keys=available) if available else {}
         out[meta.episode_id] = find_failure_onset(progress, meta.length, window, tolerance, signals)
